@@ -1,0 +1,102 @@
+"""ALiBi: attention with linear biases (Press, Smith & Lewis 2022, "Train Short, Test
+Long", §3).
+
+No positional vector enters the network; each head ``h`` adds ``-m_h * (q_pos - kv_pos)``
+to the attention score of a key at or before the query. The slopes ``m_h`` form a
+geometric sequence fixed before training.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpos import _checks
+
+__all__ = ["alibi_slopes", "alibi_bias"]
+
+
+def _power_of_two_slopes(n: int) -> list[float]:
+    start = 2.0 ** (-8.0 / n)
+    return [start ** (i + 1) for i in range(n)]
+
+
+def alibi_slopes(num_heads: int) -> jax.Array:
+    """Head slopes of Press et al. 2022, §3 (and their reference code's rule for any n).
+
+    For ``n`` a power of two: ``2**(-8/n), 2**(-16/n), ..., 2**(-8)`` (8 heads:
+    1/2, 1/4, ..., 1/256). Otherwise: the slopes of the closest smaller power of
+    two ``p``, followed by every other slope of ``2p`` (its odd-numbered ones
+    ``2**(-4/p)``, ``2**(-12/p)``, ...) until there are ``n``.
+
+    Args:
+      num_heads: a positive Python int.
+
+    Returns:
+      float32 ``[num_heads]``.
+
+    Raises:
+      ValueError/TypeError: ``num_heads`` not a positive int.
+    """
+    n = _checks.check_positive_int("num_heads", num_heads)
+    if n & (n - 1) == 0:
+        slopes = _power_of_two_slopes(n)
+    else:
+        p = 2 ** math.floor(math.log2(n))
+        slopes = _power_of_two_slopes(p) + _power_of_two_slopes(2 * p)[0::2][: n - p]
+    return jnp.asarray(np.array(slopes, np.float64), jnp.float32)
+
+
+def alibi_bias(q_positions, kv_positions, slopes, *, bidirectional: bool = False) -> jax.Array:
+    """The ALiBi score bias for every (query, key) pair.
+
+    ``bidirectional=False`` (causal, the paper): ``slopes[h] * (kv_pos - q_pos)``,
+    which is ``-m * (i - j)`` for the visible keys ``j <= i``. Keys after the
+    query get a positive bias; they are hidden by the causal mask. (BLOOM adds
+    ``m * kv_pos`` instead; it differs by a per-row constant, so the softmax is the
+    same.) ``bidirectional=True``: ``-slopes[h] * |kv_pos - q_pos|`` (encoders).
+
+    Args:
+      q_positions: integer ``[Tq]`` or ``[B, Tq]``.
+      kv_positions: integer ``[Tk]`` or ``[B, Tk]``.
+      slopes: float ``[N]``.
+
+    Returns:
+      float32 ``[N, Tq, Tk]``, or ``[B, N, Tq, Tk]`` if either position array has a
+      batch axis. Offsets are formed in int32, so they are exact.
+
+    Raises:
+      TypeError: float positions. ValueError: ranks other than 1 or 2, ``slopes`` not
+      rank 1, or batch sizes that differ.
+    """
+    _checks.check_integer_positions("q_positions", q_positions)
+    _checks.check_integer_positions("kv_positions", kv_positions)
+    _checks.check_rank("q_positions", q_positions, (1, 2), "[Tq] or [B, Tq]")
+    _checks.check_rank("kv_positions", kv_positions, (1, 2), "[Tk] or [B, Tk]")
+    _checks.check_rank("slopes", slopes, (1,), "[num_heads]")
+    rel = relative_offsets(q_positions, kv_positions)  # [..., Tq, Tk]
+    return alibi_bias_from_offsets(rel, slopes, bidirectional=bidirectional)
+
+
+def relative_offsets(q_positions, kv_positions) -> jax.Array:
+    """``kv_pos - q_pos`` as int32 ``[Tq, Tk]`` or ``[B, Tq, Tk]`` (T5's memory - context)."""
+    q = jnp.asarray(q_positions, jnp.int32)
+    k = jnp.asarray(kv_positions, jnp.int32)
+    if q.ndim == 2 and k.ndim == 2 and q.shape[0] != k.shape[0] and 1 not in (q.shape[0], k.shape[0]):
+        raise ValueError(
+            f"q_positions and kv_positions have batch sizes {q.shape[0]} and {k.shape[0]}; "
+            f"expected equal batch sizes (or 1)."
+        )
+    return k[..., None, :] - q[..., :, None]
+
+
+def alibi_bias_from_offsets(rel, slopes, *, bidirectional: bool = False) -> jax.Array:
+    """ALiBi bias from int offsets ``rel`` ``[..., Tq, Tk]`` -> float32 ``[..., N, Tq, Tk]``."""
+    r = rel.astype(jnp.float32)
+    if bidirectional:
+        r = -jnp.abs(r)
+    m = jnp.asarray(slopes, jnp.float32)
+    return m[:, None, None] * r[..., None, :, :]

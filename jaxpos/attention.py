@@ -1,0 +1,474 @@
+"""One attention function for every position scheme, with interchangeable
+implementations.
+
+``"reference"`` materialises the ``[B, N, Tq, Tk]`` scores and bias: the ground truth.
+``"chunked"`` is the memory-efficient online softmax over key blocks of Rabe & Staats
+2021 ("Self-attention Does Not Need O(n^2) Memory") with the blockwise recomputing
+backward of FlashAttention (Dao et al. 2022, Alg. 2): the scheme's bias is computed per
+block from the position arrays, so no ``[Tq, Tk]`` array exists in the forward or the
+backward pass, and causal blocks that are fully masked are skipped.
+``"pallas"`` is the fused kernel in :mod:`jaxpos.kernels`.
+
+All implementations call the same scheme methods (:mod:`jaxpos.schemes`) and the same
+:func:`_scores` and :func:`_visible` helpers, so a scheme is written once.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpos import _checks
+from jaxpos.schemes import PositionScheme, as_scheme
+
+__all__ = ["attention", "IMPLEMENTATIONS", "default_implementation"]
+
+IMPLEMENTATIONS = ("reference", "chunked", "pallas")
+_NEG_INF = -jnp.inf
+
+
+def default_implementation(position: PositionScheme | None = None) -> str:
+    """``"pallas"`` on GPU/TPU for the schemes the kernel fuses, otherwise ``"chunked"``."""
+    backend = jax.default_backend()
+    if backend in ("gpu", "cuda", "rocm", "tpu"):
+        try:
+            from jaxpos.kernels import supports_scheme
+        except ImportError:  # kernel not available in this build
+            return "chunked"
+        if supports_scheme(as_scheme(position)):
+            return "pallas"
+    return "chunked"
+
+
+class _Masking(NamedTuple):
+    """Everything that decides visibility, in broadcastable form."""
+
+    q_pos: jax.Array  # int32 [B|1, Tq]
+    kv_pos: jax.Array  # int32 [B|1, Tk]
+    kv_valid: jax.Array | None  # bool [B|1, Tk] (False for padding added by chunking)
+    mask: jax.Array | None  # bool [B|1, N|1, Tq|1, Tk|1]
+    seg_q: jax.Array | None  # int32 [B, Tq]
+    seg_kv: jax.Array | None  # int32 [B, Tk]
+
+
+def _visible(causal: bool, q_pos, kv_pos, kv_valid, mask, seg_q, seg_kv):
+    """bool ``[B|1, N|1, tq, tk]`` (or None when everything is visible)."""
+    vis = None
+
+    def conj(a, b):
+        return b if a is None else a & b
+
+    if causal:
+        vis = conj(vis, (kv_pos[:, None, :] <= q_pos[:, :, None])[:, None])
+    if kv_valid is not None:
+        vis = conj(vis, kv_valid[:, None, None, :])
+    if seg_q is not None:
+        vis = conj(vis, (seg_q[:, :, None] == seg_kv[:, None, :])[:, None])
+    if mask is not None:
+        vis = conj(vis, mask)
+    return vis
+
+
+def _scores(scheme: PositionScheme, qs, k, q_pos, kv_pos):
+    """Scaled scores plus the scheme's bias: float32 ``[B, N, tq, tk]``.
+
+    ``qs``: scaled queries ``[B, N, tq, H]``; ``k``: ``[B, N, tk, H]`` (float32).
+    """
+    s = jnp.einsum("bnqh,bnkh->bnqk", qs, k, preferred_element_type=jnp.float32)
+    b = scheme.bias(qs, q_pos, kv_pos)
+    if b is not None:
+        s = s + b
+    return s
+
+
+def _output(scheme: PositionScheme, p, v, q_pos, kv_pos):
+    """``p @ v`` plus the scheme's value term: float32 ``[B, N, tq, H]``."""
+    o = jnp.einsum("bnqk,bnkh->bnqh", p, v, preferred_element_type=jnp.float32)
+    t = scheme.value_term(p, q_pos, kv_pos)
+    if t is not None:
+        o = o + t
+    return o
+
+
+# --------------------------------------------------------------------------- reference
+def _reference(scheme, qs, k, v, m: _Masking, causal: bool):
+    s = _scores(scheme, qs, k, m.q_pos, m.kv_pos)
+    vis = _visible(causal, m.q_pos, m.kv_pos, m.kv_valid, m.mask, m.seg_q, m.seg_kv)
+    if vis is None:
+        p = jax.nn.softmax(s, axis=-1)
+    else:
+        vis = jnp.broadcast_to(vis, s.shape)
+        # A finite fill keeps fully masked rows NaN-free in both passes; they are zeroed.
+        s = jnp.where(vis, s, jnp.finfo(jnp.float32).min)
+        p = jnp.where(vis, jax.nn.softmax(s, axis=-1), 0.0)
+    return _output(scheme, p, v, m.q_pos, m.kv_pos)
+
+
+# ----------------------------------------------------------------------------- chunked
+def _pad_to(x, axis, size, value=0):
+    pad = size - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _blocks(x, axis, n):
+    """Split ``axis`` into ``n`` blocks and move the block index to the front."""
+    if x is None:
+        return None
+    if x.shape[axis] == 1:  # broadcast dimension: every block sees the same slice
+        return jnp.broadcast_to(x[None], (n,) + x.shape)
+    shp = x.shape[:axis] + (n, x.shape[axis] // n) + x.shape[axis + 1:]
+    return jnp.moveaxis(x.reshape(shp), axis, 0)
+
+
+def _unblocks(x, axis):
+    """Inverse of :func:`_blocks` for a full (not broadcast) axis."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
+
+
+def _block_may_be_visible(causal, q_pos_b, kv_pos_b, kv_valid_b):
+    """False only when the causal mask or padding hides every pair of the tile."""
+    ok = jnp.any(kv_valid_b)
+    if causal:
+        kv_min = jnp.min(jnp.where(kv_valid_b, kv_pos_b, jnp.iinfo(jnp.int32).max), axis=-1)
+        ok = ok & jnp.any(kv_min <= jnp.max(q_pos_b, axis=-1))
+    return ok
+
+
+class _Cfg(NamedTuple):
+    causal: bool
+    nq: int
+    nk: int
+
+
+def _chunk_inputs(qs, k, v, m: _Masking, block_q: int, block_k: int):
+    B, N, Tq, H = qs.shape
+    Tk = k.shape[2]
+    nq, nk = -(-Tq // block_q), -(-Tk // block_k)
+    Tq_p, Tk_p = nq * block_q, nk * block_k
+    kv_valid = m.kv_valid if m.kv_valid is not None else jnp.ones((1, Tk), bool)
+    mask = m.mask
+    if mask is not None:
+        mask = mask if mask.shape[2] == 1 else _pad_to(mask, 2, Tq_p, False)
+        mask = mask if mask.shape[3] == 1 else _pad_to(mask, 3, Tk_p, False)
+    blocked = dict(
+        qs=_blocks(_pad_to(qs, 2, Tq_p), 2, nq),
+        k=_blocks(_pad_to(k, 2, Tk_p), 2, nk),
+        v=_blocks(_pad_to(v, 2, Tk_p), 2, nk),
+        q_pos=_blocks(_pad_to(m.q_pos, 1, Tq_p), 1, nq),
+        kv_pos=_blocks(_pad_to(m.kv_pos, 1, Tk_p), 1, nk),
+        kv_valid=_blocks(_pad_to(kv_valid, 1, Tk_p, False), 1, nk),
+        seg_q=_blocks(_pad_to(m.seg_q, 1, Tq_p), 1, nq) if m.seg_q is not None else None,
+        seg_kv=_blocks(_pad_to(m.seg_kv, 1, Tk_p, -1), 1, nk) if m.seg_kv is not None else None,
+        mask=mask,
+    )
+    return blocked, nq, nk
+
+
+def _mask_block(mask, i, j, block_q, block_k):
+    if mask is None:
+        return None
+    if mask.shape[2] != 1:
+        mask = jax.lax.dynamic_slice_in_dim(mask, i * block_q, block_q, axis=2)
+    if mask.shape[3] != 1:
+        mask = jax.lax.dynamic_slice_in_dim(mask, j * block_k, block_k, axis=3)
+    return mask
+
+
+def _tile(scheme, qs_i, k_j, qp_i, kp_j, vis_args, causal):
+    """Masked scores of one tile, ``-inf`` where hidden. Differentiable in qs, k, scheme."""
+    s = _scores(scheme, qs_i, k_j, qp_i, kp_j)
+    vis = _visible(causal, qp_i, kp_j, *vis_args)
+    return s if vis is None else jnp.where(vis, s, _NEG_INF)
+
+
+def _chunked_forward(scheme, b, cfg: _Cfg, block_q, block_k):
+    """Returns out ``[nq, B, N, bq, H]`` and lse ``[nq, B, N, bq]`` (``-inf`` on empty rows)."""
+    causal = cfg.causal
+    B, N = b["qs"].shape[1], b["qs"].shape[2]
+    H = b["v"].shape[-1]
+
+    def q_block(args):
+        i, qs_i, qp_i, sq_i = args
+
+        def k_step(carry, xs):
+            j, k_j, v_j, kp_j, kval_j, skv_j = xs
+
+            def compute(carry):
+                mx, l, acc = carry
+                vis_args = (kval_j, _mask_block(b["mask"], i, j, block_q, block_k), sq_i, skv_j)
+                s = _tile(scheme, qs_i, k_j, qp_i, kp_j, vis_args, causal)
+                m_new = jnp.maximum(mx, jnp.max(s, axis=-1))
+                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+                p = jnp.exp(s - m_safe[..., None])
+                corr = jnp.exp(mx - m_safe)
+                l = l * corr + jnp.sum(p, axis=-1)
+                acc = acc * corr[..., None] + _output(scheme, p, v_j, qp_i, kp_j)
+                return m_new, l, acc
+
+            live = _block_may_be_visible(causal, qp_i, kp_j, kval_j)
+            return jax.lax.cond(live, compute, lambda c: c, carry), None
+
+        init = (jnp.full((B, N, block_q), _NEG_INF, jnp.float32),
+                jnp.zeros((B, N, block_q), jnp.float32),
+                jnp.zeros((B, N, block_q, H), jnp.float32))
+        xs = (jnp.arange(cfg.nk), b["k"], b["v"], b["kv_pos"], b["kv_valid"], b["seg_kv"])
+        (mx, l, acc), _ = jax.lax.scan(k_step, init, xs)
+        nonempty = l > 0
+        out = jnp.where(nonempty[..., None], acc / jnp.where(nonempty, l, 1.0)[..., None], 0.0)
+        lse = jnp.where(nonempty, mx + jnp.log(jnp.where(nonempty, l, 1.0)), _NEG_INF)
+        return out, lse
+
+    return jax.lax.map(q_block, (jnp.arange(cfg.nq), b["qs"], b["q_pos"], b["seg_q"]))
+
+
+def _float_leaves_zeros(tree):
+    return jax.tree_util.tree_map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), tree)
+
+
+def _chunked_backward(scheme, b, out, lse, dout, cfg: _Cfg, block_q, block_k):
+    causal = cfg.causal
+    delta = jnp.sum(dout * out, axis=-1)  # [nq, B, N, bq]
+    dk0 = jnp.zeros(b["k"].shape, jnp.float32)
+    dv0 = jnp.zeros(b["v"].shape, jnp.float32)
+    dsch0 = _float_leaves_zeros(scheme)
+
+    def q_step(carry, xs):
+        dk_all, dv_all, dsch = carry
+        i, qs_i, qp_i, sq_i, lse_i, do_i, dl_i = xs
+        lse_safe = jnp.where(jnp.isfinite(lse_i), lse_i, 0.0)
+
+        def k_step(carry, ys):
+            dq_i, dsch = carry
+            j, k_j, v_j, kp_j, kval_j, skv_j = ys
+
+            def compute(carry):
+                dq_i, dsch = carry
+                vis_args = (kval_j, _mask_block(b["mask"], i, j, block_q, block_k), sq_i, skv_j)
+                tile = lambda qs_, k_, sch: _tile(sch, qs_, k_, qp_i, kp_j, vis_args, causal)
+                s, tile_vjp = jax.vjp(tile, qs_i, k_j, scheme)
+                p = jnp.exp(s - lse_safe[..., None])  # 0 where hidden (s = -inf)
+                outf = lambda p_, v_, sch: _output(sch, p_, v_, qp_i, kp_j)
+                _, out_vjp = jax.vjp(outf, p, v_j, scheme)
+                dp, dv_j, dsch_v = out_vjp(do_i)
+                ds = p * (dp - dl_i[..., None])
+                dq_t, dk_j, dsch_s = tile_vjp(ds)
+                dsch = jax.tree_util.tree_map(lambda a, x, y: a + x + y, dsch, dsch_v, dsch_s)
+                return (dq_i + dq_t, dsch), (dk_j, dv_j)
+
+            def skip(carry):
+                return carry, (jnp.zeros(k_j.shape, jnp.float32), jnp.zeros(v_j.shape, jnp.float32))
+
+            live = _block_may_be_visible(causal, qp_i, kp_j, kval_j)
+            return jax.lax.cond(live, compute, skip, carry)
+
+        ys = (jnp.arange(cfg.nk), b["k"], b["v"], b["kv_pos"], b["kv_valid"], b["seg_kv"])
+        (dq_i, dsch), (dk_i, dv_i) = jax.lax.scan(
+            k_step, (jnp.zeros(qs_i.shape, jnp.float32), dsch), ys)
+        return (dk_all + dk_i, dv_all + dv_i, dsch), dq_i
+
+    xs = (jnp.arange(cfg.nq), b["qs"], b["q_pos"], b["seg_q"], lse, dout, delta)
+    (dk, dv, dsch), dq = jax.lax.scan(q_step, (dk0, dv0, dsch0), xs)
+    return dq, dk, dv, dsch
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _chunked_core(cfg, block_q, block_k, scheme, qs, k, v, ints):
+    out, _ = _chunked_forward(scheme, _assemble(qs, k, v, ints), cfg, block_q, block_k)
+    return out
+
+
+def _assemble(qs, k, v, ints):
+    b = dict(ints)
+    b.update(qs=qs, k=k, v=v)
+    return b
+
+
+def _chunked_core_fwd(cfg, block_q, block_k, scheme, qs, k, v, ints):
+    out, lse = _chunked_forward(scheme, _assemble(qs, k, v, ints), cfg, block_q, block_k)
+    return out, (scheme, qs, k, v, ints, out, lse)
+
+
+def _chunked_core_bwd(cfg, block_q, block_k, res, dout):
+    scheme, qs, k, v, ints, out, lse = res
+    dq, dk, dv, dsch = _chunked_backward(scheme, _assemble(qs, k, v, ints), out, lse, dout,
+                                         cfg, block_q, block_k)
+    dsch = jax.tree_util.tree_map(lambda g, x: g.astype(jnp.result_type(x)), dsch, scheme)
+    dints = jax.tree_util.tree_map(
+        lambda x: np.zeros(x.shape, jax.dtypes.float0) if x is not None else None, ints)
+    return dsch, dq, dk, dv, dints
+
+
+_chunked_core.defvjp(_chunked_core_fwd, _chunked_core_bwd)
+
+
+def _chunked(scheme, qs, k, v, m: _Masking, causal: bool, block_q: int, block_k: int):
+    B, N, Tq, H = qs.shape
+    block_q = min(block_q, Tq)
+    block_k = min(block_k, k.shape[2])
+    b, nq, nk = _chunk_inputs(qs, k, v, m, block_q, block_k)
+    ints = {n: b[n] for n in ("q_pos", "kv_pos", "kv_valid", "seg_q", "seg_kv", "mask")}
+    out = _chunked_core(_Cfg(causal, nq, nk), block_q, block_k, scheme,
+                        b["qs"], b["k"], b["v"], ints)
+    return _unblocks(out, 2)[:, :, :Tq]
+
+
+# ---------------------------------------------------------------------------- dispatch
+def _check_inputs(q, k, v):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _checks.check_rank(name, x, (4,), "[batch, seq, heads, head_dim]")
+        _checks.check_floating(name, x)
+    (B, Tq, N, H), (Bk, Tk, Nk, Hk), vs = q.shape, k.shape, v.shape
+    if Bk != B or vs[0] != B:
+        raise ValueError(f"q, k and v must share the batch size; got q {q.shape}, k {k.shape}, "
+                         f"v {v.shape}.")
+    if Hk != H:
+        raise ValueError(f"k must have q's head_dim {H}; got k {k.shape}.")
+    if vs[1] != Tk or vs[2] != Nk:
+        raise ValueError(f"v must match k in sequence length and heads [B, {Tk}, {Nk}, H_v]; "
+                         f"got v {v.shape}.")
+    if N % Nk:
+        raise ValueError(f"query heads ({N}) must be a multiple of key/value heads ({Nk}) "
+                         f"for grouped-query attention; got q {q.shape}, k {k.shape}.")
+    return B, Tq, Tk, N, Nk, H
+
+
+def _normalize_mask(mask, B, N, Tq, Tk):
+    if mask is None:
+        return None
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_:
+        raise TypeError(f"mask must be boolean (True = may attend); got dtype {mask.dtype}.")
+    if mask.ndim > 4:
+        raise ValueError(f"mask must be broadcastable to [B, N, Tq, Tk] = {[B, N, Tq, Tk]}; "
+                         f"got shape {mask.shape}.")
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    for got, want in zip(mask.shape, (B, N, Tq, Tk)):
+        if got not in (1, want):
+            raise ValueError(f"mask must be broadcastable to [B, N, Tq, Tk] = {[B, N, Tq, Tk]}; "
+                             f"got shape {mask.shape}.")
+    return mask
+
+
+def _segments(name, seg, B, T):
+    if seg is None:
+        return None
+    _checks.check_integer_positions(name, seg)
+    if _checks.shape_of(seg) != (B, T):
+        raise ValueError(f"{name} must have shape [B, T] = [{B}, {T}]; got {_checks.shape_of(seg)}.")
+    return jnp.asarray(seg, jnp.int32)
+
+
+def default_positions(B: int, Tq: int, Tk: int):
+    """``arange`` positions, queries aligned to the end of the keys (the decode convention):
+    ``q_positions = arange(Tq) + (Tk - Tq)`` when ``Tk >= Tq``."""
+    kv = jnp.arange(Tk, dtype=jnp.int32)
+    q = jnp.arange(Tq, dtype=jnp.int32) + max(Tk - Tq, 0)
+    return q, kv
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    position=None,
+    q_positions=None,
+    kv_positions=None,
+    causal: bool = False,
+    mask=None,
+    segment_ids=None,
+    kv_segment_ids=None,
+    scale=None,
+    implementation: str | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+):
+    """Multi-head attention with any position scheme.
+
+    ``softmax(scale * q k^T + bias) v`` per head, where the scheme rotates q and k (RoPE),
+    adds a score bias after scaling (ALiBi, T5, Shaw; as ``jax.nn.dot_product_attention``
+    and BLOOM do) and may add a value term (Shaw).
+
+    Args:
+      q: ``[B, Tq, N, H]``; k: ``[B, Tk, N_kv, H]``; v: ``[B, Tk, N_kv, H_v]`` (float).
+        ``N`` must be a multiple of ``N_kv`` (grouped-query / multi-query attention).
+      position: a scheme (:class:`NoPE`, :class:`RoPE`, :class:`ALiBi`,
+        :class:`T5Bias`, :class:`Shaw`) or ``None``/``"none"``.
+      q_positions, kv_positions: integer ``[T]`` or ``[B, T]``. Default ``arange``, with
+        queries aligned to the end of the keys when ``Tq < Tk`` (decoding). KV-cache
+        offsets, left padding and packed sequences are all position arrays.
+      causal: a query at position ``p`` sees keys at positions ``<= p``.
+      mask: boolean, broadcastable to ``[B, N, Tq, Tk]``; True means "may attend".
+      segment_ids, kv_segment_ids: integer ``[B, Tq]`` / ``[B, Tk]``; only equal ids
+        attend (packed sequences). ``kv_segment_ids`` defaults to ``segment_ids``.
+      scale: score scale, default ``1 / sqrt(H)``. T5 uses ``scale=1.0``.
+      implementation: ``"reference"``, ``"chunked"``, ``"pallas"``, or ``None`` for
+        :func:`default_implementation`.
+      block_q, block_k: tile sizes for ``"chunked"``/``"pallas"``.
+
+    Returns:
+      ``[B, Tq, N, H_v]`` in q's dtype (softmax and accumulation in float32). A query with
+      no visible key returns zeros, with zero gradients.
+
+    Raises:
+      ValueError / TypeError: bad ranks, mismatched shapes, float positions, a scheme that
+      does not fit the heads, unknown implementation, bad masks.
+    """
+    B, Tq, Tk, N, Nk, H = _check_inputs(q, k, v)
+    scheme = as_scheme(position)
+    scheme.check(N, H)
+    if implementation is None:
+        implementation = default_implementation(scheme)
+    _checks.check_choice("implementation", implementation, IMPLEMENTATIONS)
+    dq_pos, dkv_pos = default_positions(B, Tq, Tk)
+    q_pos = _checks.positions_2d("q_positions", dq_pos if q_positions is None else q_positions, B, Tq)
+    kv_pos = _checks.positions_2d("kv_positions", dkv_pos if kv_positions is None else kv_positions,
+                                  B, Tk)
+    if kv_segment_ids is None and segment_ids is not None:
+        if Tq != Tk:
+            raise ValueError(f"kv_segment_ids is required when Tq != Tk ({Tq} vs {Tk}).")
+        kv_segment_ids = segment_ids
+    if (segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("segment_ids and kv_segment_ids must be given together.")
+    seg_q = _segments("segment_ids", segment_ids, B, Tq)
+    seg_kv = _segments("kv_segment_ids", kv_segment_ids, B, Tk)
+    mask4 = _normalize_mask(mask, B, N, Tq, Tk)
+    for name, blk in (("block_q", block_q), ("block_k", block_k)):
+        if blk is not None:
+            _checks.check_positive_int(name, blk)
+    if scale is None:
+        scale = 1.0 / math.sqrt(H)
+
+    if implementation == "pallas":
+        from jaxpos.kernels import attention_via_kernel
+
+        return attention_via_kernel(q, k, v, scheme=scheme, q_positions=q_pos, kv_positions=kv_pos,
+                                    causal=causal, mask=mask4, segment_ids=seg_q,
+                                    kv_segment_ids=seg_kv, scale=scale, block_q=block_q,
+                                    block_k=block_k)
+
+    q, k = scheme.rotate_qk(q, k, q_pos, kv_pos)
+    dtype = q.dtype
+    groups = N // Nk
+    to_bnth = lambda x: jnp.swapaxes(x.astype(jnp.float32), 1, 2)
+    qs = to_bnth(q) * jnp.float32(scale)
+    kk, vv = to_bnth(k), to_bnth(v)
+    if groups > 1:
+        kk = jnp.repeat(kk, groups, axis=1)
+        vv = jnp.repeat(vv, groups, axis=1)
+    m = _Masking(q_pos, kv_pos, None, mask4, seg_q, seg_kv)
+    if implementation == "reference":
+        out = _reference(scheme, qs, kk, vv, m, causal)
+    else:
+        out = _chunked(scheme, qs, kk, vv, m, causal, block_q or 512, block_k or 512)
+    return jnp.swapaxes(out, 1, 2).astype(dtype)

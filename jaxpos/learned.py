@@ -1,0 +1,76 @@
+"""Learned absolute positions (Gehring et al. 2017; GPT-2, BERT).
+
+A table ``P`` of shape ``[max_len, d]`` is trained like a token embedding and
+row ``t`` is added to the token at position ``t``. There is no row for
+``max_len``: what happens there is a policy the caller chooses explicitly,
+because ``jnp.take`` and friends silently clamp out-of-range indices.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpos import _checks
+
+__all__ = ["learned_positions"]
+
+_POLICIES = ("error", "wrap", "clip")
+
+
+def learned_positions(table, positions, *, out_of_range: str = "error") -> jax.Array:
+    """Look up learned position vectors.
+
+    Args:
+      table: ``[max_len, d]`` floating array (the learned parameter).
+      positions: integer array ``[..., T]`` (any leading batch axes).
+      out_of_range: what to do with a position ``p`` outside ``[0, max_len)``:
+
+        * ``"error"`` (default): if the positions are concrete (not traced),
+          raise ``ValueError``; a ``positions`` array whose last axis is longer
+          than ``max_len`` raises at trace time in every case (such a sequence
+          can only hold a position past the table). Traced positions outside
+          the table give rows of **NaN**, so the error propagates loudly into
+          the loss instead of silently reusing another row.
+        * ``"wrap"``: row ``p % max_len`` (the course notebook's behaviour).
+        * ``"clip"``: row ``clip(p, 0, max_len - 1)``.
+
+    Returns:
+      ``[..., T, d]`` with ``table``'s dtype.
+
+    Raises:
+      ValueError: unknown ``out_of_range``, ``table`` not rank 2, a sequence longer
+        than the table under ``"error"``, or concrete positions outside the table.
+      TypeError: float ``positions``.
+    """
+    _checks.check_choice("out_of_range", out_of_range, _POLICIES)
+    _checks.check_rank("table", table, (2,), "[max_len, d]")
+    _checks.check_integer_positions("positions", positions)
+    if len(_checks.shape_of(positions)) < 1:
+        raise ValueError(f"positions must have rank >= 1 ([..., T]); got a scalar.")
+    table = jnp.asarray(table)
+    max_len = table.shape[0]
+    T = _checks.shape_of(positions)[-1]
+    if out_of_range == "wrap":
+        return table[jnp.mod(jnp.asarray(positions, jnp.int32), max_len)]
+    if out_of_range == "clip":
+        return table[jnp.clip(jnp.asarray(positions, jnp.int32), 0, max_len - 1)]
+    if T > max_len:
+        raise ValueError(
+            f"positions has sequence length {T}, longer than the learned table "
+            f"(max_len={max_len}); learned absolute positions cannot run past their table. "
+            f"Pass out_of_range='wrap' or 'clip' to choose another policy explicitly."
+        )
+    if _checks.is_concrete(positions):
+        p = np.asarray(positions)
+        bad = (p < 0) | (p >= max_len)
+        if bad.any():
+            raise ValueError(
+                f"positions must lie in [0, {max_len}) for a table of {max_len} rows; got "
+                f"values from {p.min()} to {p.max()} ({int(bad.sum())} outside)."
+            )
+    pos = jnp.asarray(positions, jnp.int32)
+    valid = (pos >= 0) & (pos < max_len)
+    rows = table[jnp.clip(pos, 0, max_len - 1)]
+    return jnp.where(valid[..., None], rows, jnp.array(jnp.nan, rows.dtype))

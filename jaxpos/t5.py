@@ -1,0 +1,172 @@
+"""T5 relative position buckets (Raffel et al. 2020, "Exploring the Limits of Transfer
+Learning with a Unified Text-to-Text Transformer", §2.1).
+
+Each head adds one learned scalar to each attention logit, chosen by the bucket of
+the offset ``kv_pos - q_pos`` (T5's ``memory_position - context_position``). Small
+distances get a bucket each; larger ones share logarithmically wider buckets up to
+``max_distance``, beyond which every offset shares the last bucket. One table of
+``[num_buckets, num_heads]`` is shared by all layers of a stack, and T5 does not
+scale the scores (``scale=1.0``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpos import _checks
+from jaxpos.alibi import relative_offsets
+
+__all__ = ["t5_bucket", "t5_bias", "relative_bias_attention", "check_bucket_args"]
+
+
+def check_bucket_args(num_buckets, max_distance, bidirectional) -> None:
+    """Validate T5 bucket hyperparameters (raises ``ValueError``/``TypeError``)."""
+    _checks.check_positive_int("num_buckets", num_buckets)
+    _checks.check_positive_int("max_distance", max_distance)
+    if bidirectional and num_buckets % 2:
+        raise ValueError(
+            f"num_buckets must be even when bidirectional=True (half per direction); "
+            f"got {num_buckets}."
+        )
+    per_dir = num_buckets // 2 if bidirectional else num_buckets
+    if per_dir < 2:
+        raise ValueError(
+            f"num_buckets must give at least 2 buckets per direction; got num_buckets="
+            f"{num_buckets} with bidirectional={bidirectional}."
+        )
+    if max_distance <= per_dir // 2:
+        raise ValueError(
+            f"max_distance must exceed the exact range num_buckets_per_direction // 2 = "
+            f"{per_dir // 2}; got {max_distance}."
+        )
+
+
+def t5_bucket(rel, bidirectional: bool = True, num_buckets: int = 32, max_distance: int = 128):
+    """T5's bucket of a relative offset ``rel = kv_pos - q_pos``.
+
+    Bidirectional: ``num_buckets // 2`` buckets per direction, keys after the query in
+    the upper half. Within a direction the first half of the buckets hold distances
+    ``0 .. n/2 - 1`` exactly; then ``n/2 + floor(log(dist / (n/2)) / log(max_distance /
+    (n/2)) * n/2)`` up to the last bucket. With the defaults that is 0..7 exact, then
+    8-11, 12-15, 16-22, 23-31, 32-45, 46-63, 64-90, 91+ (Raffel et al. 2020, §2.1).
+    Causal (``bidirectional=False``): keys after the query all fall in bucket 0, and all
+    ``num_buckets`` cover keys at or before the query (16 exact, 16 logarithmic).
+
+    The arithmetic is T5's (and Hugging Face's ``_relative_position_bucket``): the
+    logarithm in float32, truncation toward zero.
+
+    Args:
+      rel: integer NumPy or JAX array (or Python int) of offsets, any shape.
+
+    Returns:
+      int32 array of ``rel``'s shape: NumPy in, NumPy out; JAX in, JAX out.
+
+    Raises:
+      ValueError: odd ``num_buckets`` when bidirectional, ``max_distance`` too small.
+      TypeError: float ``rel``.
+    """
+    check_bucket_args(num_buckets, max_distance, bidirectional)
+    _checks.check_integer_positions("rel", rel)
+    xp = jnp if isinstance(rel, jax.Array) else np
+    rel = xp.asarray(rel).astype(xp.int32)
+    ret = xp.zeros_like(rel)
+    n = num_buckets
+    if bidirectional:
+        n //= 2
+        ret = ret + (rel > 0).astype(xp.int32) * n
+        dist = xp.abs(rel)
+    else:
+        dist = -xp.minimum(rel, 0)
+    max_exact = n // 2
+    is_small = dist < max_exact
+    # float32 like T5 / HF; clamp the argument to >= 1 so log(0) is never formed.
+    d32 = xp.maximum(dist, 1).astype(xp.float32)
+    large = xp.log(d32 / np.float32(max_exact)) / np.float32(math.log(max_distance / max_exact))
+    large = large * np.float32(n - max_exact)
+    large = max_exact + large.astype(xp.int32)
+    large = xp.minimum(large, n - 1)
+    return (ret + xp.where(is_small, dist, large)).astype(xp.int32)
+
+
+def t5_bias(
+    q_positions,
+    kv_positions,
+    table,
+    *,
+    bidirectional: bool = True,
+    num_buckets: int = 32,
+    max_distance: int = 128,
+) -> jax.Array:
+    """The T5 bias ``table[bucket(kv_pos - q_pos), h]`` for every (query, key) pair.
+
+    Args:
+      q_positions: integer ``[Tq]`` or ``[B, Tq]``.
+      kv_positions: integer ``[Tk]`` or ``[B, Tk]``.
+      table: float ``[num_buckets, N]`` (the T5 checkpoint layout).
+
+    Returns:
+      ``[N, Tq, Tk]`` (``[B, N, Tq, Tk]`` with batched positions), float32.
+
+    Raises:
+      ValueError: ``table`` not ``[num_buckets, N]``, bad bucket arguments, bad ranks.
+      TypeError: float positions.
+    """
+    check_t5_table(table, num_buckets)
+    _checks.check_integer_positions("q_positions", q_positions)
+    _checks.check_integer_positions("kv_positions", kv_positions)
+    _checks.check_rank("q_positions", q_positions, (1, 2), "[Tq] or [B, Tq]")
+    _checks.check_rank("kv_positions", kv_positions, (1, 2), "[Tk] or [B, Tk]")
+    rel = relative_offsets(q_positions, kv_positions)
+    return t5_bias_from_offsets(rel, table, bidirectional=bidirectional,
+                                num_buckets=num_buckets, max_distance=max_distance)
+
+
+def check_t5_table(table, num_buckets) -> None:
+    _checks.check_rank("table", table, (2,), "[num_buckets, num_heads]")
+    if _checks.shape_of(table)[0] != num_buckets:
+        raise ValueError(
+            f"table must have shape [num_buckets={num_buckets}, num_heads]; got shape "
+            f"{_checks.shape_of(table)}."
+        )
+
+
+def t5_bias_from_offsets(rel, table, *, bidirectional, num_buckets, max_distance) -> jax.Array:
+    """``table[bucket(rel)]`` moved to ``[..., N, Tq, Tk]`` float32 (rel ``[..., Tq, Tk]``)."""
+    b = t5_bucket(jnp.asarray(rel), bidirectional, num_buckets, max_distance)
+    vals = jnp.asarray(table, jnp.float32)[b]  # [..., Tq, Tk, N]; buckets are in range
+    return jnp.moveaxis(vals, -1, -3)
+
+
+def relative_bias_attention(Q, K, V, bias_table, *, scale: float = 1.0, causal: bool = False):
+    """The seed exercise: attention with the T5 bucketed bias, bidirectional by default.
+
+    Args:
+      Q, K, V: ``[..., T, N, H]`` (any leading axes; flattened into a batch).
+      bias_table: ``[num_buckets, N]`` with ``num_buckets = 32``, ``max_distance = 128``.
+      scale: score scale; T5 uses 1.0 (no ``1/sqrt(H)``), the default here.
+      causal: use the causal (decoder) buckets and mask.
+
+    Returns:
+      ``[..., T, N, H]`` in Q's dtype. Positions are ``arange(T)``.
+    """
+    from jaxpos.attention import attention  # local import: attention imports this module
+    from jaxpos.schemes import T5Bias
+
+    Q = jnp.asarray(Q)
+    K = jnp.asarray(K)
+    V = jnp.asarray(V)
+    if Q.ndim < 3:
+        raise ValueError(f"Q must have shape [..., T, N, H]; got {Q.shape}.")
+    lead = Q.shape[:-3]
+    flat = lambda x: x.reshape((-1,) + x.shape[-3:])
+    out = attention(
+        flat(Q), flat(K), flat(V),
+        position=T5Bias(bias_table, bidirectional=not causal,
+                        num_buckets=_checks.shape_of(bias_table)[0]),
+        causal=causal, scale=scale, implementation="reference",
+    )
+    return out.reshape(lead + out.shape[1:])

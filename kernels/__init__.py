@@ -1,0 +1,1 @@
+"""Pallas kernels for jaxpos (installed as ``jaxpos.kernels``)."""
