@@ -427,6 +427,9 @@ def attention(
     B, Tq, Tk, N, Nk, H = _check_inputs(q, k, v)
     scheme = as_scheme(position)
     scheme.check(N, H)
+    if scheme.has_value_term and v.shape[-1] != H:
+        raise ValueError(f"v must have head_dim {H}: {type(scheme).__name__}'s value term adds "
+                         f"vectors of width {H} to the output; got v {v.shape}.")
     if implementation is None:
         implementation = default_implementation(scheme)
     _checks.check_choice("implementation", implementation, IMPLEMENTATIONS)
@@ -439,7 +442,8 @@ def attention(
             raise ValueError(f"kv_segment_ids is required when Tq != Tk ({Tq} vs {Tk}).")
         kv_segment_ids = segment_ids
     if (segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError("segment_ids and kv_segment_ids must be given together.")
+        raise ValueError("segment_ids and kv_segment_ids must be given together; got only "
+                         + ("segment_ids." if kv_segment_ids is None else "kv_segment_ids."))
     seg_q = _segments("segment_ids", segment_ids, B, Tq)
     seg_kv = _segments("kv_segment_ids", kv_segment_ids, B, Tk)
     mask4 = _normalize_mask(mask, B, N, Tq, Tk)
