@@ -1,0 +1,307 @@
+"""Bad input, everywhere (issue 7, part 1).
+
+One table row per bad-input case: the call, the exception type it must raise, and the
+words its message must contain (the argument's name, what it got, what was expected).
+Every row runs eagerly; rows whose inputs are arrays also run under ``jax.jit`` to show
+the error is raised at trace time, before any device work.
+
+A row is ``Case(id, fn, args, kwargs, exc, words)``. ``fn(*args, **kwargs)`` must raise
+``exc``; the message must contain every string in ``words`` (case-insensitive): the
+argument's name, the value or shape it received, and usually what was expected.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpos
+from jaxpos import (ALiBi, NoPE, RoPE, Shaw, T5Bias, alibi_bias, alibi_slopes, apply_rope,
+                    as_scheme, attention, learned_positions, relative_bias_attention,
+                    relative_head_W, rope_frequencies, shaw_attention, shift_matrix,
+                    sinusoidal_pe, t5_bias, t5_bucket)
+
+B, T, N, H = 2, 4, 4, 8
+
+
+def _x(*shape, dtype=np.float32):
+    return np.zeros(shape, dtype)
+
+
+Q = _x(B, T, N, H)
+KV = _x(B, T, N, H)
+POS = np.arange(T, dtype=np.int32)
+TABLE_T5 = _x(32, N)
+SHAW = _x(5, H)  # 2K + 1 = 5 rows, K = 2
+
+
+class Case(NamedTuple):
+    id: str
+    fn: Callable[..., Any]
+    args: tuple = ()
+    kwargs: dict = {}
+    exc: type = ValueError
+    words: tuple = ()
+    jit: bool = True  # also run with the array args traced under jax.jit
+
+
+def att(**kw):
+    """An attention case on the standard q, k, v unless overridden."""
+    q = kw.pop("q", Q)
+    k = kw.pop("k", KV)
+    v = kw.pop("v", KV)
+    return (q, k, v), kw
+
+
+def A(id, exc, words, **kw):
+    args, kwargs = att(**kw)
+    return Case(id, attention, args, kwargs, exc, words)
+
+
+CASES = [
+    # ---------------------------------------------------------------- attention: q, k, v
+    A("attention/q-rank3", ValueError, ("q", "rank 4", "(2, 4, 4)"), q=_x(B, T, N)),
+    A("attention/k-rank5", ValueError, ("k", "rank 4"), k=_x(B, T, N, H, 1)),
+    A("attention/v-rank2", ValueError, ("v", "rank 4"), v=_x(T, H)),
+    A("attention/q-int-dtype", TypeError, ("q", "floating", "int32"), q=np.zeros((B, T, N, H), np.int32)),
+    A("attention/k-bool-dtype", TypeError, ("k", "floating", "bool"), k=np.zeros((B, T, N, H), bool)),
+    A("attention/batch-k", ValueError, ("batch", "k (3, 4, 4, 8)"), k=_x(B + 1, T, N, H)),
+    A("attention/batch-v", ValueError, ("batch", "v (3, 4, 4, 8)"), v=_x(B + 1, T, N, H)),
+    A("attention/head_dim-k", ValueError, ("head_dim", "k"), k=_x(B, T, N, H + 2)),
+    A("attention/seq-v", ValueError, ("v", "sequence length"), v=_x(B, T + 1, N, H)),
+    A("attention/heads-v", ValueError, ("v", "heads"), v=_x(B, T, N // 2, H)),
+    A("attention/gqa-not-divisible", ValueError, ("multiple of key/value heads", "(3)"),
+      k=_x(B, T, 3, H), v=_x(B, T, 3, H)),
+    A("attention/gqa-more-kv-heads", ValueError, ("multiple of key/value heads", "(8)"),
+      k=_x(B, T, 2 * N, H), v=_x(B, T, 2 * N, H)),
+    # ---------------------------------------------------------------- attention: positions
+    A("attention/q_positions-length", ValueError, ("q_positions", f"[{T}]", "(5,)"),
+      q_positions=np.arange(T + 1)),
+    A("attention/q_positions-float", TypeError, ("q_positions", "integer", "float32"),
+      q_positions=np.arange(T, dtype=np.float32)),
+    A("attention/kv_positions-float64", TypeError, ("kv_positions", "integer", "float64"),
+      kv_positions=np.arange(T, dtype=np.float64)),
+    A("attention/q_positions-bool", TypeError, ("q_positions", "bool"),
+      q_positions=np.ones(T, bool)),
+    A("attention/kv_positions-batch", ValueError, ("kv_positions", f"[{B}, {T}]"),
+      kv_positions=np.zeros((B + 1, T), np.int32)),
+    A("attention/kv_positions-rank3", ValueError, ("kv_positions", "rank 3"),
+      kv_positions=np.zeros((B, T, 1), np.int32)),
+    A("attention/q_positions-scalar", ValueError, ("q_positions",),
+      q_positions=np.int32(0)),
+    # ---------------------------------------------------------------- attention: options
+    A("attention/implementation-unknown", ValueError, ("implementation", "'flash'", "reference"),
+      implementation="flash"),
+    A("attention/implementation-case", ValueError, ("implementation", "'Reference'"),
+      implementation="Reference"),
+    A("attention/position-string", TypeError, ("position", "'rope'"), position="rope"),
+    A("attention/position-array", TypeError, ("position", "ndarray"), position=np.zeros(3)),
+    A("attention/block_q-zero", ValueError, ("block_q", "positive", "0"), block_q=0,
+      implementation="chunked"),
+    A("attention/block_k-negative", ValueError, ("block_k", "positive", "-4"), block_k=-4,
+      implementation="chunked"),
+    A("attention/block_q-float", TypeError, ("block_q", "int", "2.0"), block_q=2.0,
+      implementation="chunked"),
+    A("attention/block_k-bool", TypeError, ("block_k", "int", "True"), block_k=True,
+      implementation="chunked"),
+    A("attention/mask-float", TypeError, ("mask", "boolean", "float32"),
+      mask=np.ones((T, T), np.float32)),
+    A("attention/mask-shape", ValueError, ("mask", "[2, 4, 4, 4]", "3, 4)"), mask=np.ones((3, T), bool)),
+    A("attention/mask-rank5", ValueError, ("mask", "broadcastable"), mask=np.ones((1, B, N, T, T), bool)),
+    A("attention/segment_ids-shape", ValueError, ("segment_ids", f"[{B}, {T}]"),
+      segment_ids=np.zeros((T,), np.int32)),
+    A("attention/segment_ids-float", TypeError, ("segment_ids", "float32"),
+      segment_ids=np.zeros((B, T), np.float32)),
+    A("attention/kv_segment_ids-alone", ValueError, ("segment_ids", "got only kv_segment_ids"),
+      kv_segment_ids=np.zeros((B, T), np.int32)),
+    A("attention/segment_ids-cross-length", ValueError, ("kv_segment_ids", "Tq != Tk", "4 vs 6"),
+      k=_x(B, T + 2, N, H), v=_x(B, T + 2, N, H), segment_ids=np.zeros((B, T), np.int32)),
+    # ---------------------------------------------------------------- attention: schemes
+    A("attention/rope-rotary_dim>head_dim", ValueError, ("rotary_dim", f"head_dim={H}", "16"),
+      position=RoPE(rotary_dim=2 * H)),
+    A("attention/alibi-slopes-count", ValueError, ("slopes", f"[{N}]", "(3,)"),
+      position=ALiBi(num_heads=3)),
+    A("attention/t5-table-heads", ValueError, ("table", f"[32, {N}]", "(32, 3)"),
+      position=T5Bias(_x(32, 3))),
+    A("attention/shaw-width", ValueError, ("rel_k", f"[2K + 1, {H}]", "(5, 4)"),
+      position=Shaw(_x(5, H // 2))),
+    A("attention/shaw-rel_v-width-vs-v", ValueError, ("v", f"head_dim {H}", "(2, 4, 4, 4)"),
+      v=_x(B, T, N, H // 2), position=Shaw(_x(5, H), _x(5, H))),
+    # ---------------------------------------------------------------- RoPE and apply_rope
+    Case("RoPE/neither", RoPE, (), {}, ValueError, ("inv_freq", "rotary_dim"), jit=False),
+    Case("RoPE/rotary_dim-odd", RoPE, (), dict(rotary_dim=7), ValueError, ("rotary_dim", "even", "7"), jit=False),
+    Case("RoPE/rotary_dim-zero", RoPE, (), dict(rotary_dim=0), ValueError, ("rotary_dim", "positive", "0"), jit=False),
+    Case("RoPE/rotary_dim-float", RoPE, (), dict(rotary_dim=8.0), TypeError, ("rotary_dim", "int", "8.0"), jit=False),
+    Case("RoPE/layout-unknown", RoPE, (), dict(rotary_dim=8, layout="gptj"), ValueError,
+         ("layout", "'gptj'", "interleaved"), jit=False),
+    Case("RoPE/inv_freq-rank2", RoPE, (_x(2, 4),), {}, ValueError, ("inv_freq", "rank 1"), jit=False),
+    Case("RoPE/inv_freq-int", RoPE, (np.arange(4),), {}, TypeError, ("inv_freq", "floating"), jit=False),
+    Case("RoPE/inv_freq-vs-rotary_dim", RoPE, (_x(4),), dict(rotary_dim=6), ValueError,
+         ("rotary_dim", "6", "inv_freq"), jit=False),
+    Case("rope_frequencies/odd", rope_frequencies, (9,), {}, ValueError, ("rotary_dim", "even", "9"), jit=False),
+    Case("rope_frequencies/negative", rope_frequencies, (-4,), {}, ValueError, ("rotary_dim", "-4"), jit=False),
+    Case("rope_frequencies/float", rope_frequencies, (8.0,), {}, TypeError, ("rotary_dim", "8.0"), jit=False),
+    Case("rope_frequencies/base-zero", rope_frequencies, (8, 0.0), {}, ValueError, ("base", "> 0", "0.0"), jit=False),
+    Case("rope_frequencies/base-negative", rope_frequencies, (8, -1e4), {}, ValueError, ("base", "-10000"), jit=False),
+    Case("apply_rope/x-rank3", apply_rope, (_x(T, N, H), POS, _x(H // 2)), {}, ValueError, ("x", "rank 4")),
+    Case("apply_rope/inv_freq-rank2", apply_rope, (Q, POS, _x(1, H // 2)), {}, ValueError, ("inv_freq", "rank 1")),
+    Case("apply_rope/rotary_dim>head", apply_rope, (Q, POS, _x(H)), {}, ValueError,
+         ("rotary_dim", f"head_dim={H}", str(2 * H))),
+    Case("apply_rope/positions-length", apply_rope, (Q, np.arange(T + 3), _x(H // 2)), {}, ValueError,
+         ("positions", f"[{T}]", "(7,)")),
+    Case("apply_rope/positions-float", apply_rope, (Q, POS.astype(np.float32), _x(H // 2)), {}, TypeError,
+         ("positions", "integer", "float32")),
+    Case("apply_rope/positions-batch", apply_rope, (Q, np.zeros((B + 1, T), np.int32), _x(H // 2)), {},
+         ValueError, ("positions", f"[{B}, {T}]", "(3, 4)")),
+    Case("apply_rope/layout", apply_rope, (Q, POS, _x(H // 2)), dict(layout="neox"), ValueError,
+         ("layout", "'neox'")),
+    # ---------------------------------------------------------------- ALiBi
+    Case("ALiBi/neither", ALiBi, (), {}, ValueError, ("num_heads", "slopes"), jit=False),
+    Case("ALiBi/slopes-rank2", ALiBi, (), dict(slopes=_x(2, 4)), ValueError, ("slopes", "rank 1"), jit=False),
+    Case("ALiBi/num_heads-zero", ALiBi, (0,), {}, ValueError, ("num_heads", "0"), jit=False),
+    Case("alibi_slopes/zero", alibi_slopes, (0,), {}, ValueError, ("num_heads", "positive", "0"), jit=False),
+    Case("alibi_slopes/float", alibi_slopes, (8.0,), {}, TypeError, ("num_heads", "int", "8.0"), jit=False),
+    Case("alibi_slopes/bool", alibi_slopes, (True,), {}, TypeError, ("num_heads", "int", "True"), jit=False),
+    Case("alibi_bias/q_positions-float", alibi_bias, (POS.astype(np.float32), POS, _x(N)), {}, TypeError,
+         ("q_positions", "integer", "float32")),
+    Case("alibi_bias/kv_positions-rank3", alibi_bias, (POS, np.zeros((1, 1, T), np.int32), _x(N)), {},
+         ValueError, ("kv_positions", "rank 1 or 2", "(1, 1, 4)")),
+    Case("alibi_bias/slopes-rank2", alibi_bias, (POS, POS, _x(1, N)), {}, ValueError, ("slopes", "rank 1")),
+    Case("alibi_bias/batch-mismatch", alibi_bias, (np.zeros((2, T), np.int32), np.zeros((3, T), np.int32),
+         _x(N)), {}, ValueError, ("q_positions", "kv_positions", "batch sizes 2 and 3")),
+    # ---------------------------------------------------------------- T5
+    Case("T5Bias/table-rank1", T5Bias, (_x(32),), {}, ValueError, ("table", "rank 2"), jit=False),
+    Case("T5Bias/num_buckets-vs-table", T5Bias, (TABLE_T5,), dict(num_buckets=16), ValueError,
+         ("table", "num_buckets=16", "(32, 4)"), jit=False),
+    Case("T5Bias/num_buckets-odd", T5Bias, (_x(31, N),), {}, ValueError, ("num_buckets", "even", "31"), jit=False),
+    Case("T5Bias/max_distance-zero", T5Bias, (TABLE_T5,), dict(max_distance=0), ValueError,
+         ("max_distance", "0"), jit=False),
+    Case("T5Bias/max_distance-small", T5Bias, (TABLE_T5,), dict(max_distance=8), ValueError,
+         ("max_distance", "8"), jit=False),
+    Case("T5Bias/max_distance-float", T5Bias, (TABLE_T5,), dict(max_distance=128.0), TypeError,
+         ("max_distance", "128.0"), jit=False),
+    Case("t5_bucket/rel-float", t5_bucket, (np.zeros(3, np.float32),), {}, TypeError, ("rel", "float32")),
+    Case("t5_bucket/num_buckets-odd", t5_bucket, (np.zeros(3, np.int32),), dict(num_buckets=33), ValueError,
+         ("num_buckets", "even", "33")),
+    Case("t5_bucket/num_buckets-zero", t5_bucket, (np.zeros(3, np.int32),), dict(num_buckets=0), ValueError,
+         ("num_buckets", "positive", "0")),
+    Case("t5_bucket/num_buckets-float", t5_bucket, (np.zeros(3, np.int32),), dict(num_buckets=32.0), TypeError,
+         ("num_buckets", "32.0")),
+    Case("t5_bucket/num_buckets-too-few", t5_bucket, (np.zeros(3, np.int32),), dict(num_buckets=2), ValueError,
+         ("num_buckets", "2")),
+    Case("t5_bucket/max_distance-small", t5_bucket, (np.zeros(3, np.int32),), dict(max_distance=4),
+         ValueError, ("max_distance", "4")),
+    Case("t5_bucket/max_distance-negative", t5_bucket, (np.zeros(3, np.int32),), dict(max_distance=-1),
+         ValueError, ("max_distance", "-1")),
+    Case("t5_bias/table-rows", t5_bias, (POS, POS, _x(16, N)), {}, ValueError, ("table", "num_buckets=32", "(16, 4)")),
+    Case("t5_bias/table-rank3", t5_bias, (POS, POS, _x(32, N, 1)), {}, ValueError, ("table", "rank 2")),
+    Case("t5_bias/q_positions-float", t5_bias, (POS.astype(np.float16), POS, TABLE_T5), {}, TypeError,
+         ("q_positions", "float16")),
+    Case("t5_bias/kv_positions-rank3", t5_bias, (POS, np.zeros((1, 1, T), np.int32), TABLE_T5), {}, ValueError,
+         ("kv_positions", "rank 1 or 2")),
+    Case("t5_bias/num_buckets-odd", t5_bias, (POS, POS, _x(31, N)), dict(num_buckets=31), ValueError,
+         ("num_buckets", "31")),
+    Case("relative_bias_attention/Q-rank2", relative_bias_attention, (_x(T, H), _x(T, H), _x(T, H), TABLE_T5),
+         {}, ValueError, ("Q", "[..., T, N, H]")),
+    Case("relative_bias_attention/table-rank1", relative_bias_attention, (Q, KV, KV, _x(32)), {}, ValueError,
+         ("table", "rank 2")),
+    Case("relative_bias_attention/table-heads", relative_bias_attention, (Q, KV, KV, _x(32, N + 1)), {},
+         ValueError, ("table", "(32, 5)")),
+    # ---------------------------------------------------------------- Shaw
+    Case("Shaw/rel_k-even-rows", Shaw, (_x(4, H),), {}, ValueError, ("rel_k", "odd", "(4, 8)"), jit=False),
+    Case("Shaw/rel_k-rank3", Shaw, (_x(5, H, 1),), {}, ValueError, ("rel_k", "rank 2"), jit=False),
+    Case("Shaw/rel_v-shape", Shaw, (SHAW, _x(7, H)), {}, ValueError, ("rel_v", "(5, 8)", "(7, 8)"), jit=False),
+    Case("shaw_attention/q-rank3", shaw_attention, (_x(B, T, H), KV, KV, SHAW, SHAW), {}, ValueError,
+         ("q", "rank 4")),
+    Case("shaw_attention/rel_k-width", shaw_attention, (Q, KV, KV, _x(5, H + 1), _x(5, H + 1)), {},
+         ValueError, ("rel_k", "(5, 9)")),
+    # ---------------------------------------------------------------- learned
+    Case("learned/out_of_range-unknown", learned_positions, (_x(8, H), POS), dict(out_of_range="ignore"),
+         ValueError, ("out_of_range", "'ignore'", "wrap")),
+    Case("learned/table-rank1", learned_positions, (_x(8), POS), {}, ValueError, ("table", "rank 2")),
+    Case("learned/positions-float", learned_positions, (_x(8, H), POS.astype(np.float32)), {}, TypeError,
+         ("positions", "integer", "float32")),
+    Case("learned/positions-scalar", learned_positions, (_x(8, H), np.int32(3)), {}, ValueError,
+         ("positions", "scalar")),
+    Case("learned/sequence-longer-than-table", learned_positions, (_x(4, H), np.arange(6)), {}, ValueError,
+         ("positions", "[0, 4)", "0 to 5"), jit=False),
+    Case("learned/table-int", learned_positions, (np.zeros((8, H), np.int32), POS), {}, TypeError,
+         ("table", "floating", "int32")),
+    Case("learned/position-past-table", learned_positions, (_x(8, H), np.array([0, 8])), {}, ValueError,
+         ("positions", "[0, 8)", "8"), jit=False),
+    Case("learned/position-negative", learned_positions, (_x(8, H), np.array([-1, 2])), {}, ValueError,
+         ("positions", "[0, 8)", "-1"), jit=False),
+    # ---------------------------------------------------------------- sinusoidal
+    Case("sinusoidal_pe/T-negative", sinusoidal_pe, (-1, 8), {}, ValueError, ("T", "-1"), jit=False),
+    Case("sinusoidal_pe/d-zero", sinusoidal_pe, (4, 0), {}, ValueError, ("d", "positive", "0"), jit=False),
+    Case("sinusoidal_pe/d-float", sinusoidal_pe, (4, 8.0), {}, TypeError, ("d", "int", "8.0"), jit=False),
+    Case("sinusoidal_pe/layout", sinusoidal_pe, (4, 8), dict(layout="split"), ValueError,
+         ("layout", "'split'", "concat"), jit=False),
+    Case("sinusoidal_pe/base-zero", sinusoidal_pe, (4, 8, 0.0), {}, ValueError, ("base", "0.0"), jit=False),
+    Case("sinusoidal_pe/offset-float", sinusoidal_pe, (4, 8), dict(offset=1.5), TypeError,
+         ("offset", "integer"), jit=False),
+    Case("sinusoidal_pe/offset-rank2", sinusoidal_pe, (4, 8), dict(offset=np.zeros((2, 2), np.int32)),
+         ValueError, ("offset", "(2, 2)"), jit=False),
+    Case("shift_matrix/d-odd", shift_matrix, (1, 7), {}, ValueError, ("d", "even", "7"), jit=False),
+    Case("shift_matrix/d-zero", shift_matrix, (1, 0), {}, ValueError, ("d", "0"), jit=False),
+    Case("relative_head_W/d-odd", relative_head_W, (1, 5), {}, ValueError, ("d", "even", "5"), jit=False),
+    # ---------------------------------------------------------------- as_scheme
+    Case("as_scheme/unknown-string", as_scheme, ("alibi",), {}, TypeError, ("position", "'alibi'"), jit=False),
+    Case("as_scheme/int", as_scheme, (3,), {}, TypeError, ("position", "int"), jit=False),
+]
+
+
+def _array_argnums(args):
+    return tuple(i for i, a in enumerate(args) if isinstance(a, (np.ndarray, jax.Array)) and a.ndim > 0)
+
+
+def _check_message(err: BaseException, words):
+    msg = str(err)
+    low = msg.lower()
+    for w in words:
+        assert w.lower() in low, f"message lacks {w!r}: {msg!r}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_eager(case: Case):
+    with pytest.raises(case.exc) as info:
+        case.fn(*case.args, **case.kwargs)
+    _check_message(info.value, case.words)
+
+
+JIT_CASES = [c for c in CASES if c.jit and _array_argnums(c.args)]
+
+
+@pytest.mark.parametrize("case", JIT_CASES, ids=[c.id for c in JIT_CASES])
+def test_bad_input_at_trace_time(case: Case):
+    """The same error when the array arguments are tracers (raised while tracing under jit)."""
+    argnums = _array_argnums(case.args)
+    static = {i: a for i, a in enumerate(case.args) if i not in argnums}
+
+    def f(*traced):
+        it = iter(traced)
+        full = [static[i] if i in static else next(it) for i in range(len(case.args))]
+        return case.fn(*full, **case.kwargs)
+
+    with pytest.raises(case.exc) as info:
+        jax.jit(f).lower(*(case.args[i] for i in argnums))  # trace + lower only, no compile/run
+    _check_message(info.value, case.words)
+
+
+def test_case_count():
+    """The closing note of issue 7 counts these; keep the table from shrinking by accident."""
+    assert len(CASES) >= 100, len(CASES)
+
+
+def test_learned_traced_out_of_range_is_nan_not_a_clamped_row():
+    """Under jit the values are unknown at trace time; the "error" policy must not fall
+    back to JAX's silent clamp (row max_len - 1) but poison the result with NaN."""
+    table = np.arange(4 * 2, dtype=np.float32).reshape(4, 2)
+    out = jax.jit(learned_positions)(table, np.array([0, 3, 4, -1], np.int32))
+    np.testing.assert_array_equal(np.asarray(out[:2]), table[[0, 3]])
+    assert np.isnan(np.asarray(out[2:])).all(), out
