@@ -15,16 +15,19 @@ import numpy as np
 
 
 def shape_of(x: Any) -> tuple[int, ...]:
+    """The static shape of an array, tracer, NumPy array, list or scalar."""
     return tuple(np.shape(x))
 
 
 def dtype_of(x: Any):
+    """The NumPy dtype of ``x`` (JAX arrays and tracers included), without converting it."""
     if hasattr(x, "dtype"):
         return np.dtype(x.dtype) if not isinstance(x.dtype, np.dtype) else x.dtype
     return np.asarray(x).dtype
 
 
 def check_rank(name: str, x: Any, ranks: Iterable[int], what: str) -> None:
+    """Raise ``ValueError`` unless ``x`` has one of ``ranks`` (``what`` names the layout)."""
     ranks = tuple(ranks)
     r = len(shape_of(x))
     if r not in ranks:
@@ -35,41 +38,44 @@ def check_rank(name: str, x: Any, ranks: Iterable[int], what: str) -> None:
 
 
 def check_integer_positions(name: str, positions: Any) -> None:
+    """Raise ``TypeError`` unless ``positions`` has an integer dtype (bool is rejected)."""
     dt = dtype_of(positions)
-    if not (jnp.issubdtype(dt, jnp.integer) or dt == np.bool_):
+    if dt == np.bool_ or not jnp.issubdtype(dt, jnp.integer):
         raise TypeError(
-            f"{name} must hold integer positions; got dtype {dt}. "
-            f"Cast with .astype(jnp.int32) if the values are whole numbers."
+            f"{name} must hold integer positions (an integer dtype such as int32); got dtype "
+            f"{dt}. Cast with .astype(jnp.int32) if the values are whole numbers."
         )
-    if dt == np.bool_:
-        raise TypeError(f"{name} must hold integer positions; got dtype bool.")
 
 
 def check_floating(name: str, x: Any) -> None:
+    """Raise ``TypeError`` unless ``x`` has a floating-point dtype."""
     dt = dtype_of(x)
     if not jnp.issubdtype(dt, jnp.floating):
-        raise TypeError(f"{name} must be a floating-point array; got dtype {dt}.")
+        raise TypeError(f"{name} must be a floating-point array (e.g. float32); got dtype {dt}.")
 
 
 def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
+    """Raise ``ValueError`` unless ``value`` is one of ``choices`` (layouts, policies)."""
     choices = tuple(choices)
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}; got {value!r}.")
 
 
 def check_positive_int(name: str, value: Any) -> int:
+    """Return ``value`` as an int; ``TypeError`` if not an int, ``ValueError`` if ``<= 0``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be a Python int; got {type(value).__name__} {value!r}.")
     if value <= 0:
-        raise ValueError(f"{name} must be a positive integer; got {value}.")
+        raise ValueError(f"{name} must be a positive integer (>= 1); got {value}.")
     return int(value)
 
 
 def check_nonneg_int(name: str, value: Any) -> int:
+    """Return ``value`` as an int; ``TypeError`` if not an int, ``ValueError`` if ``< 0``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be a Python int; got {type(value).__name__} {value!r}.")
     if value < 0:
-        raise ValueError(f"{name} must be a non-negative integer; got {value}.")
+        raise ValueError(f"{name} must be a non-negative integer (>= 0); got {value}.")
     return int(value)
 
 

@@ -8,7 +8,6 @@ geometric sequence fixed before training.
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -39,13 +38,17 @@ def alibi_slopes(num_heads: int) -> jax.Array:
       float32 ``[num_heads]``.
 
     Raises:
-      ValueError/TypeError: ``num_heads`` not a positive int.
+      ValueError: ``num_heads <= 0``. TypeError: ``num_heads`` not a Python int.
+
+    References:
+      Press, Smith & Lewis 2022, §3 and footnote on head counts; the rule matches
+      ``get_slopes`` in their released code (github.com/ofirpress/attention_with_linear_biases).
     """
     n = _checks.check_positive_int("num_heads", num_heads)
     if n & (n - 1) == 0:
         slopes = _power_of_two_slopes(n)
     else:
-        p = 2 ** math.floor(math.log2(n))
+        p = 1 << (n.bit_length() - 1)  # closest smaller power of two, exact
         slopes = _power_of_two_slopes(p) + _power_of_two_slopes(2 * p)[0::2][: n - p]
     return jnp.asarray(np.array(slopes, np.float64), jnp.float32)
 

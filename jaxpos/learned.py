@@ -20,55 +20,54 @@ _POLICIES = ("error", "wrap", "clip")
 
 
 def learned_positions(table, positions, *, out_of_range: str = "error") -> jax.Array:
-    """Look up learned position vectors.
+    """Look up learned position vectors (Gehring et al. 2017, §3.1; GPT-2; BERT).
 
     Args:
-      table: ``[max_len, d]`` floating array (the learned parameter).
-      positions: integer array ``[..., T]`` (any leading batch axes).
+      table: ``[max_len, d]`` floating array (the learned parameter), e.g.
+        ``[1024, 768]`` for GPT-2 small, ``[512, 768]`` for BERT-base.
+      positions: integer array ``[..., T]`` (any leading batch axes). Positions may
+        repeat (padding, packed sequences that restart at 0), so ``T`` may exceed
+        ``max_len`` as long as every value lies in the table.
       out_of_range: what to do with a position ``p`` outside ``[0, max_len)``:
 
-        * ``"error"`` (default): if the positions are concrete (not traced),
-          raise ``ValueError``; a ``positions`` array whose last axis is longer
-          than ``max_len`` raises at trace time in every case (such a sequence
-          can only hold a position past the table). Traced positions outside
-          the table give rows of **NaN**, so the error propagates loudly into
-          the loss instead of silently reusing another row.
-        * ``"wrap"``: row ``p % max_len`` (the course notebook's behaviour).
+        * ``"error"`` (default): if the positions are concrete (NumPy, Python, or a
+          JAX array outside ``jit``), raise ``ValueError``. Traced positions cannot be
+          inspected at trace time; those outside the table give rows of **NaN**, so
+          the error propagates loudly into the loss instead of silently reusing
+          another row (``jnp.take`` would clamp to the last row).
+        * ``"wrap"``: row ``p % max_len`` (the course notebook's behaviour; a
+          negative ``p`` wraps from the end).
         * ``"clip"``: row ``clip(p, 0, max_len - 1)``.
 
     Returns:
       ``[..., T, d]`` with ``table``'s dtype.
 
     Raises:
-      ValueError: unknown ``out_of_range``, ``table`` not rank 2, a sequence longer
-        than the table under ``"error"``, or concrete positions outside the table.
-      TypeError: float ``positions``.
+      ValueError: unknown ``out_of_range``, ``table`` not rank 2, scalar ``positions``,
+        or (policy ``"error"``) concrete positions outside ``[0, max_len)``.
+      TypeError: ``positions`` not integer, ``table`` not floating.
     """
     _checks.check_choice("out_of_range", out_of_range, _POLICIES)
     _checks.check_rank("table", table, (2,), "[max_len, d]")
+    _checks.check_floating("table", table)
     _checks.check_integer_positions("positions", positions)
     if len(_checks.shape_of(positions)) < 1:
-        raise ValueError(f"positions must have rank >= 1 ([..., T]); got a scalar.")
+        raise ValueError("positions must have rank >= 1 ([..., T]); got a scalar (shape ()).")
     table = jnp.asarray(table)
     max_len = table.shape[0]
-    T = _checks.shape_of(positions)[-1]
     if out_of_range == "wrap":
         return table[jnp.mod(jnp.asarray(positions, jnp.int32), max_len)]
     if out_of_range == "clip":
         return table[jnp.clip(jnp.asarray(positions, jnp.int32), 0, max_len - 1)]
-    if T > max_len:
-        raise ValueError(
-            f"positions has sequence length {T}, longer than the learned table "
-            f"(max_len={max_len}); learned absolute positions cannot run past their table. "
-            f"Pass out_of_range='wrap' or 'clip' to choose another policy explicitly."
-        )
     if _checks.is_concrete(positions):
         p = np.asarray(positions)
         bad = (p < 0) | (p >= max_len)
         if bad.any():
             raise ValueError(
                 f"positions must lie in [0, {max_len}) for a table of {max_len} rows; got "
-                f"values from {p.min()} to {p.max()} ({int(bad.sum())} outside)."
+                f"values from {p.min()} to {p.max()} ({int(bad.sum())} outside). There is no row "
+                f"for position {max_len}; pass out_of_range='wrap' or 'clip' to choose another "
+                f"policy explicitly."
             )
     pos = jnp.asarray(positions, jnp.int32)
     valid = (pos >= 0) & (pos < max_len)

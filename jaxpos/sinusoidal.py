@@ -10,6 +10,8 @@ position). Shifting a position by ``k`` rotates every pair by ``k * omega_i``, s
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,11 +24,23 @@ __all__ = ["sinusoidal_pe", "sinusoidal_frequencies", "shift_matrix", "relative_
 def sinusoidal_frequencies(d: int, base: float = 10000.0) -> np.ndarray:
     """Angular frequencies ``omega_i = base ** (-2i / d)`` for ``i = 0 .. ceil(d/2) - 1``.
 
-    Returns a float64 NumPy array of length ``ceil(d / 2)`` (radians per position).
+    Vaswani et al. 2017, §3.5: pair ``i`` has wavelength ``2 * pi / omega_i`` positions,
+    from ``2 * pi`` (i = 0) to ``2 * pi * base ** (1 - 2/d)`` for the slowest pair of an
+    even ``d``.
+
+    Args:
+      d: model width, a positive Python int.
+      base: wavelength base, a positive float.
+
+    Returns:
+      float64 NumPy ``[ceil(d / 2)]``, radians per position.
+
+    Raises:
+      TypeError: ``d`` not an int. ValueError: ``d < 1`` or ``base <= 0``.
     """
     d = _checks.check_positive_int("d", d)
     if not base > 0:
-        raise ValueError(f"base must be > 0; got {base!r}.")
+        raise ValueError(f"base must be a positive float; got {base!r}.")
     i = np.arange((d + 1) // 2, dtype=np.float64)
     return np.power(float(base), -2.0 * i / d)
 
@@ -71,59 +85,89 @@ def sinusoidal_pe(
         raise TypeError(f"offset must be an integer (scalar or [B]); got dtype {off.dtype}.")
     if off.ndim > 1:
         raise ValueError(f"offset must be a scalar or a [B] array; got shape {off.shape}.")
-    pos = jnp.arange(T, dtype=jnp.int32) + off.astype(jnp.int32)[..., None]  # [T] or [B, T]
+    return _table(off.astype(jnp.int32), omega, T=T, d=d, layout=layout, dtype=jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("T", "d", "layout", "dtype"))
+def _table(off, omega, *, T, d, layout, dtype):
+    """One compiled computation per (T, d, layout, dtype), also when called eagerly."""
+    pos = jnp.arange(T, dtype=jnp.int32) + off[..., None]  # [T] or [B, T]
     angle = pos.astype(jnp.float32)[..., None] * omega  # [..., T, ceil(d/2)]
     s, c = jnp.sin(angle), jnp.cos(angle)
     if layout == "interleaved":
         table = jnp.stack([s, c], axis=-1).reshape(*angle.shape[:-1], 2 * angle.shape[-1])
-    else:
-        table = jnp.concatenate([s, c], axis=-1)
-        if d % 2:  # drop the last cosine, keeping every sine
-            table = jnp.concatenate([s, c[..., :-1]], axis=-1)
-            return table.astype(dtype)
-    return table[..., :d].astype(dtype)
+        return table[..., :d].astype(dtype)
+    # concat: every sine, then the cosines (the last one dropped when d is odd)
+    return jnp.concatenate([s, c[..., : d - s.shape[-1]]], axis=-1).astype(dtype)
 
 
-def shift_matrix(k: int, d: int, base: float = 10000.0) -> jax.Array:
+def shift_matrix(k, d: int, base: float = 10000.0) -> jax.Array:
     """The ``[d, d]`` block-diagonal rotation ``M_k`` with ``P[t + k] = M_k @ P[t]``.
 
     For the interleaved table of :func:`sinusoidal_pe`, block ``i`` acts on
     ``(sin, cos)`` of angle ``a = t * omega_i`` and adds ``k * omega_i`` to it:
-    ``[[cos, sin], [-sin, cos]]`` of ``k * omega_i``. ``M_{-k} = M_k^T``.
+    ``[[cos, sin], [-sin, cos]]`` of ``k * omega_i`` (the angle-addition identity,
+    Vaswani et al. 2017, §3.5). ``M_{-k} = M_k^T``.
 
     Args:
-      k: the shift in positions (int, may be negative).
+      k: the shift in positions, an integer (may be negative): a Python/NumPy int
+        (the angles are then formed in float64 on the host and rounded once) or an
+        integer scalar JAX array, possibly traced under ``jit``/``vmap`` (angles in
+        float32).
+      d: even model width, a Python int.
+      base: wavelength base (10000 in the paper).
+
+    Returns:
+      float32 ``[d, d]``.
+
+    Raises:
+      ValueError: ``d`` odd or < 2 (the rotation needs whole pairs), ``k`` not a scalar.
+      TypeError: ``k`` not an integer, ``d`` not an int.
+    """
+    d = _checks.check_positive_int("d", d)
+    if d % 2:
+        raise ValueError(f"d must be even for shift_matrix (whole sin/cos pairs); got {d}.")
+    if _checks.shape_of(k) != ():
+        raise ValueError(f"k must be a scalar shift; got shape {_checks.shape_of(k)}.")
+    _checks.check_integer_positions("k", k)
+    omega = sinusoidal_frequencies(d, base)
+    idx = np.arange(d // 2) * 2
+    if _checks.is_concrete(k):
+        theta = float(np.asarray(k)) * omega  # float64 on the host, then rounded once
+        c, s = np.cos(theta), np.sin(theta)
+        m = np.zeros((d, d), np.float64)
+        # (sin(a + b), cos(a + b)) = (sin a cos b + cos a sin b, cos a cos b - sin a sin b)
+        m[idx, idx] = c
+        m[idx, idx + 1] = s
+        m[idx + 1, idx] = -s
+        m[idx + 1, idx + 1] = c
+        return jnp.asarray(m, jnp.float32)
+    theta = jnp.asarray(k, jnp.int32).astype(jnp.float32) * jnp.asarray(omega, jnp.float32)
+    c, s = jnp.cos(theta), jnp.sin(theta)
+    m = jnp.zeros((d, d), jnp.float32)
+    m = m.at[idx, idx].set(c).at[idx, idx + 1].set(s)
+    return m.at[idx + 1, idx].set(-s).at[idx + 1, idx + 1].set(c)
+
+
+def relative_head_W(k, d: int, c: float = 8.0, base: float = 10000.0) -> jax.Array:
+    """``c * M_k``: a bilinear form under which ``p_m @ W @ p_n`` peaks at ``n = m - k``.
+
+    With rows ``p = sinusoidal_pe(...)``, ``p_m W p_n = c * p_{m-k} . p_n`` (because
+    ``M_k^T = M_{-k}``), which depends only on ``m - n`` and equals ``c * d / 2`` at
+    ``n = m - k``: a head whose query-key product is ``c * M_k`` on the position
+    subspace attends ``k`` tokens back at every position (the "previous-token head"
+    for ``k = 1``). Vaswani et al. 2017, §3.5 (the shift hypothesis).
+
+    Args:
+      k: integer shift (as :func:`shift_matrix`; may be traced).
       d: even model width.
+      c: the gain (a positive float in the construction; any float is accepted).
       base: wavelength base.
 
     Returns:
       float32 ``[d, d]``.
 
     Raises:
-      ValueError: ``d`` odd or < 2 (the rotation needs whole pairs).
+      As :func:`shift_matrix`.
     """
-    d = _checks.check_positive_int("d", d)
-    if d % 2:
-        raise ValueError(f"d must be even for shift_matrix (whole sin/cos pairs); got {d}.")
-    omega = sinusoidal_frequencies(d, base)
-    theta = float(k) * omega  # float64 on the host, then rounded once
-    c, s = np.cos(theta), np.sin(theta)
-    m = np.zeros((d, d), np.float64)
-    idx = np.arange(d // 2) * 2
-    # (sin(a + b), cos(a + b)) = (sin a cos b + cos a sin b, cos a cos b - sin a sin b)
-    m[idx, idx] = c
-    m[idx, idx + 1] = s
-    m[idx + 1, idx] = -s
-    m[idx + 1, idx + 1] = c
-    return jnp.asarray(m, jnp.float32)
-
-
-def relative_head_W(k: int, d: int, c: float = 8.0, base: float = 10000.0) -> jax.Array:
-    """``c * M_k``: a bilinear form under which ``p_m @ W @ p_n`` peaks at ``n = m - k``.
-
-    With rows ``p = sinusoidal_pe(...)``, ``p_m W p_n = c * p_{m-k} . p_n``, which
-    depends only on ``m - n`` and equals ``c * d / 2`` at ``n = m - k`` (the
-    "previous-token head" for ``k = 1``). Float32 ``[d, d]``; errors as
-    :func:`shift_matrix`.
-    """
-    return jnp.float32(c) * shift_matrix(k, d, base)
+    return jnp.asarray(c, jnp.float32) * shift_matrix(k, d, base)

@@ -1,0 +1,30 @@
+"""Shared pytest configuration for the jaxpos test suite.
+
+* Float32 matrix products at full precision: on GPU/TPU the default may use
+  TF32/bfloat16 passes, which would make comparisons with float64 NumPy references
+  depend on the backend. On CPU this changes nothing.
+* Hypothesis without a per-example deadline: the first example of a test pays
+  JAX's compilation time, which is not a property of the code under test.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+try:
+    from hypothesis import settings
+
+    settings.register_profile("jaxpos", deadline=None, print_blob=True)
+    settings.load_profile("jaxpos")
+except ImportError:  # hypothesis is a test extra; tests that need it import it themselves
+    pass
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    """A NumPy generator with a fixed seed, fresh for every test."""
+    return np.random.default_rng(0)
