@@ -8,6 +8,8 @@ because ``jnp.take`` and friends silently clamp out-of-range indices.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,13 +55,8 @@ def learned_positions(table, positions, *, out_of_range: str = "error") -> jax.A
     _checks.check_integer_positions("positions", positions)
     if len(_checks.shape_of(positions)) < 1:
         raise ValueError("positions must have rank >= 1 ([..., T]); got a scalar (shape ()).")
-    table = jnp.asarray(table)
-    max_len = table.shape[0]
-    if out_of_range == "wrap":
-        return table[jnp.mod(jnp.asarray(positions, jnp.int32), max_len)]
-    if out_of_range == "clip":
-        return table[jnp.clip(jnp.asarray(positions, jnp.int32), 0, max_len - 1)]
-    if _checks.is_concrete(positions):
+    max_len = _checks.shape_of(table)[0]
+    if out_of_range == "error" and _checks.is_concrete(positions):
         p = np.asarray(positions)
         bad = (p < 0) | (p >= max_len)
         if bad.any():
@@ -69,7 +66,17 @@ def learned_positions(table, positions, *, out_of_range: str = "error") -> jax.A
                 f"for position {max_len}; pass out_of_range='wrap' or 'clip' to choose another "
                 f"policy explicitly."
             )
-    pos = jnp.asarray(positions, jnp.int32)
+    return _lookup(jnp.asarray(table), jnp.asarray(positions, jnp.int32), out_of_range)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _lookup(table, pos, out_of_range):
+    """The gather, one compiled computation per shape and policy (also when eager)."""
+    max_len = table.shape[0]
+    if out_of_range == "wrap":
+        return table[jnp.mod(pos, max_len)]
+    if out_of_range == "clip":
+        return table[jnp.clip(pos, 0, max_len - 1)]
     valid = (pos >= 0) & (pos < max_len)
-    rows = table[jnp.clip(pos, 0, max_len - 1)]
+    rows = table[jnp.clip(pos, 0, max_len - 1)]  # clamp made explicit, then masked to NaN
     return jnp.where(valid[..., None], rows, jnp.array(jnp.nan, rows.dtype))

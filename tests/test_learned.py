@@ -1,0 +1,137 @@
+"""Learned absolute positions (Gehring et al. 2017; GPT-2; BERT): table sizes of
+FACTS.md, and the explicit policy for a position with no row (error / wrap / clip).
+JAX clamps out-of-range gather indices, so every test here checks that no lookup
+returns another row silently."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+from jaxpos import learned_positions
+
+
+def _table(max_len=6, d=3):
+    # Row r is filled with r + 0.25 * column, so every row is distinct and recognisable.
+    return (np.arange(max_len, dtype=np.float32)[:, None]
+            + 0.25 * np.arange(d, dtype=np.float32)[None, :])
+
+
+@pytest.mark.parametrize("model, max_len, d, params", [
+    ("GPT-2 small", 1024, 768, 786_432),
+    ("BERT-base", 512, 768, 393_216),
+])
+def test_table_sizes_and_last_row(model, max_len, d, params):
+    # FACTS.md: GPT-2 small 1024 x 768 = 786,432 parameters; BERT-base 512 x 768 = 393,216.
+    table = np.zeros((max_len, d), np.float32)
+    table[-1] = 1.0
+    assert table.size == params
+    out = learned_positions(table, np.arange(max_len))
+    assert out.shape == (max_len, d)
+    np.testing.assert_array_equal(np.asarray(out[-1]), np.ones(d))
+    # FACTS.md: there is no row for position max_len.
+    with pytest.raises(ValueError, match=rf"positions must lie in \[0, {max_len}\)"):
+        learned_positions(table, np.arange(max_len + 1))
+
+
+def test_lookup_values_batched():
+    table = _table()
+    positions = np.array([[0, 5, 2], [3, 3, 1]])
+    out = learned_positions(table, positions)
+    assert out.shape == (2, 3, 3) and out.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out), table[positions])
+
+
+def test_error_policy_rejects_each_position_outside():
+    table = _table(max_len=6)
+    for bad in (6, 7, 100, -1):
+        with pytest.raises(ValueError, match=r"positions.*outside.*out_of_range="):
+            learned_positions(table, np.array([0, bad, 1]))
+
+
+def test_wrap_policy():
+    # FACTS.md: "wrap" is pos % max_len, as the course notebook does.
+    table = _table(max_len=6)
+    pos = np.array([0, 5, 6, 7, 13, -1])
+    out = np.asarray(learned_positions(table, pos, out_of_range="wrap"))
+    np.testing.assert_array_equal(out, table[[0, 5, 0, 1, 1, 5]])
+
+
+def test_clip_policy():
+    table = _table(max_len=6)
+    pos = np.array([0, 5, 6, 100, -3])
+    out = np.asarray(learned_positions(table, pos, out_of_range="clip"))
+    np.testing.assert_array_equal(out, table[[0, 5, 5, 5, 0]])
+
+
+def test_traced_out_of_range_is_nan_never_another_row():
+    # Under jit the values are unknown at trace time: rows outside the table are NaN,
+    # in-range rows are exact, and no output row equals a row of the table by accident.
+    table = _table(max_len=6)
+    pos = jnp.array([0, 5, 6, 9, -1, 2], jnp.int32)
+    out = np.asarray(jax.jit(learned_positions)(table, pos))
+    np.testing.assert_array_equal(out[[0, 1, 5]], table[[0, 5, 2]])
+    assert np.isnan(out[[2, 3, 4]]).all()
+
+
+def test_packed_positions_may_exceed_table_length():
+    # Packed sequences restart at 0: ten positions, every one inside a 4-row table.
+    table = _table(max_len=4)
+    pos = np.array([0, 1, 2, 3, 0, 1, 2, 3, 0, 1])
+    np.testing.assert_array_equal(np.asarray(learned_positions(table, pos)), table[pos])
+
+
+def test_gradient_reaches_the_looked_up_rows():
+    table = _table(max_len=5, d=2)
+    pos = np.array([0, 2, 2, 4])
+    cot = np.arange(8, dtype=np.float32).reshape(4, 2)
+    grad = jax.grad(lambda t: jnp.sum(learned_positions(t, pos) * cot))(jnp.asarray(table))
+    expected = np.zeros_like(table)
+    np.add.at(expected, pos, cot)
+    np.testing.assert_array_equal(np.asarray(grad), expected)
+
+
+class TransformsTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters("error", "wrap", "clip")
+    def test_eager_and_jit_agree(self, policy):
+        table = _table(max_len=6)
+        pos = np.array([[0, 1, 5], [2, 4, 3]], np.int32)
+        f = self.variant(lambda t, p: learned_positions(t, p, out_of_range=policy))
+        chex.assert_trees_all_equal(f(table, pos), table[pos])
+
+    def test_vmap_matches_batched(self):
+        table = _table(max_len=6)
+        pos = jnp.array([[0, 1, 5], [2, 4, 3]], jnp.int32)
+        for policy in ("error", "wrap", "clip"):
+            f = lambda p: learned_positions(table, p, out_of_range=policy)
+            chex.assert_trees_all_equal(jax.vmap(f)(pos), f(pos))
+
+
+BAD_INPUTS = [
+    ("out_of_range", ValueError, dict(out_of_range="ignore"), "'ignore'"),
+    ("table", ValueError, dict(table=np.zeros(6, np.float32)), "(6,)"),
+    ("table", TypeError, dict(table=np.zeros((6, 3), np.int32)), "int32"),
+    ("positions", TypeError, dict(positions=np.array([0.0, 1.0], np.float32)), "float32"),
+    ("positions", TypeError, dict(positions=np.array([True, False])), "bool"),
+    ("positions", ValueError, dict(positions=np.int32(3)), "scalar"),
+    ("positions", ValueError, dict(positions=np.array([0, 6])), "6"),
+]
+
+
+@pytest.mark.parametrize("argument, error, kwargs, got", BAD_INPUTS,
+                         ids=[f"{a}-{e.__name__}-{i}" for i, (a, e, _, _) in enumerate(BAD_INPUTS)])
+def test_bad_input(argument, error, kwargs, got):
+    args = dict(table=_table(max_len=6), positions=np.array([0, 1]))
+    args.update(kwargs)
+    policy = args.pop("out_of_range", "error")
+    with pytest.raises(error) as info:
+        learned_positions(args["table"], args["positions"], out_of_range=policy)
+    msg = str(info.value)
+    assert msg.startswith(argument + " "), msg
+    assert "got" in msg and got in msg, msg
