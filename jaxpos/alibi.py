@@ -90,8 +90,8 @@ def relative_offsets(q_positions, kv_positions) -> jax.Array:
     k = jnp.asarray(kv_positions, jnp.int32)
     if q.ndim == 2 and k.ndim == 2 and q.shape[0] != k.shape[0] and 1 not in (q.shape[0], k.shape[0]):
         raise ValueError(
-            f"q_positions and kv_positions have batch sizes {q.shape[0]} and {k.shape[0]}; "
-            f"expected equal batch sizes (or 1)."
+            f"q_positions and kv_positions must have equal batch sizes (or 1); got batch "
+            f"sizes {q.shape[0]} and {k.shape[0]} (shapes {q.shape} and {k.shape})."
         )
     return k[..., None, :] - q[..., :, None]
 
