@@ -10,6 +10,9 @@ depend on the query content and add a value term, and an arbitrary boolean ``mas
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 from jaxpos.schemes import ALiBi, NoPE, PositionScheme, RoPE, T5Bias
@@ -23,8 +26,41 @@ _FUSED = (NoPE, RoPE, ALiBi, T5Bias)
 
 def supports_scheme(scheme: PositionScheme) -> bool:
     """True for the schemes the kernel fuses: :class:`NoPE`, :class:`RoPE`, :class:`ALiBi`,
-    :class:`T5Bias` (and their subclasses). False for :class:`Shaw` and anything else."""
-    return isinstance(scheme, _FUSED)
+    :class:`T5Bias` (and their subclasses). False for :class:`Shaw` and anything else.
+
+    On a GPU backend RoPE is reported only when :func:`jaxpos.rope.rope_angles` (the
+    angle computation the kernel calls) lowers through Pallas Triton
+    (:func:`rope_angles_lower_for_triton`), so the default never picks a kernel that
+    cannot compile.
+    """
+    if not isinstance(scheme, _FUSED):
+        return False
+    if isinstance(scheme, RoPE) and jax.default_backend() in ("gpu", "cuda", "rocm"):
+        return rope_angles_lower_for_triton()
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def rope_angles_lower_for_triton() -> bool:
+    """Whether the kernel's RoPE angles (``angle_precision="high"``) lower through Pallas
+    Triton: exports a one-tile kernel for ``cuda`` once (about a second) and caches the
+    answer. False when the angle code uses a primitive Triton lacks (``lax.round``)."""
+    from jaxpos.kernels.fused import fused_attention
+
+    sds = jax.ShapeDtypeStruct
+    x = sds((1, 16, 1, 32), jnp.float32)
+    pos = sds((16,), jnp.int32)
+    fn = functools.partial(fused_attention, inv_freq=jnp.ones((16,), jnp.float32),
+                           interpret=False)
+    try:
+        jax.export.export(
+            jax.jit(lambda q, k, v, p: fn(q, k, v, q_positions=p, kv_positions=p)),
+            platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        )(x, x, x, pos)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def t5_offset_bias(scheme: T5Bias) -> jnp.ndarray:

@@ -44,7 +44,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxpos import _checks
-from jaxpos.rope import LAYOUTS, rope_angles
+from jaxpos.rope import ANGLE_PRECISIONS, LAYOUTS, rope_angles
 
 __all__ = ["fused_attention", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K"]
 
@@ -75,6 +75,7 @@ class _Cfg(NamedTuple):
     has_segments: bool
     qpos_batched: bool
     kvpos_batched: bool
+    angle_precision: str  # jaxpos.rope.rope_angles: "high" or "float32"
     precise: bool  # float32 inputs: exact float32 dots
     mode: str  # "interpret", "compiled" or "auto"
 
@@ -88,7 +89,7 @@ def _dot(a, b, cfg, contract=((1,), (1,))):
 
 def _cos_sin(pos_col, inv_freq, cfg):
     """float32 ``cos, sin`` ``[t, half]`` times attention_factor; ``pos_col`` int32 ``[t, 1]``."""
-    ang = rope_angles(pos_col, inv_freq[0])[:, 0, :]  # [t, 1, half] -> [t, half]
+    ang = rope_angles(pos_col, inv_freq[0], angle_precision=cfg.angle_precision)[:, 0, :]
     af = jnp.float32(cfg.attention_factor)
     return jnp.cos(ang) * af, jnp.sin(ang) * af
 
@@ -398,7 +399,7 @@ def _inputs(cfg, parts_q, parts_k, v, ints, tabs, extra, *, kv_tile):
 
     if not kv_tile:
         q_spec = lambda w: pl.BlockSpec((None, None, bq, w), lambda b, h, i: (b, h, i, 0))
-        k_spec = lambda w: pl.BlockSpec((None, None, Tk_p, w), lambda b, h, i: (b, h // g, 0, 0))
+        k_spec = lambda w: pl.BlockSpec((None, None, Tk_p, w), lambda b, h, i: (b, jax.lax.div(h, g), 0, 0))
         qcol = pl.BlockSpec((None, bq, 1), lambda b, h, i: (qb(b), i, 0))
         krow = pl.BlockSpec((None, 1, Tk_p), lambda b, h, i: (kb(b), 0, 0))
         kcol = pl.BlockSpec((None, Tk_p, 1), lambda b, h, i: (kb(b), 0, 0))
@@ -407,7 +408,7 @@ def _inputs(cfg, parts_q, parts_k, v, ints, tabs, extra, *, kv_tile):
         row_spec = lambda w: pl.BlockSpec((None, None, bq, w), lambda b, h, i: (b, h, i, 0))
     else:
         q_spec = lambda w: pl.BlockSpec((None, None, Tq_p, w), lambda b, h, j: (b, h, 0, 0))
-        k_spec = lambda w: pl.BlockSpec((None, None, bk, w), lambda b, h, j: (b, h // g, j, 0))
+        k_spec = lambda w: pl.BlockSpec((None, None, bk, w), lambda b, h, j: (b, jax.lax.div(h, g), j, 0))
         qcol = pl.BlockSpec((None, Tq_p, 1), lambda b, h, j: (qb(b), 0, 0))
         krow = pl.BlockSpec((None, 1, bk), lambda b, h, j: (kb(b), 0, j))
         kcol = pl.BlockSpec((None, bk, 1), lambda b, h, j: (kb(b), j, 0))
@@ -558,8 +559,8 @@ def _resolve_mode(interpret):
 
 
 def fused_attention(q, k, v, *, q_positions, kv_positions, inv_freq=None, rope_layout="half",
-                    attention_factor=1.0, alibi_slopes=None, alibi_bidirectional=False,
-                    offset_bias=None, causal=False, segment_ids=None, kv_segment_ids=None,
+                    attention_factor=1.0, angle_precision="high", alibi_slopes=None,
+                    alibi_bidirectional=False, offset_bias=None, causal=False, segment_ids=None, kv_segment_ids=None,
                     scale=None, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K,
                     interpret=None):
     """Fused attention with in-kernel RoPE, ALiBi and an offset-indexed bias (Pallas).
@@ -595,6 +596,8 @@ def fused_attention(q, k, v, *, q_positions, kv_positions, inv_freq=None, rope_l
         Treated as a constant: its gradient is not computed (zero).
       rope_layout: ``"half"`` (Llama/NeoX) or ``"interleaved"`` (GPT-J/Meta).
       attention_factor: Python float multiplying cos and sin (YaRN/LongRoPE).
+      angle_precision: ``"high"`` (default, as :func:`jaxpos.apply_rope`) or ``"float32"``
+        (Hugging Face's unreduced product); see :func:`jaxpos.rope.rope_angles`.
       alibi_slopes: float ``[N]`` or None; differentiable.
       alibi_bidirectional: use ``-slopes * |kv_pos - q_pos|`` (encoders).
       offset_bias: float ``[N, 2R + 1]`` or None; differentiable.
@@ -630,6 +633,7 @@ def fused_attention(q, k, v, *, q_positions, kv_positions, inv_freq=None, rope_l
         raise ValueError(f"query heads ({N}) must be a multiple of key/value heads ({Nk}); "
                          f"got q {q.shape}, k {k.shape}.")
     _checks.check_choice("rope_layout", rope_layout, LAYOUTS)
+    _checks.check_choice("angle_precision", angle_precision, ANGLE_PRECISIONS)
     block_q = _check_block("block_q", block_q)
     block_k = _check_block("block_k", block_k)
     mode = _resolve_mode(interpret)
@@ -676,7 +680,8 @@ def fused_attention(q, k, v, *, q_positions, kv_positions, inv_freq=None, rope_l
 
     cfg = _Cfg(B=B, N=N, groups=N // Nk, Tq=Tq, Tk=Tk, bq=bq, bk=bk, nq=nq, nk=nk,
                scale=float(scale), causal=bool(causal), has_rope=inv_freq is not None,
-               attention_factor=float(attention_factor), has_alibi=alibi_slopes is not None,
+               attention_factor=float(attention_factor), angle_precision=angle_precision,
+               has_alibi=alibi_slopes is not None,
                alibi_bidirectional=bool(alibi_bidirectional), radius=radius,
                has_segments=segment_ids is not None, qpos_batched=q_pos.shape[0] > 1,
                kvpos_batched=kv_pos.shape[0] > 1, precise=q.dtype == jnp.float32, mode=mode)
