@@ -1,5 +1,5 @@
 """Rotary position embedding, RoPE (Su et al. 2024, "RoFormer: Enhanced Transformer with
-Rotary Position Embedding", §3.2-3.4).
+Rotary Position Embedding", §3.2-3.4), its layouts, and its variants.
 
 Pair ``i`` of the first ``rotary_dim`` features of each head is rotated by the angle
 ``pos * inv_freq[i]``, ``inv_freq[i] = base ** (-2i / rotary_dim)``. Because a rotation
@@ -11,7 +11,28 @@ Layouts (which features form a pair):
 * ``"half"``: feature ``i`` pairs with ``i + rotary_dim/2`` (GPT-NeoX, Llama in Hugging
   Face, ``rotate_half``).
 * ``"interleaved"``: feature ``2i`` pairs with ``2i + 1`` (GPT-J, RoFormer, Meta's
-  original Llama code).
+  original Llama code). :func:`interleaved_to_half` / :func:`half_to_interleaved` permute
+  q/k projection weights between the two (the Meta-to-HF checkpoint conversion).
+
+Angle precision (``angle_precision``):
+
+* ``"high"`` (default): the angle ``pos * inv_freq`` is formed exactly from 12-bit pieces
+  and reduced modulo ``2*pi`` in extended precision with float32 operations only, so the
+  angle handed to ``cos``/``sin`` is within 4e-7 rad of the exact value of
+  ``pos * inv_freq`` modulo ``2 pi`` (inv_freq taken as the float32 numbers given) for
+  ``|pos| < 2**28`` and ``inv_freq <= 1``; about 1e-6 rad at ``|pos| = 2**31``.
+* ``"float32"``: ``float32(pos) * inv_freq`` rounded once, exactly as Hugging Face
+  transformers computes it. Its error grows with the position: about ``pos * 6e-8`` rad
+  for ``inv_freq = 1`` (0.008 rad at 131,072; 0.06 rad at 1,000,000), far above bfloat16
+  rounding at long positions. Use it to reproduce HF's numbers to the last digit.
+
+Either way cos, sin and the rotation are computed in float32 and cast back once
+(Hugging Face instead casts cos/sin to the input dtype and rotates in it).
+
+Variants: p-RoPE (:func:`p_rope_frequencies`), M-RoPE of Qwen2-VL (:func:`mrope_angles`,
+:func:`apply_mrope`) and 2-D axial RoPE for image patches (:func:`axial_rope_frequencies`,
+:func:`axial_rope_angles`, :func:`apply_axial_rope`). Context extension (linear, dynamic
+NTK, YaRN, Llama 3, LongRoPE) lives in :mod:`jaxpos.rope_scaling`.
 """
 
 from __future__ import annotations
@@ -22,28 +43,39 @@ import numpy as np
 
 from jaxpos import _checks
 
-__all__ = ["rope_frequencies", "apply_rope", "rope_angles", "LAYOUTS"]
+__all__ = [
+    "rope_frequencies", "apply_rope", "rope_angles", "rotate", "apply_rope_angles",
+    "LAYOUTS", "ANGLE_PRECISIONS", "interleaved_to_half", "half_to_interleaved",
+    "p_rope_frequencies", "mrope_angles", "apply_mrope", "axial_rope_frequencies",
+    "axial_rope_angles", "apply_axial_rope",
+]
 
 LAYOUTS = ("half", "interleaved")
+ANGLE_PRECISIONS = ("high", "float32")
 
 
+# ------------------------------------------------------------------------- frequencies
 def rope_frequencies(rotary_dim: int, base: float = 10000.0, *, scaling=None, seq_len=None):
     """Inverse frequencies of RoPE and the attention factor, as Hugging Face's rope init
-    functions return them.
+    functions return them (Su et al. 2024, eq. 15: ``theta_i = base ** (-2(i-1)/d)``).
 
     Args:
-      rotary_dim: number of rotated features per head (even, positive).
+      rotary_dim: number of rotated features per head (even, positive). With partial
+        rotary (GPT-NeoX, Phi) this is ``int(head_dim * partial_rotary_factor)``, and the
+        exponent divides by it, not by ``head_dim``.
       base: ``rope_theta`` (10,000 in RoFormer; 500,000 in Llama 3).
-      scaling: ``None`` or a context-extension dataclass (see :mod:`jaxpos.rope_scaling`).
-      seq_len: sequence length, for scalings that depend on it (dynamic NTK, LongRoPE).
+      scaling: ``None`` or a context-extension dataclass (:mod:`jaxpos.rope_scaling`).
+      seq_len: Python int, for scalings that depend on the length (dynamic NTK, LongRoPE).
 
     Returns:
       ``(inv_freq, attention_factor)``: float32 ``[rotary_dim // 2]`` in radians per
-      position, computed in float64 on the host and rounded once; and a Python float
-      (1.0 without scaling) that multiplies cos and sin (so the scores by its square).
+      position, computed with float32 operations in HF's order
+      (``1 / base ** (arange(0, d, 2) / d)``); and a Python float (1.0 without scaling)
+      that multiplies cos and sin, hence the attention logits by its square.
 
     Raises:
       ValueError: odd or non-positive ``rotary_dim``; ``base <= 0``.
+      TypeError: ``rotary_dim`` not an int.
     """
     check_rotary_dim(rotary_dim)
     if not float(base) > 0:
@@ -52,13 +84,19 @@ def rope_frequencies(rotary_dim: int, base: float = 10000.0, *, scaling=None, se
         from jaxpos import rope_scaling  # the registry of context-extension methods
 
         return rope_scaling.scaled_frequencies(rotary_dim, base, scaling, seq_len=seq_len)
-    exps = np.arange(0, rotary_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(rotary_dim)
-    # HF: 1.0 / (base ** (arange(0, dim, 2).float() / dim)) in float32.
-    inv_freq = (1.0 / (np.float32(base) ** exps)).astype(np.float32)
-    return jnp.asarray(inv_freq), 1.0
+    return jnp.asarray(default_inv_freq(rotary_dim, base)), 1.0
+
+
+def default_inv_freq(rotary_dim: int, base: float) -> np.ndarray:
+    """NumPy float32 ``1 / base ** (arange(0, rotary_dim, 2) / rotary_dim)``, op for op as
+    HF computes it in float32 (the power is correctly rounded here; PyTorch's ``pow`` may
+    differ from it by one ulp in about 1% of entries)."""
+    exps = np.arange(0, rotary_dim, 2).astype(np.float32) / np.float32(rotary_dim)
+    return (np.float32(1.0) / (np.float32(base) ** exps)).astype(np.float32)
 
 
 def check_rotary_dim(rotary_dim, head_dim=None) -> int:
+    """Validate ``rotary_dim`` (positive even int, at most ``head_dim``); return it."""
     r = _checks.check_positive_int("rotary_dim", rotary_dim)
     if r % 2:
         raise ValueError(f"rotary_dim must be even (features rotate in pairs); got {r}.")
@@ -67,21 +105,165 @@ def check_rotary_dim(rotary_dim, head_dim=None) -> int:
     return r
 
 
-def rope_angles(positions, inv_freq) -> jax.Array:
-    """float32 angles ``positions[..., None] * inv_freq`` -> ``[..., T, rotary_dim // 2]``."""
-    pos = jnp.asarray(positions).astype(jnp.float32)
-    return pos[..., None] * jnp.asarray(inv_freq, jnp.float32)
+def p_rope_frequencies(head_dim: int, base: float = 10000.0, *, p: float) -> jax.Array:
+    """p-RoPE inverse frequencies (Barbero et al. 2025, "Round and Round We Go! What makes
+    Rotary Positional Encodings useful?", ICLR, p-RoPE): keep the ``p`` fraction of highest
+    frequencies of a full-width RoPE and set the rest to zero (those pairs do not rotate and
+    act as semantic channels). HF's ``"proportional"`` rope type (Gemma 4) is this with an
+    extra ``factor`` division.
+
+    Unlike partial rotary, the exponent divides by ``head_dim``: the kept frequencies are
+    exactly those of full RoPE, ``inv_freq[i] = base ** (-2i / head_dim)`` for
+    ``i < int(p * head_dim // 2)`` (HF's rounding), and 0 after.
+
+    Args:
+      head_dim: H (even). base: ``rope_theta``. p: fraction in [0, 1].
+
+    Returns:
+      float32 ``[head_dim // 2]``.
+
+    Raises:
+      ValueError: odd ``head_dim``; ``p`` outside [0, 1]; ``base <= 0``.
+    """
+    check_rotary_dim(head_dim)
+    p = float(p)
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"p must be in [0, 1] (the fraction of frequencies that rotate); got {p}.")
+    if not float(base) > 0:
+        raise ValueError(f"base must be > 0; got {base!r}.")
+    n_rot = int(p * head_dim // 2)
+    exps = np.arange(0, 2 * n_rot, 2).astype(np.float32) / np.float32(head_dim)
+    rot = (np.float32(1.0) / (np.float32(base) ** exps)).astype(np.float32)
+    return jnp.asarray(np.concatenate([rot, np.zeros(head_dim // 2 - n_rot, np.float32)]))
 
 
-def apply_rope(x, positions, inv_freq, *, layout: str = "half", attention_factor=1.0):
-    """Rotate the first ``2 * len(inv_freq)`` features of each head of ``x``.
+# ------------------------------------------------------------------------------ angles
+# 1/(2*pi) as a sum of float32 pieces, the first three with 12 significant bits, so that a
+# 12-bit number times any of them is exact in float32. Their sum equals 1/(2*pi) to 2.7e-20
+# (tests/test_rope.py checks it against 60 decimal digits).
+_INV_2PI = (float.fromhex("0x1.45ep-3"), float.fromhex("0x1.306p-15"),
+            float.fromhex("0x1.b92p-28"), float.fromhex("0x1.91054ap-40"))
+_TWO_PI = 2.0 * np.pi
+
+
+def _split12(x):
+    """``x = hi + lo`` exactly, ``hi`` the top 12 significant bits of float32 ``x``."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    hi = jax.lax.bitcast_convert_type(bits & jnp.int32(-4096), jnp.float32)  # 0xFFFFF000
+    return hi, x - hi
+
+
+def _two_sum(a, b):
+    """Knuth's error-free sum: ``a + b = s + e`` exactly. Additions only, so a compiler
+    that contracts ``a * b + c`` into an FMA cannot change it."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def _frac(x):
+    """``x - round(x)``: exact in floating point, in [-0.5, 0.5]."""
+    return x - jnp.round(x)
+
+
+def _turns_per_position(inv_freq):
+    """``inv_freq / (2 pi)`` as an unevaluated float32 sum ``hi + lo`` (about 48 bits)."""
+    fa, fb = _split12(inv_freq)
+    k1, k2, k3, k4 = (jnp.float32(k) for k in _INV_2PI)
+    # Every product of two 12-bit numbers is exact; the two k4 terms are 2^-36 smaller.
+    terms = (fa * k2, fb * k1, fa * k3, fb * k2, fb * k3, fa * k4 + fb * k4)
+    s, e = fa * k1, jnp.zeros_like(inv_freq)
+    for t in terms:
+        s, err = _two_sum(s, t)
+        e = e + err
+    hi = s + e
+    return hi, e - (hi - s)
+
+
+def _high_precision_angles(pos, inv_freq):
+    """``pos * inv_freq`` reduced to [-pi, pi], float32, error <= 4e-7 rad (|pos| < 2^28).
+
+    The int32 position is cut into 12-bit chunks (bits 0-11, 12-23, 24-31) and
+    ``inv_freq / 2pi`` into four 12-bit pieces; each chunk-by-piece product is exact in
+    float32, so its fractional part (in turns) is exact too. The fractions are summed
+    error-free and the total is reduced once more and converted to radians.
+    """
+    u_hi, u_lo = _turns_per_position(inv_freq)
+    pieces = _split12(u_hi) + _split12(u_lo)
+    chunks = ((pos >> 24).astype(jnp.float32) * jnp.float32(2.0 ** 24),
+              ((pos >> 12) & 0xFFF).astype(jnp.float32) * jnp.float32(2.0 ** 12),
+              (pos & 0xFFF).astype(jnp.float32))
+    s = e = None
+    for c in chunks:
+        c = c[..., None]
+        for u in pieces:
+            t = _frac(c * u)
+            if s is None:
+                s, e = t, jnp.zeros_like(t)
+            else:
+                s, err = _two_sum(s, t)
+                e = e + err
+    turns = _frac(_frac(s) + e)
+    return turns * jnp.float32(_TWO_PI)
+
+
+@jax.custom_jvp
+def _reduced_angles(pos, inv_freq):
+    return _high_precision_angles(pos, inv_freq)
+
+
+@_reduced_angles.defjvp
+def _reduced_angles_jvp(primals, tangents):
+    pos, inv_freq = primals
+    _, d_inv_freq = tangents
+    # The reduction modulo 2 pi does not change the derivative: d angle / d inv_freq = pos.
+    return _reduced_angles(pos, inv_freq), pos.astype(jnp.float32)[..., None] * d_inv_freq
+
+
+def rope_angles(positions, inv_freq, *, angle_precision: str = "high") -> jax.Array:
+    """RoPE angles ``positions[..., None] * inv_freq`` in radians, float32.
+
+    A small pure function (elementwise float32/int32 operations only), usable inside
+    Pallas kernels.
+
+    Args:
+      positions: integer array of any shape ``[...]`` (``"float32"`` also accepts floats).
+      inv_freq: float ``[half]``, radians per position.
+      angle_precision: ``"high"`` (default): the exact product reduced modulo ``2 pi`` to
+        [-pi, pi], error <= 4e-7 rad for ``|pos| < 2**28``, ``inv_freq <= 1`` (about 1e-6
+        rad at ``2**31``); ``"float32"``: the
+        unreduced float32 product, as Hugging Face computes it (see the module docstring).
+        Both are differentiable in ``inv_freq`` (d angle / d inv_freq = position).
+
+    Returns:
+      float32 ``[..., half]``.
+
+    Raises:
+      ValueError: unknown ``angle_precision``. TypeError: float positions with ``"high"``.
+    """
+    _checks.check_choice("angle_precision", angle_precision, ANGLE_PRECISIONS)
+    f = jnp.asarray(inv_freq, jnp.float32)
+    if angle_precision == "float32":
+        return jnp.asarray(positions).astype(jnp.float32)[..., None] * f
+    _checks.check_integer_positions("positions", positions)
+    return _reduced_angles(jnp.asarray(positions).astype(jnp.int32), f)
+
+
+# ---------------------------------------------------------------------------- rotation
+def apply_rope(x, positions, inv_freq, *, layout: str = "half", attention_factor=1.0,
+               angle_precision: str = "high"):
+    """Rotate the first ``2 * len(inv_freq)`` features of each head of ``x`` (Su et al.
+    2024, §3.4.2: ``R^d_{Theta,m} x`` computed with cos/sin, not a matrix).
 
     Args:
       x: ``[B, T, N, H]`` (any float dtype).
       positions: integer ``[T]`` or ``[B, T]``.
       inv_freq: float ``[rotary_dim // 2]`` (radians per position).
       layout: ``"half"`` or ``"interleaved"`` (see the module docstring).
-      attention_factor: multiplies cos and sin (YaRN / LongRoPE ``mscale``), as HF does.
+      attention_factor: multiplies cos and sin (YaRN / LongRoPE ``mscale``), as HF does;
+        applied to q and to k, it multiplies the logits by its square.
+      angle_precision: ``"high"`` (default) or ``"float32"`` (HF's numbers); see
+        :func:`rope_angles`.
 
     Returns:
       ``x``'s shape and dtype. Angles, cos and sin and the rotation are computed in
@@ -89,27 +271,52 @@ def apply_rope(x, positions, inv_freq, *, layout: str = "half", attention_factor
 
     Raises:
       ValueError: ``x`` not rank 4; ``2 * len(inv_freq)`` larger than ``H``; positions
-        of the wrong shape; unknown layout. TypeError: float positions.
+        of the wrong shape; unknown layout or angle_precision. TypeError: float positions.
     """
     _checks.check_choice("layout", layout, LAYOUTS)
+    _checks.check_choice("angle_precision", angle_precision, ANGLE_PRECISIONS)
     _checks.check_rank("x", x, (4,), "[B, T, N, H]")
     _checks.check_rank("inv_freq", inv_freq, (1,), "[rotary_dim // 2]")
     B, T, N, H = _checks.shape_of(x)
     half = _checks.shape_of(inv_freq)[0]
     check_rotary_dim(2 * half, H)
     pos = _checks.positions_2d("positions", positions, B, T)
-    ang = rope_angles(pos, inv_freq)  # [B|1, T, half]
+    ang = rope_angles(pos, inv_freq, angle_precision=angle_precision)  # [B|1, T, half]
+    return rotate(x, jnp.cos(ang), jnp.sin(ang), layout=layout, attention_factor=attention_factor)
+
+
+def apply_rope_angles(x, angles, *, layout: str = "half", attention_factor=1.0):
+    """Rotate ``x`` ``[B, T, N, H]`` by precomputed float ``angles`` ``[B|1, T, half]``
+    (M-RoPE, axial RoPE, or angles a caller built). Same conventions as :func:`apply_rope`.
+
+    Raises:
+      ValueError: ranks or shapes that do not match; ``2 * half > H``; unknown layout.
+    """
+    _checks.check_choice("layout", layout, LAYOUTS)
+    _checks.check_rank("x", x, (4,), "[B, T, N, H]")
+    _checks.check_rank("angles", angles, (3,), "[B|1, T, rotary_dim // 2]")
+    B, T, N, H = _checks.shape_of(x)
+    a = _checks.shape_of(angles)
+    if a[0] not in (1, B) or a[1] != T:
+        raise ValueError(f"angles must have shape [1 or {B}, {T}, rotary_dim // 2] to match x "
+                         f"{(B, T, N, H)}; got {a}.")
+    check_rotary_dim(2 * a[2], H)
+    ang = jnp.asarray(angles, jnp.float32)
     return rotate(x, jnp.cos(ang), jnp.sin(ang), layout=layout, attention_factor=attention_factor)
 
 
 def rotate(x, cos, sin, *, layout: str, attention_factor=1.0):
-    """Rotate ``x`` ``[B, T, N, H]`` by ``cos``/``sin`` ``[B|1, T, half]`` (float32)."""
+    """Rotate ``x`` ``[B, T, N, H]`` by ``cos``/``sin`` ``[B|1, T, half]`` (float32).
+
+    Per pair ``(x1, x2)``: ``(x1 c - x2 s, x2 c + x1 s)``, the order of HF's
+    ``q * cos + rotate_half(q) * sin``. Features past ``2 * half`` pass through.
+    """
     dtype = x.dtype
     half = cos.shape[-1]
     r = 2 * half
     xf = x.astype(jnp.float32)
-    c = (cos * attention_factor)[:, :, None, :]
-    s = (sin * attention_factor)[:, :, None, :]
+    c = (cos * jnp.float32(attention_factor))[:, :, None, :]
+    s = (sin * jnp.float32(attention_factor))[:, :, None, :]
     xr, rest = xf[..., :r], xf[..., r:]
     if layout == "half":
         x1, x2 = xr[..., :half], xr[..., half:]
@@ -118,3 +325,185 @@ def rotate(x, cos, sin, *, layout: str, attention_factor=1.0):
         x1, x2 = xr[..., 0::2], xr[..., 1::2]
         out = jnp.stack([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).reshape(xr.shape)
     return jnp.concatenate([out, rest], axis=-1).astype(dtype)
+
+
+# ------------------------------------------------------------------- layout conversion
+def _layout_perm(head_dim: int, rotary_dim: int | None) -> np.ndarray:
+    r = head_dim if rotary_dim is None else rotary_dim
+    check_rotary_dim(r, head_dim)
+    # new feature j (half layout) = old feature perm[j] (interleaved layout)
+    return np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2), np.arange(r, head_dim)])
+
+
+def _permute_features(w, perm, head_dim: int, axis: int, name: str):
+    shp = _checks.shape_of(w)
+    if not shp:
+        raise ValueError(f"{name}: w must have at least one axis; got a scalar.")
+    ax = axis % len(shp)
+    if shp[ax] % head_dim:
+        raise ValueError(f"{name}: w's axis {axis} has size {shp[ax]}, not a multiple of "
+                         f"head_dim={head_dim} (expected num_heads * head_dim).")
+    xp = np if isinstance(w, np.ndarray) else jnp
+    n = shp[ax] // head_dim
+    w4 = xp.reshape(w, shp[:ax] + (n, head_dim) + shp[ax + 1:])
+    w4 = xp.take(w4, perm, axis=ax + 1)
+    return xp.reshape(w4, shp)
+
+
+def interleaved_to_half(w, *, head_dim: int, rotary_dim: int | None = None, axis: int = -1):
+    """Permute q/k projection features from the interleaved layout (Meta's Llama, GPT-J,
+    RoFormer) to the half layout (HF Llama, GPT-NeoX), head by head.
+
+    Within each head, feature ``2i`` goes to ``i`` and ``2i + 1`` to ``rotary_dim/2 + i``;
+    features past ``rotary_dim`` stay. Applied to ``W_q`` and ``W_k`` (and their biases),
+    RoPE with ``layout="half"`` on the permuted weights gives the same attention as
+    ``layout="interleaved"`` on the original ones, because ``q . k`` is unchanged by the
+    same permutation of both. This is the ``permute`` of HF's ``convert_llama_weights_to_hf.py``
+    (there on torch's ``[out, in]`` weights: use ``axis=0``).
+
+    Args:
+      w: NumPy or JAX array whose ``axis`` has ``num_heads * head_dim`` features (a Flax
+        ``[in, N*H]`` kernel: ``axis=-1``; a torch ``[N*H, in]`` weight: ``axis=0``; a bias).
+      head_dim: H. rotary_dim: rotated features per head (default H).
+
+    Returns:
+      ``w`` permuted, same shape and array type.
+
+    Raises:
+      ValueError: the axis is not a multiple of ``head_dim``; bad ``rotary_dim``.
+    """
+    return _permute_features(w, _layout_perm(head_dim, rotary_dim), head_dim, axis,
+                             "interleaved_to_half")
+
+
+def half_to_interleaved(w, *, head_dim: int, rotary_dim: int | None = None, axis: int = -1):
+    """Inverse of :func:`interleaved_to_half` (HF Llama weights back to Meta's layout).
+
+    Same arguments, returns and errors as :func:`interleaved_to_half`.
+    """
+    inv = np.argsort(_layout_perm(head_dim, rotary_dim))
+    return _permute_features(w, inv, head_dim, axis, "half_to_interleaved")
+
+
+# ------------------------------------------------------------------------------ M-RoPE
+def _check_sections(mrope_section, half: int):
+    sec = tuple(int(s) for s in mrope_section)
+    if len(sec) != 3 or any(s < 0 for s in sec) or sum(sec) != half:
+        raise ValueError(f"mrope_section must be 3 non-negative ints (temporal, height, width) "
+                         f"summing to rotary_dim // 2 = {half}; got {tuple(mrope_section)}.")
+    return sec
+
+
+def mrope_angles(positions, inv_freq, *, mrope_section, angle_precision: str = "high"):
+    """Multimodal RoPE angles of Qwen2-VL (Wang et al. 2024, "Qwen2-VL: Enhancing
+    Vision-Language Model's Perception of the World at Any Resolution", §2, M-RoPE).
+
+    The ``rotary_dim // 2`` frequencies are cut into three consecutive sections
+    ``mrope_section = (t, h, w)`` (Qwen2-VL-7B: ``(16, 24, 24)``); frequency ``i`` of
+    section ``s`` is driven by position row ``s`` (temporal, height, width). For text all
+    three rows are equal and this is plain RoPE. Matches HF's ``Qwen2VLRotaryEmbedding``.
+
+    Args:
+      positions: integer ``[3, T]`` or ``[3, B, T]`` (rows: temporal, height, width).
+      inv_freq: float ``[half]``. mrope_section: three ints summing to ``half``.
+      angle_precision: see :func:`rope_angles`.
+
+    Returns:
+      float32 ``[1 or B, T, half]``.
+
+    Raises:
+      ValueError: positions not ``[3, ...]``; sections that do not sum to ``half``.
+      TypeError: float positions.
+    """
+    _checks.check_rank("positions", positions, (2, 3), "[3, T] or [3, B, T]")
+    _checks.check_integer_positions("positions", positions)
+    shp = _checks.shape_of(positions)
+    if shp[0] != 3:
+        raise ValueError(f"positions must have 3 rows (temporal, height, width) on axis 0; "
+                         f"got shape {shp}.")
+    half = _checks.shape_of(inv_freq)[0]
+    sec = _check_sections(mrope_section, half)
+    pos = jnp.asarray(positions, jnp.int32)
+    if pos.ndim == 2:
+        pos = pos[:, None, :]
+    ang = rope_angles(pos, inv_freq, angle_precision=angle_precision)  # [3, B, T, half]
+    which = np.repeat(np.arange(3), sec)  # section of each frequency
+    return jnp.where(which == 0, ang[0], jnp.where(which == 1, ang[1], ang[2]))
+
+
+def apply_mrope(x, positions, inv_freq, *, mrope_section, layout: str = "half",
+                attention_factor=1.0, angle_precision: str = "high"):
+    """Rotate ``x`` ``[B, T, N, H]`` with M-RoPE (:func:`mrope_angles`; Qwen2-VL §2).
+
+    With ``layout="half"`` and positions ``[3, B, T]`` this equals HF's
+    ``apply_multimodal_rotary_pos_emb`` (Qwen2-VL).
+
+    Raises:
+      The errors of :func:`mrope_angles` and :func:`apply_rope_angles`.
+    """
+    ang = mrope_angles(positions, inv_freq, mrope_section=mrope_section,
+                       angle_precision=angle_precision)
+    return apply_rope_angles(x, ang, layout=layout, attention_factor=attention_factor)
+
+
+# ---------------------------------------------------------------------- 2-D axial RoPE
+def axial_rope_frequencies(head_dim: int, base: float = 10000.0) -> jax.Array:
+    """Inverse frequencies of 2-D axial RoPE (Heo et al. 2024, "Rotary Position Embedding
+    for Vision Transformer", ECCV, §3, "RoPE-Axial"), as Qwen2-VL's vision encoder builds
+    them: ``1 / base ** (arange(0, H/2, 2) / (H/2))``, one set shared by both axes.
+
+    Args:
+      head_dim: H, a multiple of 4 (half of the pairs per axis). base: ``rope_theta``.
+
+    Returns:
+      float32 ``[head_dim // 4]``.
+
+    Raises:
+      ValueError: ``head_dim`` not a positive multiple of 4; ``base <= 0``.
+    """
+    h = _checks.check_positive_int("head_dim", head_dim)
+    if h % 4:
+        raise ValueError(f"head_dim must be a multiple of 4 for 2-D axial RoPE (pairs split "
+                         f"between height and width); got {h}.")
+    if not float(base) > 0:
+        raise ValueError(f"base must be > 0; got {base!r}.")
+    return jnp.asarray(default_inv_freq(h // 2, base))
+
+
+def axial_rope_angles(positions_hw, inv_freq, *, angle_precision: str = "high"):
+    """2-D axial RoPE angles for image patches (Heo et al. 2024, §3, RoPE-Axial): the first half of
+    the pairs rotate with the row (height) index, the second half with the column (width)
+    index, ``angles = [h * inv_freq, w * inv_freq]``. Rotating with ``layout="half"``
+    matches Qwen2-VL's vision rotary embedding in HF.
+
+    Args:
+      positions_hw: integer ``[T, 2]`` or ``[B, T, 2]``: (row, column) of each patch.
+      inv_freq: float ``[rotary_dim // 4]`` (:func:`axial_rope_frequencies`).
+
+    Returns:
+      float32 ``[1 or B, T, 2 * len(inv_freq)]``.
+
+    Raises:
+      ValueError: positions not ``[..., T, 2]``. TypeError: float positions.
+    """
+    _checks.check_rank("positions_hw", positions_hw, (2, 3), "[T, 2] or [B, T, 2]")
+    _checks.check_integer_positions("positions_hw", positions_hw)
+    shp = _checks.shape_of(positions_hw)
+    if shp[-1] != 2:
+        raise ValueError(f"positions_hw must end in an axis of 2 (row, column); got shape {shp}.")
+    pos = jnp.asarray(positions_hw, jnp.int32)
+    if pos.ndim == 2:
+        pos = pos[None]
+    ang = rope_angles(pos, inv_freq, angle_precision=angle_precision)  # [B, T, 2, q]
+    return jnp.concatenate([ang[:, :, 0], ang[:, :, 1]], axis=-1)
+
+
+def apply_axial_rope(x, positions_hw, inv_freq, *, layout: str = "half", angle_precision="high"):
+    """Rotate patch queries/keys ``x`` ``[B, T, N, H]`` with 2-D axial RoPE
+    (:func:`axial_rope_angles`; Heo et al. 2024, §3). ``4 * len(inv_freq)`` features rotate.
+
+    Raises:
+      The errors of :func:`axial_rope_angles` and :func:`apply_rope_angles`.
+    """
+    ang = axial_rope_angles(positions_hw, inv_freq, angle_precision=angle_precision)
+    return apply_rope_angles(x, ang, layout=layout)
