@@ -199,8 +199,10 @@ def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int, dt
 def update_kv_cache(cache: KVCache, k, v, positions):
     """Append ``k, v`` ``[B, T, N_kv, H]`` at each row's fill count.
 
-    Returns ``(cache, mask, overflow)``: ``mask`` bool ``[B, 1, 1, S]`` marks filled slots,
-    ``overflow`` bool ``[B]`` marks rows that ran past the cache. Concrete overflow raises
+    Returns ``(cache, segment_ids, kv_segment_ids, overflow)``: the segment ids (int32
+    ``[B, T]`` of ones, and ``[B, S]`` with 1 on filled slots, 0 on empty ones) hide the
+    empty slots in every implementation, the Pallas kernel included (it takes no
+    arbitrary mask); ``overflow`` bool ``[B]`` marks rows that ran past the cache. Concrete overflow raises
     ``ValueError``; traced overflow cannot raise, so the caller poisons those rows with NaN
     (writes past the end are dropped, never clamped onto other slots).
     """
@@ -227,8 +229,8 @@ def update_kv_cache(cache: KVCache, k, v, positions):
         cache.positions.at[rows, slots].set(pos, mode="drop"),
         cache.length + T,
     )
-    mask = (jnp.arange(S, dtype=jnp.int32)[None, :] < new.length[:, None])[:, None, None, :]
-    return new, mask, new.length > S
+    kv_seg = (jnp.arange(S, dtype=jnp.int32)[None, :] < new.length[:, None]).astype(jnp.int32)
+    return new, jnp.ones((B, T), jnp.int32), kv_seg, new.length > S
 
 
 def poison_rows(x, overflow):
@@ -519,7 +521,8 @@ class MultiHeadAttention(nnx.Module):
       dtype: compute dtype; param_dtype: parameter dtype. rngs: :class:`flax.nnx.Rngs`.
 
     Parameters: ``q_proj.kernel [D, N*H]``, ``k_proj.kernel``/``v_proj.kernel [D, N_kv*H]``,
-    ``o_proj.kernel [N*H, D]`` (no biases), plus the position module's (``position``).
+    ``o_proj.kernel [N*H, D]`` (no biases), plus those of the position module
+    (attribute ``position_module``, e.g. ``position_module.rel_k`` for Shaw).
 
     Call: ``x [B, T, D]`` -> ``[B, T, D]``, keyword ``positions`` (int ``[T]``/``[B, T]``,
     default ``arange``), ``mask``/``segment_ids`` as in :func:`jaxpos.attention`,
@@ -549,7 +552,7 @@ class MultiHeadAttention(nnx.Module):
         self.k_proj = lin(d_model, num_kv_heads * head_dim)
         self.v_proj = lin(d_model, num_kv_heads * head_dim)
         self.o_proj = lin(num_heads * head_dim, d_model)
-        self.position = _make_attention_position(
+        self.position_module = _make_attention_position(
             position, num_heads=num_heads, head_dim=head_dim, causal=causal,
             rotary_dim=rotary_dim, rope_base=rope_base, num_buckets=num_buckets,
             max_distance=max_distance, d_model=d_model, param_dtype=param_dtype, rngs=rngs)
@@ -568,7 +571,7 @@ class MultiHeadAttention(nnx.Module):
         q, k, v = self._qkv(x)
         pos = default_positions(x.shape[:2], positions)
         if scheme is None:
-            scheme = position_scheme(self.position, rope_scaling)
+            scheme = position_scheme(self.position_module, rope_scaling)
         o = attention(q, k, v, position=scheme, q_positions=pos, kv_positions=pos,
                       causal=self.causal, mask=mask, segment_ids=segment_ids, scale=self.scale,
                       implementation=implementation or self.implementation)
@@ -591,12 +594,12 @@ class MultiHeadAttention(nnx.Module):
         if positions is None:
             positions = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)
         pos = _checks.positions_2d("positions", positions, B, T)
-        cache, mask, overflow = update_kv_cache(cache, k, v, pos)
+        cache, seg, kv_seg, overflow = update_kv_cache(cache, k, v, pos)
         if scheme is None:
-            scheme = position_scheme(self.position, rope_scaling)
+            scheme = position_scheme(self.position_module, rope_scaling)
         o = attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), position=scheme,
                       q_positions=pos, kv_positions=cache.positions, causal=self.causal,
-                      mask=mask, scale=self.scale,
+                      segment_ids=seg, kv_segment_ids=kv_seg, scale=self.scale,
                       implementation=implementation or self.implementation)
         return poison_rows(merge_heads(o, self.o_proj.kernel[...], self.dtype), overflow), cache
 
