@@ -110,16 +110,41 @@ class RoPE(PositionScheme):
     Args:
       inv_freq: float32 ``[rotary_dim // 2]``; or give ``rotary_dim`` (and ``base``,
         ``scaling``) to compute it with :func:`jaxpos.rope_frequencies`.
+      rotary_dim: rotated features per head (the rest pass through: partial rotary).
+      base: ``rope_theta``.
       layout: ``"half"`` (Llama/NeoX) or ``"interleaved"`` (GPT-J/Meta).
-      attention_factor: multiplies cos and sin (YaRN/LongRoPE); 1.0 otherwise.
+      scaling: a :mod:`jaxpos.rope_scaling` dataclass or None. Dynamic NTK and LongRoPE
+        recompute their frequencies in every call from ``max(position) + 1`` (no state);
+        they need ``rotary_dim``, not ``inv_freq``.
+      attention_factor: multiplies cos and sin, so the logits by its square (YaRN /
+        LongRoPE); default: the scaling's factor, 1.0 without one.
+      angle_precision: ``"high"`` (default; angles reduced modulo 2 pi in extended
+        precision, accurate at any position) or ``"float32"`` (HF's plain float32 product,
+        for bit-level parity with transformers); see :mod:`jaxpos.rope`.
+      mrope_section: Qwen2-VL's ``(temporal, height, width)`` frequency sections, or None.
+        :meth:`rotate` then accepts ``[3, B, T]`` positions (M-RoPE); with ``[T]`` or
+        ``[B, T]`` positions (text, and inside :func:`jaxpos.attention`, whose positions
+        are 1-D per sequence) it is plain RoPE.
+
+    Raises:
+      ValueError: neither ``inv_freq`` nor ``rotary_dim``; ``rotary_dim`` that does not
+        match ``inv_freq``; unknown layout or angle_precision; ``inv_freq`` together with a
+        length-dependent scaling; bad ``mrope_section``.
+      TypeError: ``inv_freq`` not floating; ``scaling`` of an unknown type.
     """
 
     _children = ("inv_freq",)
-    _static = ("layout", "attention_factor", "scaling", "base", "rotary_dim")
+    _static = ("layout", "attention_factor", "scaling", "base", "rotary_dim",
+               "angle_precision", "mrope_section")
 
     def __init__(self, inv_freq=None, *, rotary_dim=None, base=10000.0, layout="half",
-                 scaling=None, attention_factor=None):
+                 scaling=None, attention_factor=None, angle_precision="high",
+                 mrope_section=None):
+        from jaxpos import rope_scaling
+        from jaxpos.rope import ANGLE_PRECISIONS
+
         _checks.check_choice("layout", layout, LAYOUTS)
+        _checks.check_choice("angle_precision", angle_precision, ANGLE_PRECISIONS)
         if inv_freq is None:
             if rotary_dim is None:
                 raise ValueError("RoPE needs inv_freq or rotary_dim; got neither.")
@@ -128,24 +153,72 @@ class RoPE(PositionScheme):
         else:
             _checks.check_rank("inv_freq", inv_freq, (1,), "[rotary_dim // 2]")
             _checks.check_floating("inv_freq", inv_freq)
+            if scaling is not None and rope_scaling.depends_on_length(scaling):
+                raise ValueError(f"RoPE: a length-dependent scaling ({type(scaling).__name__}) "
+                                 f"recomputes inv_freq per call; give rotary_dim and base, not "
+                                 f"inv_freq.")
         rd = 2 * _checks.shape_of(inv_freq)[0]
         if rotary_dim is not None and rotary_dim != rd:
             raise ValueError(f"rotary_dim={rotary_dim} does not match inv_freq of length {rd // 2}.")
+        if mrope_section is not None:
+            sec = tuple(int(v) for v in mrope_section)
+            if len(sec) != 3 or min(sec) < 0 or sum(sec) != rd // 2:
+                raise ValueError(f"mrope_section must be 3 non-negative ints summing to "
+                                 f"rotary_dim // 2 = {rd // 2}; got {tuple(mrope_section)}.")
+            mrope_section = sec
         self._set(inv_freq=jnp.asarray(inv_freq, jnp.float32), layout=layout,
                   attention_factor=1.0 if attention_factor is None else float(attention_factor),
-                  scaling=scaling, base=float(base), rotary_dim=rd)
+                  scaling=scaling, base=float(base), rotary_dim=rd,
+                  angle_precision=angle_precision, mrope_section=mrope_section)
 
     def check(self, num_heads, head_dim):
         check_rotary_dim(self.rotary_dim, head_dim)
 
     def frequencies(self, q_positions, kv_positions):
-        """``(inv_freq, attention_factor)`` for this call (scalings may depend on length)."""
-        return self.inv_freq, self.attention_factor
+        """``(inv_freq, attention_factor)`` for this call.
+
+        Dynamic NTK and LongRoPE use ``seq_len = max(q_positions, kv_positions) + 1`` of
+        this call (HF's ``max(position_ids) + 1``), traced, selected with ``jnp.where``;
+        other schemes return ``self.inv_freq``. The factor is a Python float.
+        """
+        from jaxpos import rope_scaling
+
+        if self.scaling is None or not rope_scaling.depends_on_length(self.scaling):
+            return self.inv_freq, self.attention_factor
+        seq_len = jnp.maximum(jnp.max(jnp.asarray(q_positions)),
+                              jnp.max(jnp.asarray(kv_positions))) + 1
+        inv_freq, _ = rope_scaling.frequencies_for_length(self.rotary_dim, self.base,
+                                                          self.scaling, seq_len)
+        return inv_freq, self.attention_factor
+
+    def rotate(self, x, positions, *, inv_freq=None):
+        """Rotate ``x`` ``[B, T, N, H]`` at ``positions`` (``[T]`` or ``[B, T]``; with
+        ``mrope_section`` also M-RoPE's ``[3, B, T]``), with this call's frequencies (or
+        ``inv_freq`` if given). Returns ``x``'s shape and dtype.
+
+        Raises:
+          The errors of :func:`jaxpos.apply_rope` / :func:`jaxpos.rope.apply_mrope`.
+        """
+        from jaxpos.rope import apply_mrope
+
+        m_rope = self.mrope_section is not None and np.ndim(positions) == 3
+        if inv_freq is None:
+            inv_freq, af = self.frequencies(positions, positions)
+        else:
+            af = self.attention_factor
+        if m_rope:
+            return apply_mrope(x, positions, inv_freq, mrope_section=self.mrope_section,
+                               layout=self.layout, attention_factor=af,
+                               angle_precision=self.angle_precision)
+        return apply_rope(x, positions, inv_freq, layout=self.layout, attention_factor=af,
+                          angle_precision=self.angle_precision)
 
     def rotate_qk(self, q, k, q_positions, kv_positions):
         inv_freq, af = self.frequencies(q_positions, kv_positions)
-        q = apply_rope(q, q_positions, inv_freq, layout=self.layout, attention_factor=af)
-        k = apply_rope(k, kv_positions, inv_freq, layout=self.layout, attention_factor=af)
+        q = apply_rope(q, q_positions, inv_freq, layout=self.layout, attention_factor=af,
+                       angle_precision=self.angle_precision)
+        k = apply_rope(k, kv_positions, inv_freq, layout=self.layout, attention_factor=af,
+                       angle_precision=self.angle_precision)
         return q, k
 
 

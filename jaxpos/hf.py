@@ -1,0 +1,173 @@
+"""Read the rotary settings of a Hugging Face transformers config into a jaxpos scheme.
+
+``rope_from_hf_config(config)`` turns a config object or its ``config.json`` dict into a
+:class:`jaxpos.RoPE`, so converting a checkpoint takes one line::
+
+    position = jaxpos.hf.rope_from_hf_config(json.load(open("config.json")))
+
+It follows HF's own rules (``modeling_rope_utils.py``, ``standardize_rope_params``):
+
+* ``rope_theta`` from ``rope_parameters`` (transformers v5), the top level (v4), or
+  GPT-NeoX's ``rotary_emb_base``; 10,000 when absent.
+* the scaling dict from ``rope_parameters`` or ``rope_scaling``, type under ``rope_type``
+  or the older ``type``; ``"mrope"`` (Qwen2-VL) is default RoPE plus ``mrope_section``;
+  ``"su"`` (early Phi-3) is LongRoPE.
+* head width: ``head_dim``, else ``hidden_size // num_attention_heads``; DeepSeek-V2/V3
+  rotate only ``qk_rope_head_dim`` features of each head.
+* ``rotary_dim = int(head_dim * partial_rotary_factor)`` (also read as GPT-NeoX's
+  ``rotary_pct``, default 0.25 for ``model_type="gpt_neox"`` as in HF); GPT-J's explicit
+  ``rotary_dim``.
+* for YaRN, Llama 3 and LongRoPE a top-level ``original_max_position_embeddings``
+  (Phi-3) overrides the one inside the scaling dict; a missing ``factor`` is
+  ``max_position_embeddings / original_max_position_embeddings``; dynamic NTK uses
+  ``max_position_embeddings`` as its original length.
+* layout ``"interleaved"`` for GPT-J / CodeGen and for DeepSeek-V2/V3 with
+  ``rope_interleave`` (HF de-interleaves q/k there and then applies ``rotate_half``: a
+  permutation of the same rotation, so the attention is identical), ``"half"`` otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxpos import rope_scaling
+from jaxpos.schemes import RoPE
+
+__all__ = ["rope_from_hf_config", "softmax_scale_from_hf_config", "hf_rope_settings"]
+
+_INTERLEAVED_MODELS = ("gptj", "codegen")
+_DEEPSEEK_MODELS = ("deepseek_v2", "deepseek_v3")
+
+
+def _as_dict(config: Any) -> dict:
+    if isinstance(config, dict):
+        d = dict(config)
+    elif hasattr(config, "to_dict"):
+        d = config.to_dict()
+        for k in ("rope_parameters", "rope_scaling", "head_dim", "max_position_embeddings",
+                  "partial_rotary_factor", "rope_theta", "original_max_position_embeddings"):
+            if k not in d and hasattr(config, k):  # properties that to_dict may omit
+                d[k] = getattr(config, k)
+    else:
+        raise TypeError(f"config must be a dict or a transformers PretrainedConfig; got "
+                        f"{type(config).__name__}.")
+    text = d.get("text_config")
+    if isinstance(text, dict) or hasattr(text, "to_dict"):
+        text = _as_dict(text)
+        merged = {k: v for k, v in d.items() if k != "text_config"}
+        merged.update({k: v for k, v in text.items() if v is not None})
+        return merged
+    return d
+
+
+def hf_rope_settings(config: Any, *, layer_type: str | None = None) -> dict:
+    """The RoPE keyword arguments that :func:`rope_from_hf_config` passes to
+    :class:`jaxpos.RoPE` (``rotary_dim``, ``base``, ``layout``, ``scaling``,
+    ``mrope_section``), plus ``head_dim``. Same arguments and errors."""
+    d = _as_dict(config)
+    model_type = d.get("model_type")
+    params = d.get("rope_parameters")
+    if params is None or params == {}:
+        params = d.get("rope_scaling")
+    params = dict(params or {})
+    if params and all(isinstance(v, dict) for v in params.values()):  # per layer type (Gemma 3)
+        if layer_type not in params:
+            raise ValueError(f"this config has rope parameters per layer type {sorted(params)}; "
+                             f"pass layer_type=one of them; got {layer_type!r}.")
+        params = dict(params[layer_type])
+
+    base = params.get("rope_theta", d.get("rope_theta", d.get("rotary_emb_base")))
+    base = 10000.0 if base is None else float(base)
+
+    if d.get("qk_rope_head_dim") is not None:
+        head_dim = int(d["qk_rope_head_dim"])
+    elif d.get("head_dim") is not None:
+        head_dim = int(d["head_dim"])
+    elif d.get("hidden_size") is not None and d.get("num_attention_heads"):
+        head_dim = int(d["hidden_size"]) // int(d["num_attention_heads"])
+    elif d.get("n_embd") is not None and d.get("n_head"):  # GPT-J style names
+        head_dim = int(d["n_embd"]) // int(d["n_head"])
+    else:
+        raise ValueError("config needs head_dim, or hidden_size and num_attention_heads, to "
+                         f"know the head width; got keys {sorted(d)}.")
+
+    prf = params.get("partial_rotary_factor", d.get("partial_rotary_factor", d.get("rotary_pct")))
+    if prf is None:
+        prf = 0.25 if model_type == "gpt_neox" else 1.0
+    rotary_dim = int(head_dim * float(prf))
+    if model_type in _INTERLEAVED_MODELS and d.get("rotary_dim"):
+        rotary_dim = int(d["rotary_dim"])
+
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    max_pos = d.get("max_position_embeddings", d.get("n_positions"))
+    if rope_type in ("llama3", "yarn", "longrope", "su"):
+        if d.get("original_max_position_embeddings") is not None:  # HF: the top level wins
+            params["original_max_position_embeddings"] = d["original_max_position_embeddings"]
+        else:
+            params.setdefault("original_max_position_embeddings", max_pos)
+    if rope_type == "proportional":
+        params = dict(params, partial_rotary_factor=float(prf))
+        rotary_dim = head_dim
+    scaling = rope_scaling.scaling_from_dict(params, max_position_embeddings=max_pos)
+
+    if model_type in _INTERLEAVED_MODELS:
+        layout = "interleaved"
+    elif model_type in _DEEPSEEK_MODELS or d.get("qk_rope_head_dim") is not None:
+        layout = "interleaved" if d.get("rope_interleave", True) else "half"
+    else:
+        layout = "half"
+    section = params.get("mrope_section")
+    return dict(rotary_dim=rotary_dim, base=base, layout=layout, scaling=scaling,
+                mrope_section=tuple(section) if section is not None else None,
+                head_dim=head_dim)
+
+
+def rope_from_hf_config(config: Any, *, layer_type: str | None = None,
+                        angle_precision: str = "high") -> RoPE:
+    """The :class:`jaxpos.RoPE` scheme of a Hugging Face model config.
+
+    Args:
+      config: a ``transformers.PretrainedConfig`` or its ``config.json`` as a dict
+        (transformers v4 ``rope_theta`` + ``rope_scaling``, or v5 ``rope_parameters``;
+        a ``text_config`` sub-config is read too, as for Qwen2-VL).
+      layer_type: for configs with rope parameters per layer type (Gemma 3's
+        ``"full_attention"`` / ``"sliding_attention"``).
+      angle_precision: ``"high"`` (default) or ``"float32"`` for HF's exact numbers.
+
+    Returns:
+      ``RoPE(rotary_dim=..., base=..., layout=..., scaling=..., mrope_section=...)``; its
+      ``inv_freq`` and ``attention_factor`` equal HF's ``rotary_emb.inv_freq`` and
+      ``attention_scaling`` (to one float32 ulp: see :mod:`jaxpos.rope_scaling`).
+      DeepSeek-V2/V3 additionally scale their softmax by ``mscale**2``: get that scale from
+      :func:`softmax_scale_from_hf_config` and pass it as ``scale=`` to
+      :func:`jaxpos.attention`.
+
+    Raises:
+      TypeError: ``config`` neither a dict nor a config object.
+      ValueError: no way to know the head width; unknown ``rope_type``; a scaling dict
+        missing its keys; per-layer parameters without ``layer_type``.
+    """
+    s = hf_rope_settings(config, layer_type=layer_type)
+    s.pop("head_dim")
+    return RoPE(angle_precision=angle_precision, **s)
+
+
+def softmax_scale_from_hf_config(config: Any) -> float:
+    """The softmax scale HF uses: ``head_dim ** -0.5``, or for DeepSeek-V2/V3 (MLA)
+    ``qk_head_dim ** -0.5 * mscale**2`` with ``mscale = 0.1 * mscale_all_dim * ln(factor) + 1``
+    when the rope scaling has ``mscale_all_dim`` (HF's ``yarn_apply_mscale``).
+
+    Raises:
+      The errors of :func:`hf_rope_settings`.
+    """
+    d = _as_dict(config)
+    if d.get("qk_rope_head_dim") is not None:
+        qk = int(d.get("qk_nope_head_dim", 0)) + int(d["qk_rope_head_dim"])
+        scale = qk ** -0.5
+        params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        mad = params.get("mscale_all_dim", 0)
+        if mad and params.get("factor"):
+            m = rope_scaling.yarn_get_mscale(float(params["factor"]), float(mad))
+            scale = scale * m * m
+        return float(scale)
+    return float(hf_rope_settings(config)["head_dim"] ** -0.5)
