@@ -11,6 +11,7 @@ scale the scores (``scale=1.0``).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -71,7 +72,13 @@ def t5_bucket(rel, bidirectional: bool = True, num_buckets: int = 32, max_distan
     """
     check_bucket_args(num_buckets, max_distance, bidirectional)
     _checks.check_integer_positions("rel", rel)
-    xp = jnp if isinstance(rel, jax.Array) else np
+    if isinstance(rel, jax.Array):
+        return _bucket_jax(rel, bool(bidirectional), int(num_buckets), int(max_distance))
+    return _bucket(np, rel, bidirectional, num_buckets, max_distance)
+
+
+def _bucket(xp, rel, bidirectional, num_buckets, max_distance):
+    """The bucket arithmetic on NumPy (``xp = np``) or jax.numpy (``xp = jnp``)."""
     rel = xp.asarray(rel).astype(xp.int32)
     ret = xp.zeros_like(rel)
     n = num_buckets
@@ -87,9 +94,13 @@ def t5_bucket(rel, bidirectional: bool = True, num_buckets: int = 32, max_distan
     d32 = xp.maximum(dist, 1).astype(xp.float32)
     large = xp.log(d32 / np.float32(max_exact)) / np.float32(math.log(max_distance / max_exact))
     large = large * np.float32(n - max_exact)
-    large = max_exact + large.astype(xp.int32)
+    large = max_exact + large.astype(xp.int32)  # truncation toward zero, as T5
     large = xp.minimum(large, n - 1)
     return (ret + xp.where(is_small, dist, large)).astype(xp.int32)
+
+
+# One compiled computation per shape and configuration, also when called eagerly.
+_bucket_jax = jax.jit(functools.partial(_bucket, jnp), static_argnums=(1, 2, 3))
 
 
 def t5_bias(
@@ -115,6 +126,7 @@ def t5_bias(
       ValueError: ``table`` not ``[num_buckets, N]``, bad bucket arguments, bad ranks.
       TypeError: float positions.
     """
+    check_bucket_args(num_buckets, max_distance, bidirectional)
     check_t5_table(table, num_buckets)
     _checks.check_integer_positions("q_positions", q_positions)
     _checks.check_integer_positions("kv_positions", kv_positions)
@@ -134,24 +146,44 @@ def check_t5_table(table, num_buckets) -> None:
         )
 
 
+@functools.partial(jax.jit, static_argnames=("bidirectional", "num_buckets", "max_distance"))
 def t5_bias_from_offsets(rel, table, *, bidirectional, num_buckets, max_distance) -> jax.Array:
-    """``table[bucket(rel)]`` moved to ``[..., N, Tq, Tk]`` float32 (rel ``[..., Tq, Tk]``)."""
-    b = t5_bucket(jnp.asarray(rel), bidirectional, num_buckets, max_distance)
-    vals = jnp.asarray(table, jnp.float32)[b]  # [..., Tq, Tk, N]; buckets are in range
+    """``table[bucket(rel), h]`` for int offsets ``rel`` ``[..., Tq, Tk]``.
+
+    Args:
+      rel: int32 ``kv_pos - q_pos``, ``[..., Tq, Tk]``.
+      table: float ``[num_buckets, N]`` (already validated).
+      bidirectional, num_buckets, max_distance: as :func:`t5_bucket` (static).
+
+    Returns:
+      float32 ``[..., N, Tq, Tk]``. The gather cannot clamp: every bucket lies in
+      ``[0, num_buckets)`` by construction.
+    """
+    b = _bucket(jnp, rel, bidirectional, num_buckets, max_distance)
+    vals = jnp.asarray(table, jnp.float32)[b]  # [..., Tq, Tk, N]
     return jnp.moveaxis(vals, -1, -3)
 
 
 def relative_bias_attention(Q, K, V, bias_table, *, scale: float = 1.0, causal: bool = False):
     """The seed exercise: attention with the T5 bucketed bias, bidirectional by default.
 
+    ``softmax(scale * Q K^T + bias) V`` per head with ``bias[h, i, j] =
+    bias_table[t5_bucket(j - i), h]`` (Raffel et al. 2020, §2.1), positions ``arange(T)``.
+
     Args:
-      Q, K, V: ``[..., T, N, H]`` (any leading axes; flattened into a batch).
-      bias_table: ``[num_buckets, N]`` with ``num_buckets = 32``, ``max_distance = 128``.
+      Q, K, V: float ``[..., T, N, H]`` (any leading axes, flattened into a batch).
+      bias_table: float ``[num_buckets, N]`` (the T5 checkpoint layout, 32 buckets);
+        ``max_distance`` is T5's 128.
       scale: score scale; T5 uses 1.0 (no ``1/sqrt(H)``), the default here.
       causal: use the causal (decoder) buckets and mask.
 
     Returns:
-      ``[..., T, N, H]`` in Q's dtype. Positions are ``arange(T)``.
+      ``[..., T, N, H]`` in Q's dtype (softmax in float32).
+
+    Raises:
+      ValueError: ``Q`` of rank < 3, ``bias_table`` not ``[num_buckets, N]``, an odd
+        ``num_buckets`` when bidirectional, or shapes :func:`jaxpos.attention` rejects.
+      TypeError: integer ``Q``, ``K`` or ``V``.
     """
     from jaxpos.attention import attention  # local import: attention imports this module
     from jaxpos.schemes import T5Bias
@@ -160,7 +192,13 @@ def relative_bias_attention(Q, K, V, bias_table, *, scale: float = 1.0, causal: 
     K = jnp.asarray(K)
     V = jnp.asarray(V)
     if Q.ndim < 3:
-        raise ValueError(f"Q must have shape [..., T, N, H]; got {Q.shape}.")
+        raise ValueError(f"Q must have shape [..., T, N, H] (rank >= 3); got shape {Q.shape}.")
+    _checks.check_rank("bias_table", bias_table, (2,), "[num_buckets, num_heads]")
+    if _checks.shape_of(bias_table)[1] != Q.shape[-2]:
+        raise ValueError(
+            f"bias_table must have shape [num_buckets, N={Q.shape[-2]}] (one column per head "
+            f"of Q {Q.shape}); got shape {_checks.shape_of(bias_table)}."
+        )
     lead = Q.shape[:-3]
     flat = lambda x: x.reshape((-1,) + x.shape[-3:])
     out = attention(
