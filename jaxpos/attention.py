@@ -110,6 +110,12 @@ def _reference(scheme, qs, k, v, m: _Masking, causal: bool):
 
 
 # ----------------------------------------------------------------------------- chunked
+# Tile kinds, decided per (query block, key block) at run time from the position,
+# padding and segment arrays: a tile is skipped when nothing in it is visible, computed
+# without any masking when everything is, and masked otherwise.
+_SKIP, _FULL, _MASKED = 0, 1, 2
+
+
 def _pad_to(x, axis, size, value=0):
     pad = size - x.shape[axis]
     if pad == 0:
@@ -135,19 +141,40 @@ def _unblocks(x, axis):
     return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
 
 
-def _block_may_be_visible(causal, q_pos_b, kv_pos_b, kv_valid_b):
-    """False only when the causal mask or padding hides every pair of the tile."""
-    ok = jnp.any(kv_valid_b)
+def _tile_kind(causal: bool, has_mask: bool, qp, kp, kval, sq, skv):
+    """int32 scalar: ``_SKIP``, ``_FULL`` or ``_MASKED`` for one tile.
+
+    Conservative: a tile is only skipped when no pair in it can be visible, and only
+    called full when every pair is. ``qp`` ``[B|1, tq]`` (padded query rows may make a
+    tile look partly visible, never the reverse), ``kp``/``kval`` ``[B|1, tk]``,
+    ``sq``/``skv`` ``[B, tq]``/``[B, tk]`` or None.
+    """
+    imax, imin = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
+    live = jnp.any(kval, axis=-1)  # per batch row
+    full = jnp.all(kval, axis=-1)
     if causal:
-        kv_min = jnp.min(jnp.where(kv_valid_b, kv_pos_b, jnp.iinfo(jnp.int32).max), axis=-1)
-        ok = ok & jnp.any(kv_min <= jnp.max(q_pos_b, axis=-1))
-    return ok
+        kv_min = jnp.min(jnp.where(kval, kp, imax), axis=-1)
+        kv_max = jnp.max(jnp.where(kval, kp, imin), axis=-1)
+        live = live & (kv_min <= jnp.max(qp, axis=-1))
+        full = full & (kv_max <= jnp.min(qp, axis=-1))
+    if sq is not None:
+        kv_smin = jnp.min(jnp.where(kval, skv, imax), axis=-1)
+        kv_smax = jnp.max(jnp.where(kval, skv, imin), axis=-1)
+        q_smin, q_smax = jnp.min(sq, axis=-1), jnp.max(sq, axis=-1)
+        live = live & (kv_smin <= q_smax) & (q_smin <= kv_smax)  # id ranges overlap
+        full = full & (q_smin == q_smax) & (kv_smin == kv_smax) & (q_smin == kv_smin)
+    live, full = jnp.any(live), jnp.all(full)
+    if has_mask:
+        full = jnp.zeros((), bool)
+    return jnp.where(live, jnp.where(full, _FULL, _MASKED), _SKIP).astype(jnp.int32)
 
 
 class _Cfg(NamedTuple):
     causal: bool
     nq: int
     nk: int
+    block_q: int
+    block_k: int
 
 
 def _chunk_inputs(qs, k, v, m: _Masking, block_q: int, block_k: int):
@@ -184,18 +211,24 @@ def _mask_block(mask, i, j, block_q, block_k):
     return mask
 
 
-def _tile(scheme, qs_i, k_j, qp_i, kp_j, vis_args, causal):
-    """Masked scores of one tile, ``-inf`` where hidden. Differentiable in qs, k, scheme."""
+def _tile(scheme, qs_i, k_j, qp_i, kp_j, vis):
+    """Scores of one tile, ``-inf`` where ``vis`` is False. Differentiable in qs, k, scheme."""
     s = _scores(scheme, qs_i, k_j, qp_i, kp_j)
-    vis = _visible(causal, qp_i, kp_j, *vis_args)
     return s if vis is None else jnp.where(vis, s, _NEG_INF)
 
 
-def _chunked_forward(scheme, b, cfg: _Cfg, block_q, block_k):
+def _tile_visibility(cfg: _Cfg, b, i, j, qp_i, kp_j, kval_j, sq_i, skv_j, masked: bool):
+    if not masked:
+        return None
+    return _visible(cfg.causal, qp_i, kp_j, kval_j,
+                    _mask_block(b["mask"], i, j, cfg.block_q, cfg.block_k), sq_i, skv_j)
+
+
+def _chunked_forward(scheme, b, cfg: _Cfg):
     """Returns out ``[nq, B, N, bq, H]`` and lse ``[nq, B, N, bq]`` (``-inf`` on empty rows)."""
-    causal = cfg.causal
     B, N = b["qs"].shape[1], b["qs"].shape[2]
     H = b["v"].shape[-1]
+    has_mask = b["mask"] is not None
 
     def q_block(args):
         i, qs_i, qp_i, sq_i = args
@@ -203,10 +236,10 @@ def _chunked_forward(scheme, b, cfg: _Cfg, block_q, block_k):
         def k_step(carry, xs):
             j, k_j, v_j, kp_j, kval_j, skv_j = xs
 
-            def compute(carry):
+            def compute(carry, masked):
                 mx, l, acc = carry
-                vis_args = (kval_j, _mask_block(b["mask"], i, j, block_q, block_k), sq_i, skv_j)
-                s = _tile(scheme, qs_i, k_j, qp_i, kp_j, vis_args, causal)
+                vis = _tile_visibility(cfg, b, i, j, qp_i, kp_j, kval_j, sq_i, skv_j, masked)
+                s = _tile(scheme, qs_i, k_j, qp_i, kp_j, vis)
                 m_new = jnp.maximum(mx, jnp.max(s, axis=-1))
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
                 p = jnp.exp(s - m_safe[..., None])
@@ -215,12 +248,14 @@ def _chunked_forward(scheme, b, cfg: _Cfg, block_q, block_k):
                 acc = acc * corr[..., None] + _output(scheme, p, v_j, qp_i, kp_j)
                 return m_new, l, acc
 
-            live = _block_may_be_visible(causal, qp_i, kp_j, kval_j)
-            return jax.lax.cond(live, compute, lambda c: c, carry), None
+            kind = _tile_kind(cfg.causal, has_mask, qp_i, kp_j, kval_j, sq_i, skv_j)
+            branches = (lambda c: c, functools.partial(compute, masked=False),
+                        functools.partial(compute, masked=True))
+            return jax.lax.switch(kind, branches, carry), None
 
-        init = (jnp.full((B, N, block_q), _NEG_INF, jnp.float32),
-                jnp.zeros((B, N, block_q), jnp.float32),
-                jnp.zeros((B, N, block_q, H), jnp.float32))
+        init = (jnp.full((B, N, cfg.block_q), _NEG_INF, jnp.float32),
+                jnp.zeros((B, N, cfg.block_q), jnp.float32),
+                jnp.zeros((B, N, cfg.block_q, H), jnp.float32))
         xs = (jnp.arange(cfg.nk), b["k"], b["v"], b["kv_pos"], b["kv_valid"], b["seg_kv"])
         (mx, l, acc), _ = jax.lax.scan(k_step, init, xs)
         nonempty = l > 0
@@ -235,8 +270,9 @@ def _float_leaves_zeros(tree):
     return jax.tree_util.tree_map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), tree)
 
 
-def _chunked_backward(scheme, b, out, lse, dout, cfg: _Cfg, block_q, block_k):
-    causal = cfg.causal
+def _chunked_backward(scheme, b, out, lse, dout, cfg: _Cfg):
+    """FlashAttention-2 style recomputing backward (Dao 2023, Alg. 2), tile by tile."""
+    has_mask = b["mask"] is not None
     delta = jnp.sum(dout * out, axis=-1)  # [nq, B, N, bq]
     dk0 = jnp.zeros(b["k"].shape, jnp.float32)
     dv0 = jnp.zeros(b["v"].shape, jnp.float32)
@@ -248,13 +284,12 @@ def _chunked_backward(scheme, b, out, lse, dout, cfg: _Cfg, block_q, block_k):
         lse_safe = jnp.where(jnp.isfinite(lse_i), lse_i, 0.0)
 
         def k_step(carry, ys):
-            dq_i, dsch = carry
             j, k_j, v_j, kp_j, kval_j, skv_j = ys
 
-            def compute(carry):
+            def compute(carry, masked):
                 dq_i, dsch = carry
-                vis_args = (kval_j, _mask_block(b["mask"], i, j, block_q, block_k), sq_i, skv_j)
-                tile = lambda qs_, k_, sch: _tile(sch, qs_, k_, qp_i, kp_j, vis_args, causal)
+                vis = _tile_visibility(cfg, b, i, j, qp_i, kp_j, kval_j, sq_i, skv_j, masked)
+                tile = lambda qs_, k_, sch: _tile(sch, qs_, k_, qp_i, kp_j, vis)
                 s, tile_vjp = jax.vjp(tile, qs_i, k_j, scheme)
                 p = jnp.exp(s - lse_safe[..., None])  # 0 where hidden (s = -inf)
                 outf = lambda p_, v_, sch: _output(sch, p_, v_, qp_i, kp_j)
@@ -268,8 +303,10 @@ def _chunked_backward(scheme, b, out, lse, dout, cfg: _Cfg, block_q, block_k):
             def skip(carry):
                 return carry, (jnp.zeros(k_j.shape, jnp.float32), jnp.zeros(v_j.shape, jnp.float32))
 
-            live = _block_may_be_visible(causal, qp_i, kp_j, kval_j)
-            return jax.lax.cond(live, compute, skip, carry)
+            kind = _tile_kind(cfg.causal, has_mask, qp_i, kp_j, kval_j, sq_i, skv_j)
+            branches = (skip, functools.partial(compute, masked=False),
+                        functools.partial(compute, masked=True))
+            return jax.lax.switch(kind, branches, carry)
 
         ys = (jnp.arange(cfg.nk), b["k"], b["v"], b["kv_pos"], b["kv_valid"], b["seg_kv"])
         (dq_i, dsch), (dk_i, dv_i) = jax.lax.scan(
@@ -281,9 +318,9 @@ def _chunked_backward(scheme, b, out, lse, dout, cfg: _Cfg, block_q, block_k):
     return dq, dk, dv, dsch
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _chunked_core(cfg, block_q, block_k, scheme, qs, k, v, ints):
-    out, _ = _chunked_forward(scheme, _assemble(qs, k, v, ints), cfg, block_q, block_k)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked_core(cfg, scheme, qs, k, v, ints):
+    out, _ = _chunked_forward(scheme, _assemble(qs, k, v, ints), cfg)
     return out
 
 
@@ -293,15 +330,14 @@ def _assemble(qs, k, v, ints):
     return b
 
 
-def _chunked_core_fwd(cfg, block_q, block_k, scheme, qs, k, v, ints):
-    out, lse = _chunked_forward(scheme, _assemble(qs, k, v, ints), cfg, block_q, block_k)
+def _chunked_core_fwd(cfg, scheme, qs, k, v, ints):
+    out, lse = _chunked_forward(scheme, _assemble(qs, k, v, ints), cfg)
     return out, (scheme, qs, k, v, ints, out, lse)
 
 
-def _chunked_core_bwd(cfg, block_q, block_k, res, dout):
+def _chunked_core_bwd(cfg, res, dout):
     scheme, qs, k, v, ints, out, lse = res
-    dq, dk, dv, dsch = _chunked_backward(scheme, _assemble(qs, k, v, ints), out, lse, dout,
-                                         cfg, block_q, block_k)
+    dq, dk, dv, dsch = _chunked_backward(scheme, _assemble(qs, k, v, ints), out, lse, dout, cfg)
     dsch = jax.tree_util.tree_map(lambda g, x: g.astype(jnp.result_type(x)), dsch, scheme)
     dints = jax.tree_util.tree_map(
         lambda x: np.zeros(x.shape, jax.dtypes.float0) if x is not None else None, ints)
@@ -317,7 +353,7 @@ def _chunked(scheme, qs, k, v, m: _Masking, causal: bool, block_q: int, block_k:
     block_k = min(block_k, k.shape[2])
     b, nq, nk = _chunk_inputs(qs, k, v, m, block_q, block_k)
     ints = {n: b[n] for n in ("q_pos", "kv_pos", "kv_valid", "seg_q", "seg_kv", "mask")}
-    out = _chunked_core(_Cfg(causal, nq, nk), block_q, block_k, scheme,
+    out = _chunked_core(_Cfg(causal, nq, nk, block_q, block_k), scheme,
                         b["qs"], b["k"], b["v"], ints)
     return _unblocks(out, 2)[:, :, :Tq]
 
