@@ -28,8 +28,14 @@ __all__ = ["shaw_clipped_index", "shaw_logits", "shaw_values", "shaw_attention",
 
 
 def check_shaw_table(name: str, table, head_dim: int | None = None) -> int:
-    """Validate a ``[2K + 1, H]`` Shaw table and return ``K``."""
+    """Validate a ``[2K + 1, H]`` Shaw table and return ``K`` (the clipping distance).
+
+    Raises:
+      ValueError: rank other than 2, an even number of rows, or a width other than
+        ``head_dim`` (when given). TypeError: a non-floating table.
+    """
     _checks.check_rank(name, table, (2,), "[2 * max_distance + 1, head_dim]")
+    _checks.check_floating(name, table)
     rows, h = _checks.shape_of(table)
     if rows % 2 == 0:
         raise ValueError(
@@ -78,20 +84,36 @@ def shaw_values(p, idx, rel_v) -> jax.Array:
 
 
 def shaw_attention(q, k, v, rel_k, rel_v, *, q_positions=None, kv_positions=None,
-                   causal: bool = False, scale=None, implementation=None):
-    """Multi-head attention with Shaw et al. relative keys and values.
+                   causal: bool = False, scale=None, implementation=None,
+                   block_q: int | None = None, block_k: int | None = None):
+    """Multi-head attention with Shaw et al. relative keys and values (Shaw et al. 2018, §3).
+
+    ``e_mn = scale * q_m . (k_n + a_K[r])``, ``z_m = sum_n softmax(e)_mn (v_n + a_V[r])``
+    with ``r = clip(n - m, -K, K)``, computed in the efficient form of §3.3.
 
     Args:
-      q: ``[B, Tq, N, H]``; k, v: ``[B, Tk, N_kv, H]``.
-      rel_k, rel_v: ``[2K + 1, H]`` tables (row ``r + K`` is offset ``r``), shared by
-        every head as in the paper.
+      q: float ``[B, Tq, N, H]``; k, v: float ``[B, Tk, N_kv, H]``.
+      rel_k, rel_v: float ``[2K + 1, H]`` tables (row ``r + K`` is offset ``r``), shared
+        by every head as in the paper; ``rel_v`` may be ``None`` (keys only).
+      q_positions, kv_positions: integer ``[T]`` or ``[B, T]`` (default ``arange``).
+      causal, scale, implementation, block_q, block_k: as :func:`jaxpos.attention`
+        (``scale`` defaults to ``1/sqrt(H)``, as in the paper).
 
-    Returns ``[B, Tq, N, H]``. A thin wrapper over :func:`jaxpos.attention` with
-    ``position=Shaw(rel_k, rel_v)``.
+    Returns:
+      ``[B, Tq, N, H]`` in q's dtype. A thin wrapper over :func:`jaxpos.attention` with
+      ``position=Shaw(rel_k, rel_v)``.
+
+    Raises:
+      ValueError: a table without ``2K + 1`` rows of width ``H``, ``rel_v`` of another
+        shape than ``rel_k``, positions whose shape does not match the sequence, and
+        everything :func:`jaxpos.attention` rejects.
+      TypeError: non-floating tables, float positions.
     """
     from jaxpos.attention import attention
     from jaxpos.schemes import Shaw
 
+    if rel_v is not None:
+        check_shaw_table("rel_v", rel_v)
     return attention(q, k, v, position=Shaw(rel_k, rel_v), q_positions=q_positions,
                      kv_positions=kv_positions, causal=causal, scale=scale,
-                     implementation=implementation)
+                     implementation=implementation, block_q=block_q, block_k=block_k)
