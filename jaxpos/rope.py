@@ -37,6 +37,8 @@ NTK, YaRN, Llama 3, LongRoPE) lives in :mod:`jaxpos.rope_scaling`.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -281,6 +283,13 @@ def apply_rope(x, positions, inv_freq, *, layout: str = "half", attention_factor
     half = _checks.shape_of(inv_freq)[0]
     check_rotary_dim(2 * half, H)
     pos = _checks.positions_2d("positions", positions, B, T)
+    return _apply_rope(x, pos, inv_freq, jnp.float32(attention_factor), layout=layout,
+                       angle_precision=angle_precision)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "angle_precision"))
+def _apply_rope(x, pos, inv_freq, attention_factor, *, layout, angle_precision):
+    # One compiled program per shape, also when called eagerly.
     ang = rope_angles(pos, inv_freq, angle_precision=angle_precision)  # [B|1, T, half]
     return rotate(x, jnp.cos(ang), jnp.sin(ang), layout=layout, attention_factor=attention_factor)
 
@@ -301,7 +310,12 @@ def apply_rope_angles(x, angles, *, layout: str = "half", attention_factor=1.0):
         raise ValueError(f"angles must have shape [1 or {B}, {T}, rotary_dim // 2] to match x "
                          f"{(B, T, N, H)}; got {a}.")
     check_rotary_dim(2 * a[2], H)
-    ang = jnp.asarray(angles, jnp.float32)
+    return _apply_angles(x, jnp.asarray(angles, jnp.float32), jnp.float32(attention_factor),
+                         layout=layout)
+
+
+@functools.partial(jax.jit, static_argnames=("layout",))
+def _apply_angles(x, ang, attention_factor, *, layout):
     return rotate(x, jnp.cos(ang), jnp.sin(ang), layout=layout, attention_factor=attention_factor)
 
 
@@ -315,8 +329,9 @@ def rotate(x, cos, sin, *, layout: str, attention_factor=1.0):
     half = cos.shape[-1]
     r = 2 * half
     xf = x.astype(jnp.float32)
-    c = (cos * jnp.float32(attention_factor))[:, :, None, :]
-    s = (sin * jnp.float32(attention_factor))[:, :, None, :]
+    af = jnp.asarray(attention_factor, jnp.float32)
+    c = (cos * af)[:, :, None, :]
+    s = (sin * af)[:, :, None, :]
     xr, rest = xf[..., :r], xf[..., r:]
     if layout == "half":
         x1, x2 = xr[..., :half], xr[..., half:]
@@ -426,6 +441,12 @@ def mrope_angles(positions, inv_freq, *, mrope_section, angle_precision: str = "
     pos = jnp.asarray(positions, jnp.int32)
     if pos.ndim == 2:
         pos = pos[:, None, :]
+    return _mrope_angles(pos, jnp.asarray(inv_freq, jnp.float32), sec=sec,
+                         angle_precision=angle_precision)
+
+
+@functools.partial(jax.jit, static_argnames=("sec", "angle_precision"))
+def _mrope_angles(pos, inv_freq, *, sec, angle_precision):
     ang = rope_angles(pos, inv_freq, angle_precision=angle_precision)  # [3, B, T, half]
     which = np.repeat(np.arange(3), sec)  # section of each frequency
     return jnp.where(which == 0, ang[0], jnp.where(which == 1, ang[1], ang[2]))
@@ -494,6 +515,11 @@ def axial_rope_angles(positions_hw, inv_freq, *, angle_precision: str = "high"):
     pos = jnp.asarray(positions_hw, jnp.int32)
     if pos.ndim == 2:
         pos = pos[None]
+    return _axial_angles(pos, jnp.asarray(inv_freq, jnp.float32), angle_precision=angle_precision)
+
+
+@functools.partial(jax.jit, static_argnames=("angle_precision",))
+def _axial_angles(pos, inv_freq, *, angle_precision):
     ang = rope_angles(pos, inv_freq, angle_precision=angle_precision)  # [B, T, 2, q]
     return jnp.concatenate([ang[:, :, 0], ang[:, :, 1]], axis=-1)
 
