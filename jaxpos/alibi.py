@@ -54,7 +54,7 @@ def alibi_slopes(num_heads: int) -> jax.Array:
 
 
 def alibi_bias(q_positions, kv_positions, slopes, *, bidirectional: bool = False) -> jax.Array:
-    """The ALiBi score bias for every (query, key) pair.
+    """The ALiBi score bias for every (query, key) pair (Press et al. 2022, §3, Fig. 3).
 
     ``bidirectional=False`` (causal, the paper): ``slopes[h] * (kv_pos - q_pos)``,
     which is ``-m * (i - j)`` for the visible keys ``j <= i``. Keys after the
@@ -85,7 +85,18 @@ def alibi_bias(q_positions, kv_positions, slopes, *, bidirectional: bool = False
 
 
 def relative_offsets(q_positions, kv_positions) -> jax.Array:
-    """``kv_pos - q_pos`` as int32 ``[Tq, Tk]`` or ``[B, Tq, Tk]`` (T5's memory - context)."""
+    """``kv_pos - q_pos`` as int32 ``[Tq, Tk]`` or ``[B, Tq, Tk]`` (T5's memory - context).
+
+    Args:
+      q_positions: integer ``[Tq]`` or ``[B|1, Tq]``.
+      kv_positions: integer ``[Tk]`` or ``[B|1, Tk]``.
+
+    Returns:
+      int32 ``[Tq, Tk]``, or ``[B, Tq, Tk]`` when either input has a batch axis.
+
+    Raises:
+      ValueError: batch sizes that differ and are not 1.
+    """
     q = jnp.asarray(q_positions, jnp.int32)
     k = jnp.asarray(kv_positions, jnp.int32)
     if q.ndim == 2 and k.ndim == 2 and q.shape[0] != k.shape[0] and 1 not in (q.shape[0], k.shape[0]):
@@ -97,7 +108,16 @@ def relative_offsets(q_positions, kv_positions) -> jax.Array:
 
 
 def alibi_bias_from_offsets(rel, slopes, *, bidirectional: bool = False) -> jax.Array:
-    """ALiBi bias from int offsets ``rel`` ``[..., Tq, Tk]`` -> float32 ``[..., N, Tq, Tk]``."""
+    """ALiBi bias from int offsets (Press et al. 2022, §3), the form the attention paths use.
+
+    Args:
+      rel: integer ``kv_pos - q_pos``, ``[..., Tq, Tk]``.
+      slopes: float ``[N]`` (already validated).
+      bidirectional: ``-slopes * |rel|`` instead of ``slopes * rel``.
+
+    Returns:
+      float32 ``[..., N, Tq, Tk]``.
+    """
     r = rel.astype(jnp.float32)
     if bidirectional:
         r = -jnp.abs(r)

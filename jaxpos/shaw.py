@@ -48,13 +48,23 @@ def check_shaw_table(name: str, table, head_dim: int | None = None) -> int:
 
 
 def shaw_clipped_index(q_positions, kv_positions, max_distance: int) -> jax.Array:
-    """Row index ``clip(kv - q, -K, K) + K`` into a ``[2K + 1, H]`` table (int32 ``[..., Tq, Tk]``)."""
+    """Row index ``clip(kv - q, -K, K) + K`` into a ``[2K + 1, H]`` table (Shaw et al. 2018, §3.2).
+
+    Args:
+      q_positions: integer ``[Tq]`` or ``[B|1, Tq]``.
+      kv_positions: integer ``[Tk]`` or ``[B|1, Tk]``.
+      max_distance: the clipping distance ``K`` (a Python int >= 0).
+
+    Returns:
+      int32 ``[Tq, Tk]`` or ``[B, Tq, Tk]`` in ``[0, 2K]``; the clip is explicit, so
+      no gather ever relies on JAX's index clamping (or NumPy's negative wrap).
+    """
     rel = relative_offsets(q_positions, kv_positions)
     return jnp.clip(rel, -max_distance, max_distance) + max_distance
 
 
 def shaw_logits(q, idx, rel_k) -> jax.Array:
-    """Relative key term ``q_m . a_K[r]`` in the efficient form.
+    """Relative key term ``q_m . a_K[r]`` in the efficient form (Shaw et al. 2018, §3.3).
 
     Args:
       q: ``[B, N, Tq, H]`` (already scaled).
@@ -71,7 +81,7 @@ def shaw_logits(q, idx, rel_k) -> jax.Array:
 
 
 def shaw_values(p, idx, rel_v) -> jax.Array:
-    """Relative value term ``sum_n p_mn a_V[r_mn]`` -> float32 ``[B, N, Tq, H]``.
+    """Relative value term ``sum_n p_mn a_V[r_mn]`` -> float32 ``[B, N, Tq, H]`` (§3.1, §3.3).
 
     ``p``: weights ``[B, N, Tq, Tk]`` (need not be normalised: the term is linear in p).
     The weights are summed per offset bucket (``[B, N, Tq, 2K+1]``) before touching

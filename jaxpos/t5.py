@@ -25,7 +25,15 @@ __all__ = ["t5_bucket", "t5_bias", "relative_bias_attention", "check_bucket_args
 
 
 def check_bucket_args(num_buckets, max_distance, bidirectional) -> None:
-    """Validate T5 bucket hyperparameters (raises ``ValueError``/``TypeError``)."""
+    """Validate T5 bucket hyperparameters (Raffel et al. 2020, §2.1).
+
+    Raises:
+      TypeError: ``num_buckets`` or ``max_distance`` not a Python int.
+      ValueError: a non-positive value, an odd ``num_buckets`` when ``bidirectional``
+        (half the buckets per direction), fewer than 2 buckets per direction, or
+        ``max_distance`` not above the exact range ``num_buckets_per_direction // 2``
+        (the logarithmic formula would divide by ``log(1) = 0``).
+    """
     _checks.check_positive_int("num_buckets", num_buckets)
     _checks.check_positive_int("max_distance", max_distance)
     if bidirectional and num_buckets % 2:
@@ -114,10 +122,14 @@ def t5_bias(
 ) -> jax.Array:
     """The T5 bias ``table[bucket(kv_pos - q_pos), h]`` for every (query, key) pair.
 
+    Raffel et al. 2020, §2.1: one learned scalar per bucket and head, added to the
+    attention logits; the table is shared by all layers of a stack.
+
     Args:
       q_positions: integer ``[Tq]`` or ``[B, Tq]``.
       kv_positions: integer ``[Tk]`` or ``[B, Tk]``.
       table: float ``[num_buckets, N]`` (the T5 checkpoint layout).
+      bidirectional, num_buckets, max_distance: as :func:`t5_bucket`.
 
     Returns:
       ``[N, Tq, Tk]`` (``[B, N, Tq, Tk]`` with batched positions), float32.
@@ -138,6 +150,7 @@ def t5_bias(
 
 
 def check_t5_table(table, num_buckets) -> None:
+    """Raise ``ValueError`` unless ``table`` is ``[num_buckets, num_heads]``."""
     _checks.check_rank("table", table, (2,), "[num_buckets, num_heads]")
     if _checks.shape_of(table)[0] != num_buckets:
         raise ValueError(
