@@ -1,0 +1,306 @@
+"""Tests of the Flax NNX modules (jaxpos.nnx).
+
+Sizes are tiny (d_model 16, 2 heads, T <= 8) and most tests run eagerly with the
+reference implementation, which is cheap; the chunked path (compiled) is exercised where
+the claim is about it (gradients, the default decode path).
+"""
+
+import math
+
+import chex
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+
+from jaxpos import nnx as jn
+
+V, D, N, H, F = 50, 16, 2, 8, 64
+SCHEMES = ("sinusoidal", "learned", "rope", "alibi", "t5", "shaw")
+ALL = ("nope",) + SCHEMES
+
+
+def make_decoder(position, *, num_layers=2, implementation="reference", seed=0, **kw):
+    kw.setdefault("max_len", 16)
+    return jn.DecoderLM(V, d_model=D, num_layers=num_layers, num_heads=N, position=position,
+                        implementation=implementation, rngs=nnx.Rngs(seed), **kw)
+
+
+def num_params(model):
+    return sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
+
+
+# ------------------------------------------------------------ "dog bites man"
+# the=0, dog=1, bites=2, man=3
+DOG_BITES_MAN = [0, 1, 2, 0, 3]   # "the dog bites the man"
+MAN_BITES_DOG = [0, 3, 2, 0, 1]   # "the man bites the dog"
+
+
+def pooled(position, sentences):
+    enc = jn.Encoder(V, d_model=D, num_layers=2, num_heads=N, position=position, max_len=8,
+                     implementation="reference", rngs=nnx.Rngs(0))
+    h = enc(jnp.asarray(sentences, jnp.int32))  # [2, T, D]
+    return np.asarray(h.mean(axis=1), np.float64)
+
+
+def test_encoder_without_positions_pools_both_orders_to_the_same_vector():
+    a, b = pooled("nope", [DOG_BITES_MAN, MAN_BITES_DOG])
+    # Unmasked attention, per-token norms and MLPs are permutation-equivariant, so the
+    # mean over tokens is permutation-invariant: only float rounding differs.
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("position", SCHEMES)
+def test_encoder_with_any_scheme_tells_the_orders_apart(position):
+    a, b = pooled(position, [DOG_BITES_MAN, MAN_BITES_DOG])
+    assert np.abs(a - b).max() > 1e-3, (position, np.abs(a - b).max())
+
+
+def test_bidirectional_alibi_cannot_tell_a_sentence_from_its_reverse():
+    # -m|i - j| is unchanged by i -> T-1-i, so a bidirectional ALiBi encoder maps the
+    # reversed sentence to the reversed outputs and mean pooling cannot tell them apart.
+    # "dog bites man" vs "man bites dog" is exactly that case; T5 buckets are signed.
+    a, b = pooled("alibi", [[1, 2, 3], [3, 2, 1]])
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    a, b = pooled("t5", [[1, 2, 3], [3, 2, 1]])
+    assert np.abs(a - b).max() > 1e-3
+
+
+# ------------------------------------------------------------ KV-cache decoding
+def _concat_rows(*caches):
+    return jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs, axis=0), *caches)
+
+
+@pytest.mark.parametrize("position", ALL)
+def test_kv_cache_decode_with_rows_at_different_offsets_equals_full_forward(position):
+    model = make_decoder(position)
+    T = 7
+    tokens = jax.random.randint(jax.random.key(1), (2, T), 0, V)
+    offsets = np.array([0, 4])             # rows start at different positions
+    positions = offsets[:, None] + np.arange(T)
+    full = model(tokens, positions=positions)  # [2, T, V]
+
+    # Rows also hold different numbers of cached tokens: row 0 prefills 3, row 1 prefills 1.
+    prompt = [3, 1]
+    caches = []
+    for b in range(2):
+        c = model.init_cache(1, 8)
+        lg, c = model.decode_step(tokens[b:b + 1, :prompt[b]], c,
+                                  positions=positions[b:b + 1, :prompt[b]])
+        np.testing.assert_allclose(lg[0], full[b, :prompt[b]], rtol=1e-5, atol=1e-5)
+        caches.append(c)
+    cache = _concat_rows(*caches)
+    np.testing.assert_array_equal(cache[0].length, prompt)
+    for s in range(3):
+        idx = np.array(prompt) + s
+        tok = tokens[np.arange(2), idx][:, None]
+        lg, cache = model.decode_step(tok, cache, positions=positions[np.arange(2), idx][:, None])
+        np.testing.assert_allclose(lg[:, 0], full[np.arange(2), idx], rtol=1e-5, atol=1e-5)
+
+
+def test_jitted_default_decode_one_token_at_a_time_equals_full_forward():
+    # The default path: implementation=None (chunked on CPU), default positions from the
+    # cache's fill count, everything under nnx.jit.
+    model = make_decoder("rope", implementation=None)
+    tokens = jax.random.randint(jax.random.key(2), (2, 5), 0, V)
+    full = model(tokens)
+    step = nnx.jit(lambda m, t, c: m.decode_step(t, c))
+    cache = model.init_cache(2, 5)
+    outs = []
+    for t in range(5):
+        lg, cache = step(model, tokens[:, t:t + 1], cache)
+        outs.append(lg)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_overflow_raises_eagerly_and_poisons_rows_under_jit():
+    model = make_decoder("alibi")
+    tokens = jnp.zeros((2, 3), jnp.int32)
+    cache = model.init_cache(2, 4)
+    _, cache = model.decode_step(tokens, cache)
+    with pytest.raises(ValueError, match="KV cache overflow"):
+        model.decode_step(tokens, cache)
+    lg, _ = nnx.jit(lambda m, t, c: m.decode_step(t, c))(model, tokens, cache)
+    assert np.isnan(np.asarray(lg)).all()  # never silently written over other slots
+
+
+# ------------------------------------------------------------ parameters
+# Parameter count of the stack, by hand: tied embedding V*D; per block two RMSNorm scales
+# (2D), q/k/v/o (4 * D * N*H with N*H = D), MLP 2 * D * F; final norm D.
+PER_BLOCK = 2 * D + 4 * D * D + 2 * D * F  # 32 + 1024 + 2048 = 3104
+BASE = V * D + D                           # 800 + 16
+
+
+@pytest.mark.parametrize("num_layers", [2, 3])
+def test_t5_table_is_one_parameter_shared_by_every_layer(num_layers):
+    model = make_decoder("t5", num_layers=num_layers)
+    assert num_params(make_decoder("nope", num_layers=num_layers)) == BASE + num_layers * PER_BLOCK
+    # One [num_buckets=32, N] table for the whole stack, whatever the depth.
+    assert num_params(model) == BASE + num_layers * PER_BLOCK + 32 * N
+    tables = [(p, x.shape) for p, x in jax.tree_util.tree_leaves_with_path(
+        nnx.state(model, nnx.Param)) if x.shape == (32, N)]
+    assert len(tables) == 1, tables
+    # ...and every layer reads it: perturbing the table changes every layer's output.
+    tokens = jnp.arange(6, dtype=jnp.int32)[None]
+    grads = nnx.grad(lambda m: m(tokens).sum())(model)
+    g = np.asarray(grads["rel_position"]["table"][...])
+    assert np.abs(g).max() > 0
+
+
+def test_sinusoidal_table_is_not_a_parameter():
+    emb = jn.SinusoidalEmbedding(4)
+    assert jax.tree_util.tree_leaves(nnx.state(emb)) == []
+    # Vaswani et al. 2017, §3.5; FACTS.md table for d = 4 (3 decimals).
+    expected = [[0, 1, 0, 1], [0.841, 0.540, 0.010, 1.000], [0.909, -0.416, 0.020, 1.000],
+                [0.141, -0.990, 0.030, 1.000]]
+    np.testing.assert_allclose(emb(np.arange(4)), expected, atol=5e-4)
+    # Batched, arbitrary positions: row p of the table.
+    got = emb(np.array([[3, 0], [1, 2]]))
+    np.testing.assert_allclose(got, np.array(expected)[[[3, 0], [1, 2]]], atol=5e-4)
+    assert num_params(make_decoder("sinusoidal")) == BASE + 2 * PER_BLOCK
+
+
+def test_parameter_counts_of_learned_and_shaw():
+    # learned: one [max_len, D] table; Shaw: [2K+1, H] keys and values per layer (K = 16).
+    assert num_params(make_decoder("learned", max_len=8)) == BASE + 2 * PER_BLOCK + 8 * D
+    assert num_params(make_decoder("shaw")) == BASE + 2 * PER_BLOCK + 2 * 2 * 33 * H
+    assert num_params(make_decoder("rope")) == num_params(make_decoder("alibi")) \
+        == BASE + 2 * PER_BLOCK
+
+
+# ------------------------------------------------------------ learned positions past the table
+def test_learned_positions_past_the_table_raise():
+    model = make_decoder("learned", max_len=8)
+    ok = jnp.zeros((1, 8), jnp.int32)
+    assert model(ok).shape == (1, 8, V)
+    too_long = jnp.zeros((1, 9), jnp.int32)
+    with pytest.raises(ValueError, match="max_len=8"):
+        model(too_long)
+    with pytest.raises(ValueError, match="max_len=8"):
+        nnx.jit(lambda m, t: m(t))(model, too_long)
+    with pytest.raises(ValueError, match=r"\[0, 8\)"):  # explicit positions 1..8
+        model(ok, positions=np.arange(1, 9))
+    with pytest.raises(ValueError, match="max_len"):
+        jn.DecoderLM(V, d_model=D, num_layers=1, num_heads=N, position="learned",
+                     rngs=nnx.Rngs(0))
+
+
+def test_learned_module_lookup_and_traced_out_of_range_is_nan():
+    emb = jn.LearnedPositionalEmbedding(4, 3, rngs=nnx.Rngs(0))
+    table = np.asarray(emb.table[...])
+    np.testing.assert_array_equal(emb(np.array([2, 0])), table[[2, 0]])
+    out = jax.jit(lambda p: emb(p))(jnp.array([1, 4]))
+    np.testing.assert_array_equal(out[0], table[1])
+    assert np.isnan(np.asarray(out[1])).all()
+
+
+# ------------------------------------------------------------ gradients to position params
+def _position_grads(model, tokens, weights, impl):
+    def loss(m):
+        return jnp.sum(m(tokens, implementation=impl) * weights)
+
+    grads = nnx.grad(loss)(model)
+    flat = {jax.tree_util.keystr(p): np.asarray(g)
+            for p, g in jax.tree_util.tree_leaves_with_path(grads.to_pure_dict())}
+    return {k: g for k, g in flat.items()
+            if any(n in k for n in ("abs_position", "rel_position", "position_module"))}
+
+
+@pytest.mark.parametrize("position,expected", [
+    ("learned", ["['abs_position']['table']"]),
+    ("t5", ["['rel_position']['table']"]),
+    ("shaw", [f"['blocks'][{i}]['attn']['position_module']['{t}']"
+              for i in range(2) for t in ("rel_k", "rel_v")]),
+])
+def test_gradients_reach_position_parameters_equally_through_chunked_and_reference(
+        position, expected):
+    model = make_decoder(position)
+    tokens = jax.random.randint(jax.random.key(3), (2, 6), 0, V)
+    weights = jax.random.normal(jax.random.key(4), (2, 6, V))
+    ref = _position_grads(model, tokens, weights, "reference")
+    chk = _position_grads(model, tokens, weights, "chunked")
+    assert sorted(ref) == sorted(expected)
+    for name in expected:
+        assert np.abs(ref[name]).max() > 1e-4, name
+        np.testing.assert_allclose(chk[name], ref[name], rtol=1e-4, atol=1e-6, err_msg=name)
+    if position == "learned":  # positions 0..5 only: rows 6.. get exactly zero
+        g = ref[expected[0]]
+        assert np.abs(g[:6]).min() > 0 and (g[6:] == 0).all()
+
+
+# ------------------------------------------------------------ attention against NumPy
+class TestMultiHeadAttention(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_alibi_attention_matches_float64_numpy(self):
+        mha = jn.MultiHeadAttention(D, N, position="alibi", causal=True,
+                                    implementation="reference", rngs=nnx.Rngs(0))
+        x = jax.random.normal(jax.random.key(5), (1, 5, D))
+        got = self.variant(lambda x: mha(x))(x)
+
+        w = {n: np.asarray(getattr(mha, n).kernel[...], np.float64)
+             for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        xx = np.asarray(x, np.float64)[0]
+        q, k, v = ((xx @ w[n]).reshape(5, N, H) for n in ("q_proj", "k_proj", "v_proj"))
+        slopes = [2 ** -4, 2 ** -8]  # Press et al. 2022: 2^(-8/n) * ratio 2^(-8/n), n = 2
+        i, j = np.arange(5)[:, None], np.arange(5)[None, :]
+        out = np.zeros((5, N, H))
+        for h in range(N):
+            s = q[:, h] @ k[:, h].T / math.sqrt(H) - slopes[h] * (i - j)
+            s = np.where(j <= i, s, -np.inf)
+            p = np.exp(s - s.max(-1, keepdims=True))
+            out[:, h] = (p / p.sum(-1, keepdims=True)) @ v[:, h]
+        np.testing.assert_allclose(got[0], out.reshape(5, D) @ w["o_proj"], rtol=1e-5, atol=1e-5)
+
+    def test_grouped_query_attention_shapes(self):
+        mha = jn.MultiHeadAttention(D, 4, num_kv_heads=2, position="rope", causal=True,
+                                    implementation="reference", rngs=nnx.Rngs(0))
+        assert mha.k_proj.kernel.shape == (D, 2 * 4) and mha.q_proj.kernel.shape == (D, 4 * 4)
+        cache = mha.init_cache(2, 6)
+        assert cache.k.shape == (2, 6, 2, 4)
+        x = jax.random.normal(jax.random.key(6), (2, 3, D))
+        y, cache = mha.decode(x, cache)
+        np.testing.assert_allclose(y, mha(x), rtol=1e-5, atol=1e-5)
+
+    def test_shared_position_module_is_one_parameter(self):
+        t5 = jn.T5RelativeBias(N, bidirectional=False, rngs=nnx.Rngs(0))
+        layers = nnx.List([jn.MultiHeadAttention(D, N, position=t5, causal=True,
+                                                 rngs=nnx.Rngs(i)) for i in range(2)])
+        assert layers[0].position_module is layers[1].position_module
+        n = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(layers, nnx.Param)))
+        assert n == 2 * 4 * D * D + 32 * N
+
+
+# ------------------------------------------------------------ RoPE module property
+@settings(max_examples=10, deadline=None)
+@given(m=st.integers(0, 500), n=st.integers(0, 500), shift=st.integers(-200, 200))
+def test_rotary_module_scores_depend_on_offset_only(m, n, shift):
+    # Su et al. 2024, §3.4: <R_m q, R_n k> depends on n - m only.
+    rope = jn.RotaryEmbedding(8)
+    q = jax.random.normal(jax.random.key(7), (1, 1, 1, 8))
+    k = jax.random.normal(jax.random.key(8), (1, 1, 1, 8))
+    m2, n2 = m + shift + 200, n + shift + 200
+    s1 = jnp.sum(rope(q, np.array([m])) * rope(k, np.array([n])))
+    s2 = jnp.sum(rope(q, np.array([m2])) * rope(k, np.array([n2])))
+    np.testing.assert_allclose(s1, s2, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------ bad input
+def test_bad_arguments_raise_with_names():
+    with pytest.raises(ValueError, match="position"):
+        make_decoder("xpos")
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        jn.DecoderLM(V, d_model=D, num_layers=1, num_heads=2, num_kv_heads=3,
+                     rngs=nnx.Rngs(0))
+    model = make_decoder("alibi")
+    with pytest.raises(ValueError, match="vocab_size"):
+        model(jnp.array([[0, V]]))
+    with pytest.raises(TypeError, match="tokens"):
+        model(jnp.zeros((1, 3)))
+    with pytest.raises(ValueError, match="rope_scaling"):
+        model(jnp.zeros((1, 3), jnp.int32), rope_scaling=object())
+    with pytest.raises(TypeError, match="positions"):
+        model(jnp.zeros((1, 3), jnp.int32), positions=jnp.arange(3.0))
