@@ -8,14 +8,13 @@ geometric sequence fixed before training.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
 
-__all__ = ["alibi_slopes", "alibi_bias"]
+__all__ = ["alibi_bias", "alibi_slopes"]
 
 
 def _power_of_two_slopes(n: int) -> list[float]:
@@ -99,7 +98,8 @@ def relative_offsets(q_positions, kv_positions) -> jax.Array:
     """
     q = jnp.asarray(q_positions, jnp.int32)
     k = jnp.asarray(kv_positions, jnp.int32)
-    if q.ndim == 2 and k.ndim == 2 and q.shape[0] != k.shape[0] and 1 not in (q.shape[0], k.shape[0]):
+    if q.ndim == 2 and k.ndim == 2 and q.shape[0] != k.shape[0] and 1 not in (q.shape[0],
+                                                                              k.shape[0]):
         raise ValueError(
             f"q_positions and kv_positions must have equal batch sizes (or 1); got batch "
             f"sizes {q.shape[0]} and {k.shape[0]} (shapes {q.shape} and {k.shape})."

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jaxpos import _checks
 from jaxpos.alibi import relative_offsets
 
-__all__ = ["shaw_clipped_index", "shaw_logits", "shaw_values", "shaw_attention", "check_shaw_table"]
+__all__ = ["check_shaw_table", "shaw_attention", "shaw_clipped_index", "shaw_logits", "shaw_values"]
 
 
 def check_shaw_table(name: str, table, head_dim: int | None = None) -> int:
@@ -43,7 +43,9 @@ def check_shaw_table(name: str, table, head_dim: int | None = None) -> int:
             f"{_checks.shape_of(table)}."
         )
     if head_dim is not None and h != head_dim:
-        raise ValueError(f"{name} must have shape [2K + 1, {head_dim}]; got {_checks.shape_of(table)}.")
+        raise ValueError(
+            f"{name} must have shape [2K + 1, {head_dim}]; got {_checks.shape_of(table)}."
+        )
     return (rows - 1) // 2
 
 

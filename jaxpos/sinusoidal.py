@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxpos import _checks
 
-__all__ = ["sinusoidal_pe", "sinusoidal_frequencies", "shift_matrix", "relative_head_W"]
+__all__ = ["relative_head_W", "shift_matrix", "sinusoidal_frequencies", "sinusoidal_pe"]
 
 
 def sinusoidal_frequencies(d: int, base: float = 10000.0) -> np.ndarray:

@@ -21,7 +21,7 @@ import numpy as np
 from jaxpos import _checks
 from jaxpos.alibi import relative_offsets
 
-__all__ = ["t5_bucket", "t5_bias", "relative_bias_attention", "check_bucket_args"]
+__all__ = ["check_bucket_args", "relative_bias_attention", "t5_bias", "t5_bucket"]
 
 
 def check_bucket_args(num_buckets, max_distance, bidirectional) -> None:

@@ -28,7 +28,7 @@ def press_slopes_float64(n: int) -> np.ndarray:
 
     if math.log2(n).is_integer():
         return geometric(n)
-    p = 2 ** int(math.floor(math.log2(n)))
+    p = 2 ** math.floor(math.log2(n))
     return np.concatenate([geometric(p), geometric(2 * p)[0::2][: n - p]])
 
 

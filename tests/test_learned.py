@@ -109,25 +109,25 @@ class TransformsTest(chex.TestCase):
         table = _table(max_len=6)
         pos = jnp.array([[0, 1, 5], [2, 4, 3]], jnp.int32)
         for policy in ("error", "wrap", "clip"):
-            f = lambda p: learned_positions(table, p, out_of_range=policy)
+            f = lambda p, policy=policy: learned_positions(table, p, out_of_range=policy)
             chex.assert_trees_all_equal(jax.vmap(f)(pos), f(pos))
 
 
 BAD_INPUTS = [
-    ("out_of_range", ValueError, dict(out_of_range="ignore"), "'ignore'"),
-    ("table", ValueError, dict(table=np.zeros(6, np.float32)), "(6,)"),
-    ("table", TypeError, dict(table=np.zeros((6, 3), np.int32)), "int32"),
-    ("positions", TypeError, dict(positions=np.array([0.0, 1.0], np.float32)), "float32"),
-    ("positions", TypeError, dict(positions=np.array([True, False])), "bool"),
-    ("positions", ValueError, dict(positions=np.int32(3)), "scalar"),
-    ("positions", ValueError, dict(positions=np.array([0, 6])), "6"),
+    ("out_of_range", ValueError, {"out_of_range": "ignore"}, "'ignore'"),
+    ("table", ValueError, {"table": np.zeros(6, np.float32)}, "(6,)"),
+    ("table", TypeError, {"table": np.zeros((6, 3), np.int32)}, "int32"),
+    ("positions", TypeError, {"positions": np.array([0.0, 1.0], np.float32)}, "float32"),
+    ("positions", TypeError, {"positions": np.array([True, False])}, "bool"),
+    ("positions", ValueError, {"positions": np.int32(3)}, "scalar"),
+    ("positions", ValueError, {"positions": np.array([0, 6])}, "6"),
 ]
 
 
 @pytest.mark.parametrize("argument, error, kwargs, got", BAD_INPUTS,
                          ids=[f"{a}-{e.__name__}-{i}" for i, (a, e, _, _) in enumerate(BAD_INPUTS)])
 def test_bad_input(argument, error, kwargs, got):
-    args = dict(table=_table(max_len=6), positions=np.array([0, 1]))
+    args = {"table": _table(max_len=6), "positions": np.array([0, 1])}
     args.update(kwargs)
     policy = args.pop("out_of_range", "error")
     with pytest.raises(error) as info:

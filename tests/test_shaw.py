@@ -10,9 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl.testing import parameterized
 
-from jaxpos import Shaw, attention, shaw_attention
+from jaxpos import Shaw, shaw_attention
 from jaxpos.shaw import shaw_clipped_index
 
 
@@ -83,7 +82,7 @@ def test_chunked_small_blocks_and_explicit_positions():
     q_pos = np.array([[6, 7, 8], [106, 107, 108]], np.int32)
     kv_pos = np.array([np.arange(9), np.arange(100, 109)], np.int32)
     expected = np_shaw_naive(q, k, v, rel_k, rel_v, q_pos, kv_pos, causal=True)
-    for impl, blocks in (("reference", {}), ("chunked", dict(block_q=2, block_k=4))):
+    for impl, blocks in (("reference", {}), ("chunked", {"block_q": 2, "block_k": 4})):
         out = shaw_jit(q, k, v, rel_k, rel_v, q_positions=q_pos, kv_positions=kv_pos,
                        causal=True, implementation=impl, **blocks)
         np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, err_msg=impl)
@@ -91,7 +90,7 @@ def test_chunked_small_blocks_and_explicit_positions():
 
 def test_offsets_beyond_K_share_the_end_rows():
     # Changing row 0 (offset -K) of rel_k changes exactly the scores with n - m <= -K.
-    q, k, v, rel_k, _ = _inputs(B=1, N=1)
+    q, _k, _v, rel_k, _ = _inputs(B=1, N=1)
     pos = np.arange(9)[None]
     scheme = Shaw(jnp.asarray(rel_k))
     qs = jnp.swapaxes(jnp.asarray(q), 1, 2)

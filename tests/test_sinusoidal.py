@@ -8,6 +8,7 @@ References are float64 NumPy written out in this file, never the library itself.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import chex
@@ -24,7 +25,10 @@ from jaxpos.sinusoidal import sinusoidal_frequencies
 
 
 def np_sinusoid(positions, d, base=10000.0, layout="interleaved"):
-    """float64 reference: column 2i = sin(pos * base**(-2i/d)), 2i+1 = cos (odd d: last cos dropped)."""
+    """float64 reference: column 2i = sin(pos * base**(-2i/d)), 2i+1 = cos.
+
+    Odd d: the last cosine is dropped.
+    """
     pos = np.asarray(positions, np.float64)[:, None]
     i = np.arange((d + 1) // 2, dtype=np.float64)
     angle = pos * base ** (-2.0 * i / d)
@@ -66,7 +70,7 @@ def test_slowest_wavelength_approaches_2pi_base():
     # FACTS.md: the slowest wavelength approaches 2*pi*10000, about 62,832, as d grows.
     assert round(2 * math.pi * 10000) == 62_832
     waves = [2 * math.pi / sinusoidal_frequencies(d)[-1] for d in (16, 64, 512, 4096, 65536)]
-    assert all(a < b for a, b in zip(waves, waves[1:]))
+    assert all(a < b for a, b in itertools.pairwise(waves))
     assert all(w < 2 * math.pi * 10000 for w in waves)
     assert abs(waves[-1] / (2 * math.pi * 10000) - 1) < 1e-3
 
@@ -113,7 +117,7 @@ def test_dot_product_symmetric_and_tends_to_fall():
     assert np.any(np.diff(sim) > 0)  # not monotonic
     window_means = [sim[a:b].mean() for a, b in [(0, 16), (16, 64), (64, 256), (256, 1000),
                                                  (1000, 2000)]]
-    assert all(a > b for a, b in zip(window_means, window_means[1:]))
+    assert all(a > b for a, b in itertools.pairwise(window_means))
 
 
 @pytest.mark.parametrize("k, expected", [(64, 0.43), (1000, 0.28)])

@@ -182,5 +182,5 @@ def test_bad_input(argument, error, call, got):
     with pytest.raises(error) as info:
         call()
     msg = str(info.value)
-    assert msg.startswith(argument + " ") or msg.startswith(argument + "="), msg
+    assert msg.startswith((argument + " ", argument + "=")), msg
     assert "got" in msg and got in msg, msg
