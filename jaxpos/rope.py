@@ -209,17 +209,13 @@ def _high_precision_angles(pos, inv_freq):
     return turns * jnp.float32(_TWO_PI)
 
 
-@jax.custom_jvp
 def _reduced_angles(pos, inv_freq):
-    return _high_precision_angles(pos, inv_freq)
-
-
-@_reduced_angles.defjvp
-def _reduced_angles_jvp(primals, tangents):
-    pos, inv_freq = primals
-    _, d_inv_freq = tangents
-    # The reduction modulo 2 pi does not change the derivative: d angle / d inv_freq = pos.
-    return _reduced_angles(pos, inv_freq), pos.astype(jnp.float32)[..., None] * d_inv_freq
+    # The reduction modulo 2 pi does not change the derivative, d angle / d inv_freq = pos:
+    # the value is the reduced angle (the added term is exactly 0), the gradient that of
+    # the plain product. Written without custom_jvp so that Mosaic GPU can lower it.
+    plain = pos.astype(jnp.float32)[..., None] * inv_freq
+    reduced = jax.lax.stop_gradient(_high_precision_angles(pos, inv_freq))
+    return reduced + (plain - jax.lax.stop_gradient(plain))
 
 
 def rope_angles(positions, inv_freq, *, angle_precision: str = "high") -> jax.Array:
