@@ -310,3 +310,21 @@ def test_unsupported_inputs_raise_clear_errors():
         call(segment_ids=jnp.zeros((1, 8), jnp.int32))
     with pytest.raises(TypeError, match="q_positions"):
         fused_attention(q, k, v, q_positions=jnp.arange(8.0), kv_positions=pos)
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_script_runs_tiny(tmp_path):
+    """benchmarks/gpu_attention.py keeps working on CPU (interpret mode, tiny shapes);
+    its own correctness check raises SystemExit if the kernel disagrees."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "gpu_attention.py"
+    spec = importlib.util.spec_from_file_location("gpu_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.md"
+    rows = bench.main(["--tiny", "--variants", "t5", "rope+alibi", "--out", str(out)])
+    assert {r[3] for r in rows} >= {"fused", "fused/nobias", "xla"}
+    assert all(r[4] is not None for r in rows if r[3] != "flex")
+    assert "| 64 | t5 | fwd | fused |" in out.read_text()

@@ -31,11 +31,10 @@ def _export(fn, args, platform):
     return exp.mlir_module()
 
 
-def _functions(angle_precision, with_rope=True):
+def _functions(angle_precision, with_rope=True, dtype=jnp.bfloat16):
     """Forward and backward of one call using every kernel feature at once."""
     sds = jax.ShapeDtypeStruct
-    args = (sds((B, T, N, H), jnp.bfloat16), sds((B, T, NKV, H), jnp.bfloat16),
-            sds((B, T, NKV, H), jnp.bfloat16), sds((T,), jnp.int32), sds((B, T), jnp.int32),
+    args = (sds((B, T, N, H), dtype), sds((B, T, NKV, H), dtype), sds((B, T, NKV, H), dtype), sds((T,), jnp.int32), sds((B, T), jnp.int32),
             sds((H // 2,), jnp.float32), sds((N,), jnp.float32), sds((N, 257), jnp.float32))
 
     def fwd(q, k, v, pos, seg, inv_freq, slopes, offset_bias):
@@ -57,11 +56,13 @@ def _kernel_calls(mlir, platform):
     return mlir.count(f'call_target_name = "{marker}"') or mlir.count(marker)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_export_alibi_t5_segments_gqa(platform):
+def test_export_alibi_t5_segments_gqa(platform, dtype):
     """ALiBi + offset-bias vector + segments + GQA + causal + padding: forward is one
-    kernel, backward three (forward for the residuals, dq, dk/dv)."""
-    fwd, bwd, args = _functions("high", with_rope=False)
+    kernel, backward three (forward for the residuals, dq, dk/dv). float32 inputs use
+    HIGHEST-precision dots (IEEE on Triton rather than TF32)."""
+    fwd, bwd, args = _functions("high", with_rope=False, dtype=dtype)
     assert _kernel_calls(_export(fwd, args, platform), platform) >= 1
     assert _kernel_calls(_export(bwd, args, platform), platform) >= 3
 
