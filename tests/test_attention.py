@@ -342,7 +342,7 @@ def test_cpu_benchmark_tiny_mode_runs(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "table.md"
-    rows = mod.main(["--tiny", "--no-torch", "--output", str(out)])
+    rows = mod.main(["--tiny", "--no-torch", "--schemes", "alibi", "--output", str(out)])
     text = out.read_text()
     assert "| chunked |" in text and "| reference |" in text
     assert {r["implementation"] for r in rows} >= {"reference", "chunked", "jax_dpa"}
