@@ -223,3 +223,33 @@ def test_scaling_from_dict():
     with pytest.raises(ValueError, match="missing.*low_freq_factor"):
         S.scaling_from_dict({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
                              "original_max_position_embeddings": 8192})
+
+
+# ------------------------------------------------------- reading HF config dicts (no torch)
+def test_hf_settings_per_layer_type_gemma3_style():
+    from jaxpos.hf import hf_rope_settings, rope_from_hf_config
+    cfg = {"head_dim": 256, "hidden_size": 2560, "num_attention_heads": 8,
+           "max_position_embeddings": 131072,
+           "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                  "rope_theta": 1000000.0},
+                               "sliding_attention": {"rope_type": "default",
+                                                     "rope_theta": 10000.0}}}
+    full = rope_from_hf_config(cfg, layer_type="full_attention")
+    assert (full.base, full.scaling, full.rotary_dim) == (1e6, jaxpos.LinearScaling(8.0), 256)
+    assert hf_rope_settings(cfg, layer_type="sliding_attention")["scaling"] is None
+    with pytest.raises(ValueError, match="per layer type.*layer_type"):
+        rope_from_hf_config(cfg)
+
+
+def test_hf_settings_gptj_interleaved_rotary_dim():
+    from jaxpos.hf import rope_from_hf_config
+    r = rope_from_hf_config({"model_type": "gptj", "n_embd": 4096, "n_head": 16, "rotary_dim": 64})
+    assert (r.layout, r.rotary_dim, r.base) == ("interleaved", 64, 10000.0)
+
+
+def test_hf_settings_need_head_width():
+    from jaxpos.hf import rope_from_hf_config
+    with pytest.raises(ValueError, match="head_dim, or hidden_size and num_attention_heads"):
+        rope_from_hf_config({"rope_theta": 10000.0})
+    with pytest.raises(TypeError, match="config must be a dict"):
+        rope_from_hf_config(["not", "a", "config"])
