@@ -33,7 +33,9 @@ def learned_positions(table, positions, *, out_of_range: str = "error") -> jax.A
       out_of_range: what to do with a position ``p`` outside ``[0, max_len)``:
 
         * ``"error"`` (default): if the positions are concrete (NumPy, Python, or a
-          JAX array outside ``jit``), raise ``ValueError``. Traced positions cannot be
+          JAX array outside ``jit``), raise ``ValueError`` for any value outside the
+          table. Traced positions whose sequence axis is longer than ``max_len``
+          raise ``ValueError`` at trace time. Traced positions cannot be
           inspected at trace time; those outside the table give rows of **NaN**, so
           the error propagates loudly into the loss instead of silently reusing
           another row (``jnp.take`` would clamp to the last row).
@@ -56,6 +58,16 @@ def learned_positions(table, positions, *, out_of_range: str = "error") -> jax.A
     if len(_checks.shape_of(positions)) < 1:
         raise ValueError("positions must have rank >= 1 ([..., T]); got a scalar (shape ()).")
     max_len = _checks.shape_of(table)[0]
+    T = _checks.shape_of(positions)[-1]
+    if out_of_range == "error" and not _checks.is_concrete(positions) and T > max_len:
+        # Traced values cannot be inspected; a traced sequence longer than the table is
+        # the case that cannot be served, so it fails at trace time, not as NaN later.
+        raise ValueError(
+            f"positions has sequence length {T}, longer than the learned table (max_len="
+            f"{max_len}); learned absolute positions cannot run past their table. Pass "
+            f"concrete positions (checked by value, so packed sequences that restart at 0 "
+            f"are fine) or out_of_range='wrap' / 'clip' to choose another policy explicitly."
+        )
     if out_of_range == "error" and _checks.is_concrete(positions):
         p = np.asarray(positions)
         bad = (p < 0) | (p >= max_len)

@@ -5,6 +5,8 @@ returns another row silently."""
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -83,6 +85,18 @@ def test_packed_positions_may_exceed_table_length():
     table = _table(max_len=4)
     pos = np.array([0, 1, 2, 3, 0, 1, 2, 3, 0, 1])
     np.testing.assert_array_equal(np.asarray(learned_positions(table, pos)), table[pos])
+
+
+def test_traced_sequence_longer_than_table_raises_at_trace_time():
+    # The issue's contract: under "error", a sequence longer than the table fails at
+    # trace time (it can only hold a position past the table or a repeat that cannot be
+    # checked while tracing); "wrap" is the explicit alternative.
+    table = _table(max_len=4)
+    pos = jnp.arange(5, dtype=jnp.int32)
+    with pytest.raises(ValueError, match=r"sequence length 5.*max_len=4"):
+        jax.jit(learned_positions)(table, pos)
+    out = jax.jit(functools.partial(learned_positions, out_of_range="wrap"))(table, pos)
+    np.testing.assert_array_equal(np.asarray(out), table[[0, 1, 2, 3, 0]])
 
 
 def test_gradient_reaches_the_looked_up_rows():
