@@ -33,7 +33,7 @@ from typing import Any
 from jaxpos import rope_scaling
 from jaxpos.schemes import RoPE
 
-__all__ = ["rope_from_hf_config", "softmax_scale_from_hf_config", "hf_rope_settings"]
+__all__ = ["hf_rope_settings", "rope_from_hf_config", "softmax_scale_from_hf_config"]
 
 _INTERLEAVED_MODELS = ("gptj", "codegen")
 _DEEPSEEK_MODELS = ("deepseek_v2", "deepseek_v3")
@@ -117,9 +117,9 @@ def hf_rope_settings(config: Any, *, layer_type: str | None = None) -> dict:
     else:
         layout = "half"
     section = params.get("mrope_section")
-    return dict(rotary_dim=rotary_dim, base=base, layout=layout, scaling=scaling,
-                mrope_section=tuple(section) if section is not None else None,
-                head_dim=head_dim)
+    return {"rotary_dim": rotary_dim, "base": base, "layout": layout, "scaling": scaling,
+            "mrope_section": tuple(section) if section is not None else None,
+            "head_dim": head_dim}
 
 
 def rope_from_hf_config(config: Any, *, layer_type: str | None = None,

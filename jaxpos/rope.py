@@ -46,10 +46,21 @@ import numpy as np
 from jaxpos import _checks
 
 __all__ = [
-    "rope_frequencies", "apply_rope", "rope_angles", "rotate", "apply_rope_angles",
-    "LAYOUTS", "ANGLE_PRECISIONS", "interleaved_to_half", "half_to_interleaved",
-    "p_rope_frequencies", "mrope_angles", "apply_mrope", "axial_rope_frequencies",
-    "axial_rope_angles", "apply_axial_rope",
+    "ANGLE_PRECISIONS",
+    "LAYOUTS",
+    "apply_axial_rope",
+    "apply_mrope",
+    "apply_rope",
+    "apply_rope_angles",
+    "axial_rope_angles",
+    "axial_rope_frequencies",
+    "half_to_interleaved",
+    "interleaved_to_half",
+    "mrope_angles",
+    "p_rope_frequencies",
+    "rope_angles",
+    "rope_frequencies",
+    "rotate",
 ]
 
 LAYOUTS = ("half", "interleaved")
@@ -275,7 +286,7 @@ def apply_rope(x, positions, inv_freq, *, layout: str = "half", attention_factor
     _checks.check_choice("angle_precision", angle_precision, ANGLE_PRECISIONS)
     _checks.check_rank("x", x, (4,), "[B, T, N, H]")
     _checks.check_rank("inv_freq", inv_freq, (1,), "[rotary_dim // 2]")
-    B, T, N, H = _checks.shape_of(x)
+    B, T, _, H = _checks.shape_of(x)
     half = _checks.shape_of(inv_freq)[0]
     check_rotary_dim(2 * half, H)
     pos = _checks.positions_2d("positions", positions, B, T)
@@ -300,11 +311,11 @@ def apply_rope_angles(x, angles, *, layout: str = "half", attention_factor=1.0):
     _checks.check_choice("layout", layout, LAYOUTS)
     _checks.check_rank("x", x, (4,), "[B, T, N, H]")
     _checks.check_rank("angles", angles, (3,), "[B|1, T, rotary_dim // 2]")
-    B, T, N, H = _checks.shape_of(x)
+    B, T, _, H = _checks.shape_of(x)
     a = _checks.shape_of(angles)
     if a[0] not in (1, B) or a[1] != T:
         raise ValueError(f"angles must have shape [1 or {B}, {T}, rotary_dim // 2] to match x "
-                         f"{(B, T, N, H)}; got {a}.")
+                         f"{_checks.shape_of(x)}; got {a}.")
     check_rotary_dim(2 * a[2], H)
     return _apply_angles(x, jnp.asarray(angles, jnp.float32), jnp.float32(attention_factor),
                          layout=layout)

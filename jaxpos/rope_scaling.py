@@ -52,9 +52,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -62,9 +62,18 @@ from jaxpos import _checks
 from jaxpos.rope import check_rotary_dim, default_inv_freq
 
 __all__ = [
-    "LinearScaling", "DynamicNTKScaling", "YaRNScaling", "Llama3Scaling", "LongRoPEScaling",
-    "ProportionalScaling", "ROPE_TYPES", "scaled_frequencies", "frequencies_for_length",
-    "depends_on_length", "yarn_get_mscale", "scaling_from_dict",
+    "ROPE_TYPES",
+    "DynamicNTKScaling",
+    "LinearScaling",
+    "Llama3Scaling",
+    "LongRoPEScaling",
+    "ProportionalScaling",
+    "YaRNScaling",
+    "depends_on_length",
+    "frequencies_for_length",
+    "scaled_frequencies",
+    "scaling_from_dict",
+    "yarn_get_mscale",
 ]
 
 _f32 = np.float32
