@@ -44,10 +44,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-import jaxpos
 from jaxpos.kernels import fused_attention, scheme_to_kernel_args
 from jaxpos.kernels.dispatch import t5_offset_bias
+
+import jaxpos
 
 VARIANTS = ("none", "alibi", "t5", "rope", "rope+alibi")
 
@@ -311,7 +311,7 @@ def run_speed(args, interpret):
                                 x.requires_grad_(True)
                         scale = 1.0 / math.sqrt(H)
 
-                        def call():
+                        def call(flex=flex, tq=tq, tk=tk, tv=tv, scale=scale, mode=mode):
                             o = flex(tq, tk, tv, scale)
                             if mode == "fwd+bwd":
                                 o.float().sum().backward()
@@ -368,7 +368,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not args.tiny and not on_gpu:
         raise SystemExit("the full benchmark needs a CUDA GPU; use --tiny on CPU")
-    interpret = True if args.tiny else False
+    interpret = bool(args.tiny)
     device_desc = (jax.devices()[0].device_kind if on_gpu else "CPU, interpret mode")
     correctness = check_correctness(args, interpret)
     rows = run_speed(args, interpret)

@@ -8,5 +8,11 @@ tells ``jaxpos.default_implementation`` which schemes the kernel fuses.
 from jaxpos.kernels.dispatch import attention_via_kernel, scheme_to_kernel_args, supports_scheme
 from jaxpos.kernels.fused import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, fused_attention
 
-__all__ = ["fused_attention", "attention_via_kernel", "supports_scheme", "scheme_to_kernel_args",
-           "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K"]
+__all__ = [
+           "DEFAULT_BLOCK_K",
+           "DEFAULT_BLOCK_Q",
+           "attention_via_kernel",
+           "fused_attention",
+           "scheme_to_kernel_args",
+           "supports_scheme",
+]

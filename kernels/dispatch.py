@@ -14,12 +14,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jaxpos.kernels.fused import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, fused_attention
 
 from jaxpos.schemes import ALiBi, NoPE, PositionScheme, RoPE, T5Bias
 
-from jaxpos.kernels.fused import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, fused_attention
-
-__all__ = ["supports_scheme", "scheme_to_kernel_args", "attention_via_kernel"]
+__all__ = ["attention_via_kernel", "scheme_to_kernel_args", "supports_scheme"]
 
 _FUSED = (NoPE, RoPE, ALiBi, T5Bias)
 
@@ -40,7 +39,7 @@ def supports_scheme(scheme: PositionScheme) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def rope_angles_lower_for_triton() -> bool:
     """Whether the kernel's RoPE angles (``angle_precision="high"``) lower through Pallas
     Triton: exports a one-tile kernel for ``cuda`` once (about a second) and caches the
@@ -90,11 +89,11 @@ def scheme_to_kernel_args(scheme: PositionScheme, q_positions, kv_positions) -> 
             f"implementation='chunked' or 'reference'.")
     if isinstance(scheme, RoPE):
         inv_freq, af = scheme.frequencies(q_positions, kv_positions)
-        return dict(inv_freq=inv_freq, rope_layout=scheme.layout, attention_factor=float(af))
+        return {"inv_freq": inv_freq, "rope_layout": scheme.layout, "attention_factor": float(af)}
     if isinstance(scheme, ALiBi):
-        return dict(alibi_slopes=scheme.slopes, alibi_bidirectional=scheme.bidirectional)
+        return {"alibi_slopes": scheme.slopes, "alibi_bidirectional": scheme.bidirectional}
     if isinstance(scheme, T5Bias):
-        return dict(offset_bias=t5_offset_bias(scheme))
+        return {"offset_bias": t5_offset_bias(scheme)}
     return {}
 
 
@@ -113,7 +112,8 @@ def attention_via_kernel(q, k, v, *, scheme, q_positions, kv_positions, causal, 
     Raises:
       ValueError: a ``mask`` (the kernel has no ``[Tq, Tk]`` input: express it with
         ``causal``, positions or segment ids, or use ``implementation="chunked"``); a
-        scheme the kernel does not fuse (Shaw).
+        scheme the kernel does not fuse (Shaw); RoPE on a GPU backend while its angles do
+        not lower through Triton (see :func:`rope_angles_lower_for_triton`).
     """
     if mask is not None:
         raise ValueError(
@@ -121,6 +121,12 @@ def attention_via_kernel(q, k, v, *, scheme, q_positions, kv_positions, causal, 
             f"{tuple(mask.shape)}); express it with causal=, positions or segment_ids, or use "
             f"implementation='chunked'.")
     kw = scheme_to_kernel_args(scheme, q_positions, kv_positions)
+    if "inv_freq" in kw and not supports_scheme(scheme):
+        raise ValueError(
+            "implementation='pallas' cannot run RoPE on this GPU backend yet: the kernel's "
+            "angle computation (jaxpos.rope.rope_angles, angle_precision='high') uses "
+            "lax.round, which Pallas Triton does not lower; use implementation='chunked', or "
+            "jaxpos.kernels.fused_attention(..., angle_precision='float32').")
     return fused_attention(q, k, v, q_positions=q_positions, kv_positions=kv_positions,
                            causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                            scale=scale, block_q=block_q or DEFAULT_BLOCK_Q,

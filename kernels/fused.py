@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 from jaxpos import _checks
 from jaxpos.rope import ANGLE_PRECISIONS, LAYOUTS, rope_angles
 
-__all__ = ["fused_attention", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K"]
+__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "fused_attention"]
 
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
@@ -393,7 +393,7 @@ def _pallas(kernel, cfg, grid, in_specs, out_specs, out_shape, args, name):
 
     warps = 8 if cfg.bq * cfg.bk >= 128 * 128 else 4
     triton = build(False, pltriton.CompilerParams(num_warps=warps, num_stages=2))
-    compiled = dict(cuda=triton, rocm=triton, tpu=build(False))
+    compiled = {"cuda": triton, "rocm": triton, "tpu": build(False)}
     if cfg.mode == "auto":
         compiled["cpu"] = build(True)
     return jax.lax.platform_dependent(*args, **compiled)
@@ -406,7 +406,7 @@ def _inputs(cfg, parts_q, parts_k, v, ints, tabs, extra, *, kv_tile):
     column, segments, inv_freq, slope, vec.
     ``kv_tile``: True in the dk/dv kernel (a key tile per program, full queries).
     """
-    B, N, g, bq, bk = cfg.B, cfg.N, cfg.groups, cfg.bq, cfg.bk
+    g, bq, bk = cfg.groups, cfg.bq, cfg.bk
     Tq_p, Tk_p = cfg.nq * bq, cfg.nk * bk
     qb = (lambda b: b) if cfg.qpos_batched else (lambda b: 0)
     kb = (lambda b: b) if cfg.kvpos_batched else (lambda b: 0)
@@ -556,11 +556,6 @@ def _pad_axis(x, axis, size, mode="constant"):
     return jnp.pad(x, widths, mode=mode)
 
 
-def _positions(name, pos, B, T):
-    p = _checks.positions_2d(name, pos, B, T)
-    return p
-
-
 def _check_block(name, blk):
     blk = _checks.check_positive_int(name, blk)
     if blk & (blk - 1):
@@ -656,8 +651,8 @@ def fused_attention(q, k, v, *, q_positions, kv_positions, inv_freq=None, rope_l
     block_q = _check_block("block_q", block_q)
     block_k = _check_block("block_k", block_k)
     mode = _resolve_mode(interpret)
-    q_pos = _positions("q_positions", q_positions, B, Tq)
-    kv_pos = _positions("kv_positions", kv_positions, B, Tk)
+    q_pos = _checks.positions_2d("q_positions", q_positions, B, Tq)
+    kv_pos = _checks.positions_2d("kv_positions", kv_positions, B, Tk)
     if (segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("segment_ids and kv_segment_ids must be given together; got one.")
     if scale is None:
@@ -729,7 +724,7 @@ def fused_attention(q, k, v, *, q_positions, kv_positions, inv_freq=None, rope_l
 
     qp = _pad_axis(q_pos, 1, Tq_p, "edge")
     kp = _pad_axis(kv_pos, 1, Tk_p, "edge")
-    ints = dict(q_pos_col=qp[:, :, None], kv_pos_row=kp[:, None, :], kv_pos_col=kp[:, :, None])
+    ints = {"q_pos_col": qp[:, :, None], "kv_pos_row": kp[:, None, :], "kv_pos_col": kp[:, :, None]}
     if segment_ids is not None:
         sq = _checks.positions_2d("segment_ids", segment_ids, B, Tq)
         skv = _checks.positions_2d("kv_segment_ids", kv_segment_ids, B, Tk)

@@ -22,15 +22,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jaxpos
-from jaxpos import t5_bucket
 from jaxpos.kernels import fused, fused_attention, supports_scheme
 from jaxpos.kernels.dispatch import t5_offset_bias
 
-F32_TOL = dict(atol=2e-5, rtol=2e-5)
-BF16_TOL = dict(atol=3e-2, rtol=3e-2)
-BF16_GRAD_TOL = dict(atol=6e-2, rtol=6e-2)
+import jaxpos
+from jaxpos import t5_bucket
+
+F32_TOL = {"atol": 2e-5, "rtol": 2e-5}
+BF16_TOL = {"atol": 3e-2, "rtol": 3e-2}
+BF16_GRAD_TOL = {"atol": 6e-2, "rtol": 6e-2}
 
 
 @pytest.fixture(autouse=True)
@@ -75,32 +75,32 @@ CASES = {
     "t5_causal_192_block_128_gqa": (
         lambda N: jaxpos.T5Bias(jax.random.normal(jax.random.PRNGKey(9), (32, N)),
                                 bidirectional=False),
-        dict(causal=True, scale=1.0), (1, 192, 160, 4, 2, 8), (128, 64)),
-    "nope_gqa_tq_ne_tk": (lambda N: jaxpos.NoPE(), dict(causal=False),
+        {"causal": True, "scale": 1.0}, (1, 192, 160, 4, 2, 8), (128, 64)),
+    "nope_gqa_tq_ne_tk": (lambda N: jaxpos.NoPE(), {"causal": False},
                           (1, 40, 24, 4, 2, 16), (16, 16)),
     "rope_half_causal_bq_gt_bk_padded": (
-        lambda N: jaxpos.RoPE(rotary_dim=12, base=100.0), dict(causal=True),
+        lambda N: jaxpos.RoPE(rotary_dim=12, base=100.0), {"causal": True},
         (1, 192, 192, 2, 1, 16), (128, 64)),
     "rope_interleaved_factor_segments": (
         lambda N: jaxpos.RoPE(jaxpos.rope_frequencies(16)[0], layout="interleaved",
                               attention_factor=1.25),
-        dict(causal=True, segment_ids=np.array([[0] * 11 + [1] * 13])),
+        {"causal": True, "segment_ids": np.array([[0] * 11 + [1] * 13])},
         (1, 24, 24, 2, 2, 16), (16, 8)),
     "alibi_learned_slopes_bidirectional": (
         lambda N: jaxpos.ALiBi(slopes=jnp.linspace(0.9, 0.1, N), bidirectional=True),
-        dict(causal=False), (2, 24, 40, 2, 1, 8), (8, 16)),
+        {"causal": False}, (2, 24, 40, 2, 1, 8), (8, 16)),
     "alibi_causal_segments_gqa": (
         lambda N: jaxpos.ALiBi(N),
-        dict(causal=True, segment_ids=np.array([[0] * 9 + [1] * 15, [2] * 24])),
+        {"causal": True, "segment_ids": np.array([[0] * 9 + [1] * 15, [2] * 24])},
         (2, 24, 24, 4, 2, 8), (16, 8)),
     "t5_bidirectional_padded": (
         lambda N: jaxpos.T5Bias(jax.random.normal(jax.random.PRNGKey(7), (16, N)),
                                 num_buckets=16, max_distance=12),
-        dict(causal=False, scale=1.0), (1, 40, 40, 2, 2, 8), (16, 32)),
+        {"causal": False, "scale": 1.0}, (1, 40, 40, 2, 2, 8), (16, 32)),
     "t5_causal_decoder_gqa": (
         lambda N: jaxpos.T5Bias(jax.random.normal(jax.random.PRNGKey(8), (16, N)),
                                 bidirectional=False, num_buckets=16, max_distance=10),
-        dict(causal=True, scale=1.0), (1, 24, 40, 4, 1, 8), (16, 8)),
+        {"causal": True, "scale": 1.0}, (1, 24, 40, 4, 1, 8), (16, 8)),
 }
 
 
@@ -121,7 +121,7 @@ def test_pallas_matches_reference_float32(name):
         # the T5 table / ALiBi slopes gradients (inv_freq is a constant of the kernel)
         if isinstance(scheme, jaxpos.RoPE):
             continue
-        _assert_close(a, b, dict(atol=1e-4, rtol=1e-4), f"{name} scheme gradient")
+        _assert_close(a, b, {"atol": 1e-4, "rtol": 1e-4}, f"{name} scheme gradient")
         assert np.abs(np.asarray(b)).max() > 0, "the gradient of the scheme is not exercised"
 
 
@@ -187,7 +187,7 @@ def test_fused_attention_all_terms_and_offset_bias_gradient():
     slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625])
     R = 6
     offset_bias = jnp.asarray(rng.normal(size=(N, 2 * R + 1)), jnp.float32)
-    common = dict(inv_freq=inv_freq, causal=True, scale=0.3)
+    common = {"inv_freq": inv_freq, "causal": True, "scale": 0.3}
 
     def loss_kernel(q, k, v, slopes, ob):
         o = fused_attention(q, k, v, q_positions=q_pos, kv_positions=kv_pos, alibi_slopes=slopes,
@@ -206,7 +206,7 @@ def test_fused_attention_all_terms_and_offset_bias_gradient():
     (_, o_ref), g_ref = grad(loss_dense)
     _assert_close(o, o_ref, F32_TOL, "forward")
     for what, a, b in zip(("dq", "dk", "dv", "d slopes", "d offset_bias"), g, g_ref):
-        _assert_close(a, b, dict(atol=1e-4, rtol=1e-4), what)
+        _assert_close(a, b, {"atol": 1e-4, "rtol": 1e-4}, what)
     # Offsets below -R exist here, so the clipped end entry collects several diagonals
     # (entries above offset 0 get no gradient: causal hides those keys).
     assert np.abs(np.asarray(g_ref[4])[:, 0]).min() > 0

@@ -16,7 +16,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-
 from jaxpos.kernels import fused_attention
 from jaxpos.kernels.dispatch import rope_angles_lower_for_triton
 
