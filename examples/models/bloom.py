@@ -3,7 +3,8 @@ Model", §3.2) in Flax NNX on :func:`jaxpos.attention`, with a converter from a 
 Face ``BloomForCausalLM`` state dict.
 
 Positions enter only through ALiBi (Press et al. 2022, §3), the
-:class:`jaxpos.nnx.ALiBi` module's :class:`jaxpos.ALiBi` scheme: no positional vector is added to the input. BLOOM's code adds
+:class:`jaxpos.nnx.ALiBi` module's :class:`jaxpos.ALiBi` scheme: no positional vector is
+added to the input. BLOOM's code adds
 ``slope * key_position`` to the scores where jaxpos adds ``slope * (key_position -
 query_position)``; the two differ by a constant per query row, which softmax removes,
 so the attention weights are the same. With left padding BLOOM counts key positions
@@ -39,7 +40,7 @@ class BloomConfig:
     apply_residual_connection_post_layernorm: bool = False
 
     @classmethod
-    def from_hf(cls, hf_config) -> "BloomConfig":
+    def from_hf(cls, hf_config) -> BloomConfig:
         """Read a ``transformers.BloomConfig``.
 
         Raises:
@@ -186,7 +187,8 @@ def from_hf(state_dict, hf_config, *, dtype=jnp.float32) -> BloomForCausalLM:
         :func:`examples.models.common.load_params`).
     """
     config = BloomConfig.from_hf(hf_config)
-    model = BloomForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0))
+    # Abstract parameters (no random initialisation): load_params fills every one.
+    model = nnx.eval_shape(lambda: BloomForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
     if "lm_head.weight" in state_dict and not np.array_equal(
             common.to_numpy(state_dict["lm_head.weight"]),
             common.to_numpy(state_dict["transformer.word_embeddings.weight"])):

@@ -11,7 +11,8 @@ are ``cumsum(attention_mask) - 1`` (what ``generate`` passes for left padding).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,12 +24,12 @@ from jaxpos import _checks
 __all__ = [
     "KVCache",
     "embed_tokens",
-    "padding_positions",
     "key_segments",
+    "linear_kernel",
+    "load_params",
+    "padding_positions",
     "query_segments",
     "to_numpy",
-    "load_params",
-    "linear_kernel",
 ]
 
 
@@ -124,7 +125,7 @@ class KVCache(NamedTuple):
 
     @classmethod
     def init(cls, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
-             dtype=jnp.float32) -> "KVCache":
+             dtype=jnp.float32) -> KVCache:
         """An empty cache of ``max_len`` slots."""
         for name, val in (("num_layers", num_layers), ("batch", batch), ("max_len", max_len),
                           ("kv_heads", kv_heads), ("head_dim", head_dim)):

@@ -44,7 +44,7 @@ class GPT2Config:
     scale_attn_by_inverse_layer_idx: bool = False
 
     @classmethod
-    def from_hf(cls, hf_config) -> "GPT2Config":
+    def from_hf(cls, hf_config) -> GPT2Config:
         """Read a ``transformers.GPT2Config``.
 
         Raises:
@@ -197,7 +197,8 @@ def from_hf(state_dict, hf_config, *, dtype=jnp.float32) -> GPT2LMHeadModel:
       ValueError: missing/unexpected keys or shape mismatches.
     """
     config = GPT2Config.from_hf(hf_config)
-    model = GPT2LMHeadModel(config, dtype=dtype, rngs=nnx.Rngs(0))
+    # Abstract parameters (no random initialisation): load_params fills every one.
+    model = nnx.eval_shape(lambda: GPT2LMHeadModel(config, dtype=dtype, rngs=nnx.Rngs(0)))
     if "lm_head.weight" in state_dict and not np.array_equal(
             common.to_numpy(state_dict["lm_head.weight"]),
             common.to_numpy(state_dict["transformer.wte.weight"])):

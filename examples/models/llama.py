@@ -22,7 +22,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +60,7 @@ class LlamaConfig:
     max_position_embeddings: int | None = None
 
     @classmethod
-    def from_hf(cls, hf_config) -> "LlamaConfig":
+    def from_hf(cls, hf_config) -> LlamaConfig:
         """Read a ``transformers.LlamaConfig`` (v4 ``rope_scaling``/``rope_theta`` or v5
         ``rope_parameters``)."""
         heads = hf_config.num_attention_heads
@@ -300,8 +301,9 @@ def from_hf(state_dict, hf_config, *, dtype=jnp.float32,
         :func:`examples.models.common.load_params`); an unsupported rope type.
     """
     config = LlamaConfig.from_hf(hf_config)
-    model = LlamaForCausalLM(config, dtype=dtype, angle_precision=angle_precision,
-                             rngs=nnx.Rngs(0))
+    # Abstract parameters (no random initialisation): load_params fills every one.
+    model = nnx.eval_shape(lambda: LlamaForCausalLM(
+        config, dtype=dtype, angle_precision=angle_precision, rngs=nnx.Rngs(0)))
     ignore = lambda k: k.endswith("rotary_emb.inv_freq") or (
         config.tie_word_embeddings and k == "lm_head.weight")
     return common.load_params(model, state_dict, param_mapping(config), ignore=ignore)

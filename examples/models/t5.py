@@ -60,7 +60,7 @@ class T5Config:
     scale_decoder_outputs: bool = True
 
     @classmethod
-    def from_hf(cls, hf_config) -> "T5Config":
+    def from_hf(cls, hf_config) -> T5Config:
         """Read a ``transformers.T5Config``.
 
         Raises:
@@ -281,8 +281,11 @@ def from_hf(state_dict, hf_config, *, dtype=jnp.float32) -> T5ForConditionalGene
       ValueError: missing/unexpected keys, shape mismatches, an untied head.
     """
     config = T5Config.from_hf(hf_config)
-    model = T5ForConditionalGeneration(config, dtype=dtype, rngs=nnx.Rngs(0))
-    shared = common.to_numpy(state_dict["shared.weight"]) if "shared.weight" in state_dict else None
+    # Abstract parameters (no random initialisation): load_params fills every one.
+    model = nnx.eval_shape(
+        lambda: T5ForConditionalGeneration(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    shared = (common.to_numpy(state_dict["shared.weight"]) if "shared.weight" in state_dict
+              else None)
     tied = ("lm_head.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
     for key in tied:
         if key in state_dict and shared is not None and not np.array_equal(
