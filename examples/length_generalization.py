@@ -1,0 +1,613 @@
+"""The main job of jaxpos: how far does each position scheme generalise past its training length?
+
+For every scheme (NoPE, sinusoidal, learned, RoPE, ALiBi, T5, Shaw, and RoPE with a
+context-extension scaling applied at evaluation) this script trains the same small
+byte-level decoder-only language model (:class:`jaxpos.nnx.DecoderLM`) at one training
+length with optax, then measures held-out loss in **bits per byte** at 1x, 2x, 4x, 8x and
+16x that length. It is the experiment of Press, Smith & Lewis 2022 ("Train Short, Test
+Long: Attention with Linear Biases Enables Input Length Extrapolation", §2 and Fig. 1),
+scaled down to run on a laptop CPU in a few minutes.
+
+Data: real text with no download. By default the Python standard library's own source
+files on this machine (found through ``sysconfig``; the ``test``/``tests`` folders and
+``site-packages`` are left out), split into training and held-out sets *by file* with a
+seeded shuffle of the sorted file list. ``--corpus PATH`` takes any text file or folder
+(a single file is split by bytes: the first 90% trains, the rest is held out).
+
+Fairness: every scheme sees the same training batches (one seeded stream of random
+windows), the same initialisation seed, model size, optimizer and number of steps. Every
+evaluation length scores exactly the same held-out bytes: ``--eval-bytes`` bytes are taken
+as chunks of ``lcm(eval_lens)`` predicted bytes, spaced evenly through the held-out stream,
+and each chunk is cut into non-overlapping windows of the evaluation length (Press et al.
+call this non-overlapping evaluation, §B). Tokens near the start of a window have little
+context, so a model that generalises perfectly gets *lower* loss at longer windows.
+
+Learned absolute positions have no row past the training length: the library raises
+``ValueError`` there, and the table reports "cannot run" instead of clamping.
+
+Bits per byte = mean next-byte cross-entropy in nats / ln 2 (a byte is a token here).
+
+Outputs under ``--out`` (default ``runs/length_generalization/``): ``results.json``,
+``length_generalization.png`` (loss against evaluation length, one line per scheme, the
+training length marked) and the table printed on stdout. Progress bars (tqdm) go to stderr.
+
+Usage::
+
+    python examples/length_generalization.py                       # defaults, ~3 min on 2 CPU cores
+    python examples/length_generalization.py --schemes rope,alibi --steps 2000 --d-model 256
+    python examples/length_generalization.py --corpus ~/books/ --train-len 128
+
+The same script runs unchanged on GPU or TPU; ``--implementation`` defaults to the
+library's choice for the backend (the fused Pallas kernel where it supports the scheme,
+the chunked online-softmax path otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import platform
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+
+VOCAB_SIZE = 256  # byte-level: one token per byte
+BASE_SCHEMES = ("nope", "sinusoidal", "learned", "rope", "alibi", "t5", "shaw")
+# RoPE evaluated with a context-extension scaling at lengths beyond training (jaxpos.rope_scaling).
+ROPE_VARIANTS = ("rope+yarn", "rope+ntk", "rope+pi")
+DEFAULT_SCHEMES = BASE_SCHEMES + ("rope+yarn",)
+EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests",
+                           "idle_test"})
+
+
+# ----------------------------------------------------------------------------- data
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """Training and held-out bytes, each the concatenation of its files (uint8 ``[n]``)."""
+
+    source: str
+    train: np.ndarray
+    heldout: np.ndarray
+    train_files: int
+    heldout_files: int
+
+
+def stdlib_dir() -> Path:
+    """Folder of the running interpreter's standard library (``sysconfig`` ``"stdlib"``)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _is_text(path: Path) -> bool:
+    """Git's heuristic: a file with a NUL byte in its first 8 KiB is binary."""
+    with open(path, "rb") as f:
+        return b"\0" not in f.read(8192)
+
+
+def list_files(root: Path, *, suffix: str | None = None) -> list[Path]:
+    """Sorted regular files under ``root`` (skipping hidden and :data:`EXCLUDED_DIRS` folders).
+
+    Only names ending in ``suffix`` when given, otherwise every file that is not binary.
+    """
+    if root.is_file():
+        return [root]
+    if not root.is_dir():
+        raise ValueError(f"--corpus must be an existing file or folder; got {str(root)!r}.")
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS and not d.startswith("."))
+        for name in sorted(filenames):
+            p = Path(dirpath) / name
+            if name.startswith(".") or not p.is_file() or p.is_symlink():
+                continue
+            if suffix is not None and not name.endswith(suffix):
+                continue
+            if suffix is None and not _is_text(p):
+                continue
+            files.append(p)
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def load_corpus(path: str | None, *, heldout_fraction: float = 0.1, seed: int = 0) -> Corpus:
+    """Read the corpus and split it into training and held-out bytes, deterministically.
+
+    Args:
+      path: a text file or folder; ``None`` for the standard library's ``*.py`` files.
+      heldout_fraction: share of the files (of the bytes, for a single file) held out.
+      seed: seeds the shuffle of the sorted file list that decides the split.
+
+    Raises:
+      ValueError: a missing path, no text files, or too little text to split.
+    """
+    if path is None:
+        root, files = stdlib_dir(), list_files(stdlib_dir(), suffix=".py")
+        source = f"Python {platform.python_version()} standard library *.py under {root}"
+    else:
+        root = Path(path).expanduser()
+        files = list_files(root)
+        source = str(root)
+    if not files:
+        raise ValueError(f"--corpus {str(root)!r} holds no text files.")
+    if len(files) == 1:
+        data = np.frombuffer(files[0].read_bytes(), dtype=np.uint8)
+        cut = int(len(data) * (1.0 - heldout_fraction))
+        if cut < 2 or len(data) - cut < 2:
+            raise ValueError(f"--corpus file {str(files[0])!r} is too small to split "
+                             f"({len(data)} bytes).")
+        return Corpus(source + " (split by bytes)", data[:cut], data[cut:], 1, 1)
+    order = np.random.default_rng(seed).permutation(len(files))
+    n_held = max(1, round(heldout_fraction * len(files)))
+    held = sorted(order[:n_held].tolist())
+    train = sorted(order[n_held:].tolist())
+
+    def read(idx):
+        return np.frombuffer(b"".join(files[i].read_bytes() for i in idx), dtype=np.uint8)
+
+    return Corpus(source, read(train), read(held), len(train), len(held))
+
+
+def train_offsets(n_bytes: int, *, steps: int, batch_size: int, train_len: int, seed: int):
+    """Start offsets ``[steps, batch_size]`` of the random training windows (train_len + 1 bytes)."""
+    if n_bytes < train_len + 2:
+        raise ValueError(f"the training text has {n_bytes} bytes; --train-len {train_len} needs "
+                         f"at least {train_len + 2}.")
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, n_bytes - train_len - 1, size=(steps, batch_size))
+
+
+def windows(data: np.ndarray, offsets: np.ndarray, length: int) -> np.ndarray:
+    """``data[o : o + length]`` for every offset, as int32 ``offsets.shape + (length,)``."""
+    return data[offsets[..., None] + np.arange(length)].astype(np.int32)
+
+
+def eval_chunks(heldout: np.ndarray, eval_lens, eval_bytes: int) -> np.ndarray:
+    """Held-out chunks ``[n_chunks, P + 1]`` (uint8), ``P = lcm(eval_lens)``, spaced evenly.
+
+    Each chunk predicts its last ``P`` bytes; cut into non-overlapping windows of any
+    evaluation length ``L`` (``P / L`` windows, each predicting ``L`` bytes) it predicts
+    those same ``P`` bytes, so every length is scored on identical text.
+
+    Raises:
+      ValueError: ``eval_bytes < P``, ``P > 8 * max(eval_lens)``, or a held-out set
+      shorter than one chunk.
+    """
+    period = math.lcm(*eval_lens)
+    if period > 8 * max(eval_lens):
+        raise ValueError(f"--eval-lens {list(eval_lens)} have lcm {period}; choose lengths whose "
+                         f"lcm is at most 8x the largest (e.g. powers of two times --train-len).")
+    n_chunks = eval_bytes // period
+    if n_chunks < 1:
+        raise ValueError(f"--eval-bytes {eval_bytes} is smaller than lcm(--eval-lens) = {period}; "
+                         f"pass at least {period}.")
+    fit = len(heldout) // (period + 1)
+    if fit < 1:
+        raise ValueError(f"the held-out text has {len(heldout)} bytes, fewer than one evaluation "
+                         f"chunk of {period + 1}; use a larger --corpus or shorter --eval-lens.")
+    if fit < n_chunks:
+        print(f"warning: held-out text fits {fit} evaluation chunks of {period} bytes, not "
+              f"{n_chunks}; using {fit}.", file=sys.stderr)
+        n_chunks = fit
+    starts = np.linspace(0, len(heldout) - (period + 1), n_chunks).astype(np.int64)
+    return windows(heldout, starts, period + 1).astype(np.uint8)
+
+
+# ---------------------------------------------------------------------------- schemes
+def base_scheme(name: str) -> str:
+    """The position scheme a model is trained with: ``"rope+yarn"`` -> ``"rope"``."""
+    return name.split("+", 1)[0]
+
+
+def rope_scaling_for(name: str, train_len: int, eval_len: int):
+    """The RoPE context-extension dataclass a variant applies at ``eval_len``, or ``None``.
+
+    * ``rope+yarn``: YaRN (Peng et al. 2023, §3.4), ``factor = eval_len / train_len``.
+    * ``rope+ntk``: dynamic NTK-aware scaling (the Hugging Face ``"dynamic"`` rope type),
+      factor 2, the base raised as the length grows past ``train_len``.
+    * ``rope+pi``: position interpolation (Chen et al. 2023), ``factor = eval_len / train_len``.
+
+    Nothing is applied at or below the training length.
+    """
+    if "+" not in name or eval_len <= train_len:
+        return None
+    from jaxpos import rope_scaling
+
+    factor = eval_len / train_len
+    kind = name.split("+", 1)[1]
+    if kind == "yarn":
+        return rope_scaling.YaRNScaling(factor=factor, original_max_position_embeddings=train_len)
+    if kind == "ntk":
+        return rope_scaling.DynamicNTKScaling(factor=2.0, original_max_position_embeddings=train_len)
+    if kind == "pi":
+        return rope_scaling.LinearScaling(factor=factor)
+    raise ValueError(f"unknown RoPE variant {name!r}; expected one of {ROPE_VARIANTS}.")
+
+
+def rope_scaling_available() -> bool:
+    try:
+        from jaxpos import rope_scaling  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------ model
+def build_model(position: str, args):
+    """A fresh :class:`jaxpos.nnx.DecoderLM` with the run's size and seed."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxpos.nnx import DecoderLM
+
+    return DecoderLM(
+        VOCAB_SIZE, d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
+        position=position, max_len=args.train_len if position == "learned" else None,
+        implementation=args.implementation, dtype=jnp.float32, rngs=nnx.Rngs(args.seed))
+
+
+def cross_entropy_nats(logits, targets):
+    """Per-token next-byte cross-entropy in nats, float32 ``[B, T]``."""
+    import jax.numpy as jnp
+    import optax
+
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+
+
+def make_optimizer(args):
+    """AdamW with linear warm-up, cosine decay and global-norm clipping (optax)."""
+    import jax
+    import optax
+
+    warmup = max(1, min(args.steps // 10, 100))
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=args.lr, warmup_steps=warmup,
+        decay_steps=max(args.steps, warmup + 1), end_value=args.lr / 10)
+    decay_mask = functools.partial(jax.tree.map, lambda p: p.ndim >= 2)
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=0.1, mask=decay_mask))
+
+
+def train(position: str, args, corpus: Corpus, offsets: np.ndarray, progress: bool):
+    """Train one model; returns ``(graphdef, params, rest, stats)``."""
+    import jax
+    from flax import nnx
+    from tqdm.auto import tqdm
+
+    model = build_model(position, args)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx = make_optimizer(args)
+    opt_state = tx.init(params)
+
+    def loss_fn(p, batch):
+        logits = nnx.merge(graphdef, p, rest)(batch[:, :-1])
+        return cross_entropy_nats(logits, batch[:, 1:]).mean()
+
+    def step(p, s, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(p, batch)
+        updates, s = tx.update(grads, s, p)
+        return jax.tree.map(lambda a, u: a + u, p, updates), s, loss
+
+    first = windows(corpus.train, offsets[0], args.train_len + 1)
+    cpu0 = time.process_time()
+    t0 = time.perf_counter()
+    step_fn = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, first).compile()
+    compile_s = time.perf_counter() - t0
+
+    losses = []
+    bar = tqdm(range(args.steps), desc=f"train {position:<10}", unit="step", disable=not progress,
+               leave=False, file=sys.stderr, dynamic_ncols=True)
+    t0 = time.perf_counter()
+    for i in bar:
+        batch = first if i == 0 else windows(corpus.train, offsets[i], args.train_len + 1)
+        params, opt_state, loss = step_fn(params, opt_state, batch)
+        losses.append(loss)
+        if progress and (i % 25 == 0 or i == args.steps - 1):
+            bar.set_postfix(bpb=f"{float(loss) / math.log(2):.3f}")
+    jax.block_until_ready(params)
+    train_s = time.perf_counter() - t0
+    cpu_s = time.process_time() - cpu0
+    bar.close()
+    losses = np.asarray(jax.device_get(losses), np.float64) / math.log(2)
+    tail = max(1, len(losses) // 10)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    stats = {
+        "num_params": n_params,
+        "compile_s": round(compile_s, 3),
+        "train_s": round(train_s, 3),
+        "train_cpu_s": round(cpu_s, 3),  # process CPU time, compile included (all threads)
+        "train_tokens_per_s": round(args.steps * args.batch_size * args.train_len / train_s, 1),
+        "final_train_bits_per_byte": round(float(losses[-tail:].mean()), 4),
+        "train_curve_bits_per_byte": [round(float(v), 4) for v in losses[:: max(1, len(losses) // 50)]],
+    }
+    return graphdef, params, rest, stats
+
+
+def packed_positions(period: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Positions and segment ids, int32 ``[period]``, that cut a chunk into windows of ``length``.
+
+    Window ``w`` covers chunk bytes ``[w * length, (w + 1) * length)`` with positions
+    ``0 .. length - 1`` and segment id ``w``: a causal model then sees each window as a
+    separate sequence (no attention across windows), so one compiled forward pass over
+    ``[rows, period]`` evaluates every length.
+    """
+    if period % length:
+        raise ValueError(f"length {length} must divide the chunk length {period}.")
+    positions = np.tile(np.arange(length, dtype=np.int32), period // length)
+    segment_ids = np.repeat(np.arange(period // length, dtype=np.int32), length)
+    return positions, segment_ids
+
+
+def evaluate(name: str, graphdef, params, rest, args, chunks: np.ndarray, progress: bool,
+             compiled: dict | None = None):
+    """Bits per byte of one trained model at every evaluation length (same held-out bytes).
+
+    Every length scores the same bytes: the chunks ``[n, P + 1]`` are fed as ``[n, P]``
+    inputs with :func:`packed_positions` (one compiled function per RoPE scaling, not per
+    length). Learned positions past their table are tried on one unpacked window
+    (``jax.eval_shape``, nothing computed): the library raises ``ValueError`` and the
+    length is reported as ``"cannot run"``.
+
+    Returns ``(bits_per_byte, status, stats)``: ``bits_per_byte[str(L)]`` is a float or
+    ``None``; ``status[str(L)]`` is ``"ok"``, ``"cannot run"`` or ``"not finite"``.
+    ``compiled`` caches compiled functions by scaling across calls for the same model.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from tqdm.auto import tqdm
+
+    compiled = {} if compiled is None else compiled
+    n, period = chunks.shape[0], chunks.shape[1] - 1
+    rows = max(d for d in range(1, n + 1)
+               if n % d == 0 and (d * period <= args.eval_batch_tokens or d == 1))
+    x = chunks[:, :period].astype(np.int32)
+    y = chunks[:, 1:].astype(np.int32)
+    bpb, status, messages = {}, {}, {}
+    compile_s = run_s = 0.0
+    tokens = 0
+    cpu0 = time.process_time()
+    bar = tqdm(args.eval_lens, desc=f"eval  {name:<10}", unit="len", disable=not progress,
+               leave=False, file=sys.stderr, dynamic_ncols=True)
+    for L in bar:
+        key = str(L)
+        if base_scheme(name) == "learned" and L > args.train_len:
+            try:  # the library must refuse: there is no table row past train_len
+                jax.eval_shape(lambda p: nnx.merge(graphdef, p, rest)(jnp.zeros((1, L), jnp.int32)),
+                               params)
+            except ValueError as e:
+                bpb[key], status[key], messages[key] = None, "cannot run", str(e)
+                continue
+            raise RuntimeError(f"learned positions ran at length {L} > max_len {args.train_len}; "
+                               f"they must raise instead of clamping.")
+        scaling = rope_scaling_for(name, args.train_len, L)
+        if repr(scaling) not in compiled:
+            def loss_sum(p, xb, yb, pos, seg, scaling=scaling):
+                logits = nnx.merge(graphdef, p, rest)(xb, positions=pos, segment_ids=seg,
+                                                      rope_scaling=scaling)
+                return jnp.sum(cross_entropy_nats(logits, yb), dtype=jnp.float32)
+
+            shapes = (jax.ShapeDtypeStruct((rows, period), jnp.int32),) * 4
+            t0 = time.perf_counter()
+            compiled[repr(scaling)] = jax.jit(loss_sum).lower(params, *shapes).compile()
+            compile_s += time.perf_counter() - t0
+        fn = compiled[repr(scaling)]
+        pos, seg = (np.broadcast_to(a, (rows, period)) for a in packed_positions(period, L))
+        t0 = time.perf_counter()
+        total = 0.0
+        for r in range(0, n, rows):
+            total += float(fn(params, x[r:r + rows], y[r:r + rows], pos, seg))
+        run_s += time.perf_counter() - t0
+        tokens += y.size
+        value = total / y.size / math.log(2)
+        if math.isfinite(value):
+            bpb[key], status[key] = round(value, 4), "ok"
+        else:
+            bpb[key], status[key] = None, "not finite"
+    bar.close()
+    stats = {"eval_compile_s": round(compile_s, 3), "eval_s": round(run_s, 3),
+             "eval_cpu_s": round(time.process_time() - cpu0, 3),
+             "eval_tokens_per_s": round(tokens / run_s, 1) if run_s > 0 else None}
+    if messages:
+        stats["messages"] = messages
+    return bpb, status, stats
+
+
+# ------------------------------------------------------------------------- reporting
+def format_table(results: dict) -> str:
+    """Plain-text (Markdown) table: one row per scheme, bits per byte per evaluation length."""
+    lens = results["eval_lens"]
+    T = results["config"]["train_len"]
+    head = ["scheme"] + [f"{L} ({L / T:g}x)" for L in lens] + ["train s", "train tok/s", "eval s"]
+    rows = []
+    for name, r in results["schemes"].items():
+        cells = [name]
+        for L in lens:
+            v, st = r["bits_per_byte"][str(L)], r["status"][str(L)]
+            cells.append(f"{v:.3f}" if v is not None else st)
+        cells += [f"{r.get('train_s', 0) + r.get('compile_s', 0):.1f}" if "train_s" in r else "-",
+                  f"{r['train_tokens_per_s']:.0f}" if "train_tokens_per_s" in r else "-",
+                  f"{r['eval_s'] + r['eval_compile_s']:.1f}"]
+        rows.append(cells)
+    widths = [max(len(h), *(len(c[i]) for c in rows)) for i, h in enumerate(head)]
+    line = lambda cells: "| " + " | ".join(c.rjust(w) if i else c.ljust(w)  # noqa: E731
+                                           for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+    sep = "|" + "|".join(("-" * (w + 1) + ":") if i else ("-" * (w + 2))
+                         for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(head), sep] + [line(r) for r in rows])
+
+
+def plot(results: dict, path: Path) -> None:
+    """Bits per byte against evaluation length (log2 axis), one line per scheme."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lens = results["eval_lens"]
+    T = results["config"]["train_len"]
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=110)
+    markers = "osv^D<>phX*"
+    for i, (name, r) in enumerate(results["schemes"].items()):
+        xs = [L for L in lens if r["bits_per_byte"][str(L)] is not None]
+        ys = [r["bits_per_byte"][str(L)] for L in xs]
+        style = "--" if "+" in name else "-"
+        label = name + (" (cannot run past its table)" if any(
+            r["status"][str(L)] == "cannot run" for L in lens) else "")
+        ax.plot(xs, ys, style, marker=markers[i % len(markers)], label=label, lw=1.6, ms=5)
+    ax.axvline(T, color="0.4", ls=":", lw=1.2)
+    ax.text(T, 0.98, " training length", transform=ax.get_xaxis_transform(), va="top",
+            fontsize=8, color="0.3")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lens, [str(L) for L in lens])
+    ax.set_xlabel("evaluation length (bytes)")
+    ax.set_ylabel("held-out bits per byte (lower is better)")
+    c = results["config"]
+    ax.set_title(f"Length generalisation: trained at {T} bytes, {c['steps']} steps, "
+                 f"d_model {c['d_model']}, {c['layers']} layers", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------- main
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers; got {text!r}")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers; got {text!r}")
+    return values
+
+
+def _name_list(text: str) -> list[str]:
+    names = [v.strip().lower() for v in text.split(",") if v.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated scheme names; got {text!r}")
+    return names
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Train a small byte-level LM per position scheme at one length and evaluate "
+                    "held-out bits per byte at 1x-16x that length.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--schemes", type=_name_list, default=None,
+                   help=f"comma-separated; default {','.join(DEFAULT_SCHEMES)} (the RoPE "
+                        f"variants need jaxpos.rope_scaling). Variants: {','.join(ROPE_VARIANTS)}")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps per scheme")
+    p.add_argument("--train-len", type=int, default=64, help="training sequence length (bytes)")
+    p.add_argument("--eval-lens", type=_int_list, default=None,
+                   help="evaluation lengths; default 1,2,4,8,16 x --train-len")
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--seed", type=int, default=0, help="data split, batches and initialisation")
+    p.add_argument("--corpus", default=None,
+                   help="text file or folder; default: the Python standard library's source")
+    p.add_argument("--eval-bytes", type=int, default=16384,
+                   help="held-out bytes scored at every evaluation length")
+    p.add_argument("--eval-batch-tokens", type=int, default=8192,
+                   help="tokens per evaluation forward pass")
+    p.add_argument("--implementation", default=None, choices=("reference", "chunked", "pallas"),
+                   help="attention implementation; default: the library's choice for the backend")
+    p.add_argument("--out", default="runs/length_generalization", help="output folder")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    args = p.parse_args(argv)
+    for name in ("steps", "train_len", "d_model", "layers", "heads", "batch_size", "eval_bytes",
+                 "eval_batch_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    if args.d_model % args.heads:
+        p.error(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
+    if args.eval_lens is None:
+        args.eval_lens = [args.train_len * m for m in (1, 2, 4, 8, 16)]
+    args.eval_lens = sorted(set(args.eval_lens))
+    if args.schemes is None:
+        args.schemes = [s for s in DEFAULT_SCHEMES if "+" not in s or rope_scaling_available()]
+    for s in args.schemes:
+        if "+" in s and s not in ROPE_VARIANTS:
+            p.error(f"--schemes: unknown variant {s!r}; the RoPE variants are {ROPE_VARIANTS}")
+        if "+" in s and not rope_scaling_available():
+            p.error(f"--schemes: {s!r} needs jaxpos.rope_scaling, which is not installed")
+    return args
+
+
+def run(args) -> dict:
+    """Run the experiment described by ``args``; returns the results dictionary."""
+    import jax
+
+    progress = not args.no_progress
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    corpus = load_corpus(args.corpus, seed=args.seed)
+    offsets = train_offsets(len(corpus.train), steps=args.steps, batch_size=args.batch_size,
+                            train_len=args.train_len, seed=args.seed)
+    chunks = eval_chunks(corpus.heldout, args.eval_lens, args.eval_bytes)
+    print(f"corpus: {corpus.source}\n  train {len(corpus.train):,} bytes in {corpus.train_files} "
+          f"files; held-out {len(corpus.heldout):,} bytes in {corpus.heldout_files} files; "
+          f"{chunks.size - len(chunks):,} held-out bytes scored at every length")
+    print(f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind}); attention "
+          f"implementation: {args.implementation or 'library default'}")
+    print(f"model: d_model {args.d_model}, {args.layers} layers, {args.heads} heads; training "
+          f"{args.steps} steps x {args.batch_size} x {args.train_len} bytes, seed {args.seed}")
+
+    results = {
+        "config": {k: v for k, v in vars(args).items() if k not in ("no_progress",)},
+        "eval_lens": list(args.eval_lens),
+        "corpus": {"source": corpus.source, "train_bytes": int(len(corpus.train)),
+                   "heldout_bytes": int(len(corpus.heldout)), "train_files": corpus.train_files,
+                   "heldout_files": corpus.heldout_files,
+                   "eval_bytes_per_length": int(chunks.size - len(chunks))},
+        "environment": {"jax": jax.__version__, "backend": jax.default_backend(),
+                        "device": jax.devices()[0].device_kind, "python": platform.python_version(),
+                        "cpu_count": os.cpu_count()},
+        "units": "bits per byte = mean next-byte cross-entropy (nats) / ln 2",
+        "schemes": {},
+    }
+    bases = list(dict.fromkeys(base_scheme(s) for s in args.schemes))
+    for base in bases:
+        t0 = time.perf_counter()
+        graphdef, params, rest, train_stats = train(base, args, corpus, offsets, progress)
+        compiled = {}
+        for name in [s for s in args.schemes if base_scheme(s) == base]:
+            bpb, status, eval_stats = evaluate(name, graphdef, params, rest, args, chunks, progress,
+                                               compiled)
+            entry = {"bits_per_byte": bpb, "status": status, "trained_as": base}
+            shared = name != base and base in args.schemes
+            entry.update({"same_model_as": base} if shared else train_stats)
+            entry.update(eval_stats)
+            results["schemes"][name] = entry
+            shown = "  ".join(f"{L}:{bpb[str(L)]:.3f}" if bpb[str(L)] is not None
+                              else f"{L}:{status[str(L)]}" for L in args.eval_lens)
+            print(f"{name:<11} {shown}   ({time.perf_counter() - t0:.1f} s)", flush=True)
+    results["schemes"] = {s: results["schemes"][s] for s in args.schemes}
+    results["total_s"] = round(time.perf_counter() - t_start, 1)
+
+    with open(out / "results.json", "w") as f:
+        json.dump(results, f, indent=1)
+    plot(results, out / "length_generalization.png")
+    print()
+    print(format_table(results))
+    print(f"\nwrote {out / 'results.json'} and {out / 'length_generalization.png'} "
+          f"({results['total_s']:.0f} s in all)")
+    return results
+
+
+def main(argv=None) -> int:
+    run(parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
