@@ -180,6 +180,7 @@ def assert_equal_under_vmap(
     fn: Callable[..., Any],
     *args: Any,
     in_axes: int | Sequence[int | None] = 0,
+    jit: bool = True,
     atol: float = 1e-6,
     rtol: float = 1e-6,
     **kwargs: Any,
@@ -191,6 +192,8 @@ def assert_equal_under_vmap(
         a model's forward pass); keyword arguments are closed over.
       *args: arrays (or pytrees) with a mapped axis as ``in_axes`` says.
       in_axes: as in :func:`jax.vmap`; ``None`` entries are passed unchanged.
+      jit: compile both sides with :func:`jax.jit` (one compilation for all the
+        per-example calls, so the check isolates ``vmap``); ``False`` runs them eagerly.
 
     Raises:
       AssertionError: the batched and per-example results differ.
@@ -207,7 +210,10 @@ def assert_equal_under_vmap(
                          f"for in_axes={in_axes!r}.")
     (n,) = sizes
     f = lambda *a: fn(*a, **kwargs)
-    batched = jax.vmap(f, in_axes=axes)(*args)
+    batched_f = jax.vmap(f, in_axes=axes)
+    if jit:
+        f, batched_f = jax.jit(f), jax.jit(batched_f)
+    batched = batched_f(*args)
 
     def index(a, ax, i):
         if ax is None:
