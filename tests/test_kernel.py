@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jaxpos.kernels import fused, fused_attention, supports_scheme
 from jaxpos.kernels.dispatch import t5_offset_bias
 
@@ -214,27 +216,20 @@ def test_fused_attention_all_terms_and_offset_bias_gradient():
 
 
 def test_fully_masked_row_gives_zeros_and_zero_gradients():
+    """NoPE through jaxpos.attention(implementation="pallas"): query segment 5 has no key,
+    so its rows are zeros with zero gradients; every other number equals the reference."""
     B, T, N, H = 1, 16, 2, 8
     q, k, v = _qkv(B, T, T, N, N, H, seed=2)
-    seg_q = jnp.asarray([[0] * 8 + [5] * 8], jnp.int32)  # segment 5 has no keys
+    seg_q = jnp.asarray([[0] * 8 + [5] * 8], jnp.int32)
     seg_kv = jnp.asarray([[0] * 16], jnp.int32)
-
-    def f(q, k, v):
-        return fused_attention(q, k, v, q_positions=jnp.arange(T), kv_positions=jnp.arange(T),
-                               alibi_slopes=jnp.ones(N), segment_ids=seg_q,
-                               kv_segment_ids=seg_kv, block_q=8, block_k=8, interpret=True)
-
-    @jax.jit
-    def fwd_bwd(q, k, v):
-        o, vjp = jax.vjp(f, q, k, v)
-        return (o,) + vjp(jnp.ones_like(o))
-
-    o, dq, dk, dv = fwd_bwd(q, k, v)
-    for x in (o, dq, dk, dv):
-        assert not np.isnan(np.asarray(x)).any()
+    kw = {"causal": False, "segment_ids": seg_q, "kv_segment_ids": seg_kv}
+    (o, g), (o_ref, g_ref) = _run_both(jaxpos.NoPE(), q, k, v, block_q=8, block_k=8, **kw)
     np.testing.assert_array_equal(np.asarray(o[:, 8:]), 0.0)
-    np.testing.assert_array_equal(np.asarray(dq[:, 8:]), 0.0)
+    np.testing.assert_array_equal(np.asarray(g[0][:, 8:]), 0.0)
     assert np.abs(np.asarray(o[:, :8])).min() > 0
+    _assert_close(o, o_ref, F32_TOL, "forward")
+    for what, a, b in zip(("dq", "dk", "dv"), g[:3], g_ref[:3]):
+        _assert_close(a, b, F32_TOL, what)
 
 
 def test_poison_hook_marks_unwritten_outputs():
@@ -251,22 +246,29 @@ def test_poison_hook_marks_unwritten_outputs():
 
 
 # --------------------------------------------------------------- offset-bias contract (T5)
-@pytest.mark.parametrize("bidirectional", [True, False])
-@pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (16, 12), (8, 20)])
-def test_t5_buckets_are_constant_beyond_max_distance(bidirectional, num_buckets, max_distance):
+@settings(max_examples=60, deadline=None)
+@given(bidirectional=st.booleans(), per_direction=st.integers(2, 40),
+       extra=st.integers(1, 300))
+def test_t5_buckets_are_constant_beyond_max_distance(bidirectional, per_direction, extra):
     """The claim behind R = max_distance: clipping the offset to +-max_distance never
     changes T5's bucket, in both directions, bidirectional and causal (Raffel et al.
-    2020 §2.1: every distance past max_distance shares the last bucket)."""
+    2020 §2.1: every distance past max_distance shares the last bucket of its direction)."""
+    num_buckets = 2 * per_direction if bidirectional else per_direction
+    max_distance = per_direction // 2 + extra
     rel = np.arange(-6 * max_distance, 6 * max_distance + 1)
     clipped = np.clip(rel, -max_distance, max_distance)
     np.testing.assert_array_equal(t5_bucket(rel, bidirectional, num_buckets, max_distance),
                                   t5_bucket(clipped, bidirectional, num_buckets, max_distance))
-    # and the end entries are the last bucket of each direction (T5: 15 and 31; causal 31/0)
     end = t5_bucket(np.array([-max_distance, max_distance]), bidirectional, num_buckets,
                     max_distance)
-    n = num_buckets // 2 if bidirectional else num_buckets
-    assert end[0] == n - 1
+    assert end[0] == per_direction - 1  # last bucket of the keys before the query
     assert end[1] == (num_buckets - 1 if bidirectional else 0)
+
+
+def test_t5_defaults_end_buckets():
+    # Raffel et al. 2020 / FACTS.md: 16 buckets per direction, the last covers 91 onward.
+    assert list(t5_bucket(np.array([-91, -90, 90, 91, 128, 10_000]), True, 32, 128)) == \
+        [15, 14, 30, 31, 31, 31]
 
 
 def test_t5_offset_bias_vector_matches_t5_bias():
