@@ -79,14 +79,24 @@ def params_from_nnx(model) -> dict:
     Everything else already has the same path. Arrays are shared, not copied.
 
     Args:
-      model: an :class:`flax.nnx.Module` from :mod:`jaxpos.nnx`.
+      model: an :class:`flax.nnx.Module` from :mod:`jaxpos.nnx`, or an
+        :class:`flax.nnx.State` of it (e.g. the gradients from ``nnx.grad``).
 
     Returns:
       nested dict of arrays, for ``linen_model.apply({"params": ...}, ...)``.
+
+    Raises:
+      TypeError: ``model`` is neither an NNX module nor a state.
     """
     from flax import nnx
 
-    pure = nnx.state(model, nnx.Param).to_pure_dict()
+    if isinstance(model, nnx.State):
+        pure = model.to_pure_dict()
+    elif isinstance(model, nnx.Module):
+        pure = nnx.state(model, nnx.Param).to_pure_dict()
+    else:
+        raise TypeError(f"model must be a flax.nnx.Module or nnx.State; got "
+                        f"{type(model).__name__}.")
 
     def convert(tree):
         if not isinstance(tree, dict):

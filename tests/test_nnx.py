@@ -23,7 +23,7 @@ SCHEMES = ("sinusoidal", "learned", "rope", "alibi", "t5", "shaw")
 ALL = ("nope",) + SCHEMES
 
 
-def make_decoder(position, *, num_layers=2, implementation="reference", seed=0, **kw):
+def make_decoder(position, *, num_layers=1, implementation="reference", seed=0, **kw):
     kw.setdefault("max_len", 16)
     return jn.DecoderLM(V, d_model=D, num_layers=num_layers, num_heads=N, position=position,
                         implementation=implementation, rngs=nnx.Rngs(seed), **kw)
@@ -40,7 +40,7 @@ MAN_BITES_DOG = [0, 3, 2, 0, 1]   # "the man bites the dog"
 
 
 def pooled(position, sentences):
-    enc = jn.Encoder(V, d_model=D, num_layers=2, num_heads=N, position=position, max_len=8,
+    enc = jn.Encoder(V, d_model=D, num_layers=1, num_heads=N, position=position, max_len=8,
                      implementation="reference", rngs=nnx.Rngs(0))
     h = enc(jnp.asarray(sentences, jnp.int32))  # [2, T, D]
     return np.asarray(h.mean(axis=1), np.float64)
@@ -74,7 +74,8 @@ def _concat_rows(*caches):
     return jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs, axis=0), *caches)
 
 
-@pytest.mark.parametrize("position", ALL)
+@pytest.mark.parametrize("position", [
+    pytest.param(p, marks=pytest.mark.slow) if p in ("sinusoidal", "alibi") else p for p in ALL])
 def test_kv_cache_decode_with_rows_at_different_offsets_equals_full_forward(position):
     model = make_decoder(position)
     T = 7
@@ -105,12 +106,12 @@ def test_jitted_default_decode_one_token_at_a_time_equals_full_forward():
     # The default path: implementation=None (chunked on CPU), default positions from the
     # cache's fill count, everything under nnx.jit.
     model = make_decoder("rope", implementation=None)
-    tokens = jax.random.randint(jax.random.key(2), (2, 5), 0, V)
-    full = model(tokens)
+    tokens = jax.random.randint(jax.random.key(2), (2, 4), 0, V)
+    full = model(tokens, implementation="reference")
     step = nnx.jit(lambda m, t, c: m.decode_step(t, c))
-    cache = model.init_cache(2, 5)
+    cache = model.init_cache(2, 4)
     outs = []
-    for t in range(5):
+    for t in range(4):
         lg, cache = step(model, tokens[:, t:t + 1], cache)
         outs.append(lg)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-5, atol=1e-5)
@@ -140,14 +141,9 @@ def test_t5_table_is_one_parameter_shared_by_every_layer(num_layers):
     assert num_params(make_decoder("nope", num_layers=num_layers)) == BASE + num_layers * PER_BLOCK
     # One [num_buckets=32, N] table for the whole stack, whatever the depth.
     assert num_params(model) == BASE + num_layers * PER_BLOCK + 32 * N
-    tables = [(p, x.shape) for p, x in jax.tree_util.tree_leaves_with_path(
-        nnx.state(model, nnx.Param)) if x.shape == (32, N)]
-    assert len(tables) == 1, tables
-    # ...and every layer reads it: perturbing the table changes every layer's output.
-    tokens = jnp.arange(6, dtype=jnp.int32)[None]
-    grads = nnx.grad(lambda m: m(tokens).sum())(model)
-    g = np.asarray(grads["rel_position"]["table"][...])
-    assert np.abs(g).max() > 0
+    tables = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(
+        nnx.state(model, nnx.Param).to_pure_dict()) if x.shape == (32, N)]
+    assert tables == ["['rel_position']['table']"], tables
 
 
 def test_sinusoidal_table_is_not_a_parameter():
@@ -160,15 +156,15 @@ def test_sinusoidal_table_is_not_a_parameter():
     # Batched, arbitrary positions: row p of the table.
     got = emb(np.array([[3, 0], [1, 2]]))
     np.testing.assert_allclose(got, np.array(expected)[[[3, 0], [1, 2]]], atol=5e-4)
-    assert num_params(make_decoder("sinusoidal")) == BASE + 2 * PER_BLOCK
+    assert num_params(make_decoder("sinusoidal", num_layers=2)) == BASE + 2 * PER_BLOCK
 
 
 def test_parameter_counts_of_learned_and_shaw():
     # learned: one [max_len, D] table; Shaw: [2K+1, H] keys and values per layer (K = 16).
-    assert num_params(make_decoder("learned", max_len=8)) == BASE + 2 * PER_BLOCK + 8 * D
-    assert num_params(make_decoder("shaw")) == BASE + 2 * PER_BLOCK + 2 * 2 * 33 * H
+    assert num_params(make_decoder("learned", max_len=8)) == BASE + PER_BLOCK + 8 * D
+    assert num_params(make_decoder("shaw", num_layers=2)) == BASE + 2 * PER_BLOCK + 2 * 2 * 33 * H
     assert num_params(make_decoder("rope")) == num_params(make_decoder("alibi")) \
-        == BASE + 2 * PER_BLOCK
+        == BASE + PER_BLOCK
 
 
 # ------------------------------------------------------------ learned positions past the table
@@ -198,11 +194,15 @@ def test_learned_module_lookup_and_traced_out_of_range_is_nan():
 
 
 # ------------------------------------------------------------ gradients to position params
-def _position_grads(model, tokens, weights, impl):
-    def loss(m):
-        return jnp.sum(m(tokens, implementation=impl) * weights)
+@nnx.jit
+def _grads_reference_and_chunked(model, tokens, weights):
+    def grads(impl):
+        return nnx.grad(lambda m: jnp.sum(m(tokens, implementation=impl) * weights))(model)
 
-    grads = nnx.grad(loss)(model)
+    return grads("reference"), grads("chunked")
+
+
+def _position_grads(grads):
     flat = {jax.tree_util.keystr(p): np.asarray(g)
             for p, g in jax.tree_util.tree_leaves_with_path(grads.to_pure_dict())}
     return {k: g for k, g in flat.items()
@@ -217,11 +217,11 @@ def _position_grads(model, tokens, weights, impl):
 ])
 def test_gradients_reach_position_parameters_equally_through_chunked_and_reference(
         position, expected):
-    model = make_decoder(position)
+    # Two layers: the T5 table collects the gradient of both; Shaw has a table per layer.
+    model = make_decoder(position, num_layers=2)
     tokens = jax.random.randint(jax.random.key(3), (2, 6), 0, V)
     weights = jax.random.normal(jax.random.key(4), (2, 6, V))
-    ref = _position_grads(model, tokens, weights, "reference")
-    chk = _position_grads(model, tokens, weights, "chunked")
+    ref, chk = map(_position_grads, _grads_reference_and_chunked(model, tokens, weights))
     assert sorted(ref) == sorted(expected)
     for name in expected:
         assert np.abs(ref[name]).max() > 1e-4, name
@@ -255,7 +255,8 @@ class TestMultiHeadAttention(chex.TestCase):
             out[:, h] = (p / p.sum(-1, keepdims=True)) @ v[:, h]
         np.testing.assert_allclose(got[0], out.reshape(5, D) @ w["o_proj"], rtol=1e-5, atol=1e-5)
 
-    def test_grouped_query_attention_shapes(self):
+    @pytest.mark.slow
+    def test_grouped_query_attention_decode(self):
         mha = jn.MultiHeadAttention(D, 4, num_kv_heads=2, position="rope", causal=True,
                                     implementation="reference", rngs=nnx.Rngs(0))
         assert mha.k_proj.kernel.shape == (D, 2 * 4) and mha.q_proj.kernel.shape == (D, 4 * 4)
@@ -275,7 +276,7 @@ class TestMultiHeadAttention(chex.TestCase):
 
 
 # ------------------------------------------------------------ RoPE module property
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(m=st.integers(0, 500), n=st.integers(0, 500), shift=st.integers(-200, 200))
 def test_rotary_module_scores_depend_on_offset_only(m, n, shift):
     # Su et al. 2024, §3.4: <R_m q, R_n k> depends on n - m only.
