@@ -421,3 +421,23 @@ def test_rope_scheme_rotate_mrope_positions(rng):
     np.testing.assert_allclose(
         np.asarray(r.rotate(x, pos3)),
         np.asarray(R.apply_mrope(x, pos3, r.inv_freq, mrope_section=(2, 3, 3))), atol=0)
+
+
+def test_vmap_over_batch_equals_batched_call(rng):
+    x = rng.normal(size=(3, 4, 2, 8)).astype(np.float32)
+    pos = rng.integers(0, 10**6, size=(3, 4)).astype(np.int32)
+    inv_freq, _ = jaxpos.rope_frequencies(8, 10000.0)
+    per_row = jax.vmap(lambda xb, pb: jaxpos.apply_rope(xb[None], pb, inv_freq)[0])(x, pos)
+    np.testing.assert_allclose(np.asarray(per_row),
+                               np.asarray(jaxpos.apply_rope(x, pos, inv_freq)), atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_gradient_is_inverse_rotation(layout, rng):
+    """The rotation is orthogonal: d/dx sum(R_m x * y) = R_m^T y = R_{-m} y."""
+    x = rng.normal(size=(1, 3, 1, 8)).astype(np.float32)
+    y = rng.normal(size=(1, 3, 1, 8)).astype(np.float32)
+    pos = np.array([5, 70000, 1_000_000], np.int32)
+    inv_freq, _ = jaxpos.rope_frequencies(8, 10000.0)
+    g = jax.grad(lambda x: jnp.sum(jaxpos.apply_rope(x, pos, inv_freq, layout=layout) * y))(x)
+    np.testing.assert_allclose(np.asarray(g), ref_rope(y, -pos[None], inv_freq, layout), atol=3e-6)
