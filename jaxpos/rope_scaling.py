@@ -5,25 +5,18 @@ frozen dataclass whose field names are the keys of HF's ``rope_scaling`` /
 ``rope_parameters`` dict, and one function that returns ``(inv_freq, attention_factor)``.
 Adding a method touches one place (a dataclass and its ``@_register`` function).
 
-======================  ======================  =============================================
-``rope_type``           dataclass               reference
-======================  ======================  =============================================
-``"linear"``            :class:`LinearScaling`  Chen et al. 2023, "Extending Context Window of
-                                                Large Language Models via Positional
-                                                Interpolation", §2.2 (and kaiokendev)
-``"dynamic"``           :class:`DynamicNTKScaling`  NTK-aware scaled RoPE (bloc97, emozilla
-                                                2023); Peng et al. 2024 (YaRN) §3.3
-``"yarn"``              :class:`YaRNScaling`    Peng et al. 2024, "YaRN: Efficient Context
-                                                Window Extension of Large Language Models",
-                                                ICLR, §3.2-3.4
-``"llama3"``            :class:`Llama3Scaling`  Meta, Llama 3.1 (``apply_scaling`` in
-                                                llama-models; "The Llama 3 Herd of Models")
-``"longrope"``          :class:`LongRoPEScaling`  Ding et al. 2024, "LongRoPE: Extending LLM
-                                                Context Window Beyond 2 Million Tokens",
-                                                ICML; Phi-3 technical report
-``"proportional"``      :class:`ProportionalScaling`  p-RoPE (Barbero et al. 2025); HF's
-                                                Gemma 4 rope type
-======================  ======================  =============================================
+* ``"linear"``, :class:`LinearScaling`: Chen et al. 2023, "Extending Context Window of
+  Large Language Models via Positional Interpolation", §2.2 (and kaiokendev).
+* ``"dynamic"``, :class:`DynamicNTKScaling`: NTK-aware scaled RoPE (bloc97, emozilla
+  2023); Peng et al. 2024 (YaRN) §3.3.
+* ``"yarn"``, :class:`YaRNScaling`: Peng et al. 2024, "YaRN: Efficient Context Window
+  Extension of Large Language Models", ICLR, §3.2-3.4.
+* ``"llama3"``, :class:`Llama3Scaling`: Meta, Llama 3.1 (``apply_scaling`` in
+  llama-models; "The Llama 3 Herd of Models").
+* ``"longrope"``, :class:`LongRoPEScaling`: Ding et al. 2024, "LongRoPE: Extending LLM
+  Context Window Beyond 2 Million Tokens", ICML; the Phi-3 technical report.
+* ``"proportional"``, :class:`ProportionalScaling`: p-RoPE (Barbero et al. 2025); HF's
+  Gemma 4 rope type.
 
 **Where the attention factor goes.** ``attention_factor`` (YaRN's ``mscale``, LongRoPE's
 scaling) multiplies cos and sin, as HF does (``cos = emb.cos() * attention_scaling``); it
