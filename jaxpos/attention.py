@@ -224,6 +224,17 @@ def _tile_visibility(cfg: _Cfg, b, i, j, qp_i, kp_j, kval_j, sq_i, skv_j, masked
                     _mask_block(b["mask"], i, j, cfg.block_q, cfg.block_k), sq_i, skv_j)
 
 
+def _varying_zero(*trees):
+    """A float32 scalar 0 that varies over every mesh axis any leaf of ``trees`` varies
+    over under ``shard_map`` (``jnp.zeros_like`` carries the leaf's axes). Added to loop
+    carries and skipped-tile outputs, it gives them the type of the computed values, as
+    ``shard_map``'s default ``check_vma`` requires; elsewhere it is a constant 0."""
+    z = jnp.zeros((), jnp.float32)
+    for x in jax.tree_util.tree_leaves(trees):
+        z = z + jnp.zeros_like(x, jnp.float32, shape=())
+    return z
+
+
 def _chunked_forward(scheme, b, cfg: _Cfg):
     """Returns out ``[nq, B, N, bq, H]`` and lse ``[nq, B, N, bq]`` (``-inf`` on empty rows)."""
     B, N = b["qs"].shape[1], b["qs"].shape[2]
@@ -253,9 +264,10 @@ def _chunked_forward(scheme, b, cfg: _Cfg):
                         functools.partial(compute, masked=True))
             return jax.lax.switch(kind, branches, carry), None
 
-        init = (jnp.full((B, N, cfg.block_q), _NEG_INF, jnp.float32),
-                jnp.zeros((B, N, cfg.block_q), jnp.float32),
-                jnp.zeros((B, N, cfg.block_q, H), jnp.float32))
+        z = _varying_zero(b, scheme, qs_i, qp_i, sq_i)
+        init = (jnp.full((B, N, cfg.block_q), _NEG_INF, jnp.float32) + z,
+                jnp.zeros((B, N, cfg.block_q), jnp.float32) + z,
+                jnp.zeros((B, N, cfg.block_q, H), jnp.float32) + z)
         xs = (jnp.arange(cfg.nk), b["k"], b["v"], b["kv_pos"], b["kv_valid"], b["seg_kv"])
         (mx, l, acc), _ = jax.lax.scan(k_step, init, xs)
         nonempty = l > 0
@@ -274,9 +286,16 @@ def _chunked_backward(scheme, b, out, lse, dout, cfg: _Cfg):
     """FlashAttention-2 style recomputing backward (Dao 2023, Alg. 2), tile by tile."""
     has_mask = b["mask"] is not None
     delta = jnp.sum(dout * out, axis=-1)  # [nq, B, N, bq]
-    dk0 = jnp.zeros(b["k"].shape, jnp.float32)
-    dv0 = jnp.zeros(b["v"].shape, jnp.float32)
-    dsch0 = _float_leaves_zeros(scheme)
+    z = _varying_zero(b, scheme, lse, dout)
+    # Under shard_map, differentiate w.r.t. copies that vary over every axis, so the tile
+    # VJPs below never psum inside the (per-device) skip/compute switch; the one sum over
+    # the axes a primal does not vary over happens in _chunked_core_bwd (_match_vma).
+    vary = lambda x: x + z.astype(x.dtype)
+    scheme = jax.tree_util.tree_map(vary, scheme)
+    b = dict(b, qs=vary(b["qs"]), k=vary(b["k"]), v=vary(b["v"]))
+    dk0 = jnp.zeros(b["k"].shape, jnp.float32) + z
+    dv0 = jnp.zeros(b["v"].shape, jnp.float32) + z
+    dsch0 = jax.tree_util.tree_map(lambda x: x + z, _float_leaves_zeros(scheme))
 
     def q_step(carry, xs):
         dk_all, dv_all, dsch = carry
@@ -301,7 +320,8 @@ def _chunked_backward(scheme, b, out, lse, dout, cfg: _Cfg):
                 return (dq_i + dq_t, dsch), (dk_j, dv_j)
 
             def skip(carry):
-                return carry, (jnp.zeros(k_j.shape, jnp.float32), jnp.zeros(v_j.shape, jnp.float32))
+                return carry, (jnp.zeros(k_j.shape, jnp.float32) + z,
+                               jnp.zeros(v_j.shape, jnp.float32) + z)
 
             kind = _tile_kind(cfg.causal, has_mask, qp_i, kp_j, kval_j, sq_i, skv_j)
             branches = (skip, functools.partial(compute, masked=False),
@@ -310,7 +330,7 @@ def _chunked_backward(scheme, b, out, lse, dout, cfg: _Cfg):
 
         ys = (jnp.arange(cfg.nk), b["k"], b["v"], b["kv_pos"], b["kv_valid"], b["seg_kv"])
         (dq_i, dsch), (dk_i, dv_i) = jax.lax.scan(
-            k_step, (jnp.zeros(qs_i.shape, jnp.float32), dsch), ys)
+            k_step, (jnp.zeros(qs_i.shape, jnp.float32) + z, dsch), ys)
         return (dk_all + dk_i, dv_all + dv_i, dsch), dq_i
 
     xs = (jnp.arange(cfg.nq), b["qs"], b["q_pos"], b["seg_q"], lse, dout, delta)
@@ -335,10 +355,31 @@ def _chunked_core_fwd(cfg, scheme, qs, k, v, ints):
     return out, (scheme, qs, k, v, ints, out, lse)
 
 
+def _match_vma(g, x):
+    """Under ``shard_map``, sum the cotangent ``g`` over the mesh axes it varies over but
+    its primal ``x`` does not: the gradient of a replicated input (a scheme table, or keys
+    all-gathered for sequence parallelism) is the sum of the per-shard gradients."""
+    extra = tuple(sorted(_varying_axes(g) - _varying_axes(x)))
+    return jax.lax.psum(g, extra) if extra else g
+
+
+def _varying_axes(x) -> frozenset:
+    """Mesh axes ``x`` varies over inside ``shard_map`` (empty outside, or on a JAX
+    without varying-axis types): ``aval.vma`` in some versions, ``aval.manual_axis_type
+    .varying`` in others."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(vma or ())
+
+
 def _chunked_core_bwd(cfg, res, dout):
     scheme, qs, k, v, ints, out, lse = res
     dq, dk, dv, dsch = _chunked_backward(scheme, _assemble(qs, k, v, ints), out, lse, dout, cfg)
-    dsch = jax.tree_util.tree_map(lambda g, x: g.astype(jnp.result_type(x)), dsch, scheme)
+    dsch = jax.tree_util.tree_map(lambda g, x: _match_vma(g.astype(jnp.result_type(x)), x),
+                                  dsch, scheme)
+    dq, dk, dv = _match_vma(dq, qs), _match_vma(dk, k), _match_vma(dv, v)
     dints = jax.tree_util.tree_map(
         lambda x: np.zeros(x.shape, jax.dtypes.float0) if x is not None else None, ints)
     return dsch, dq, dk, dv, dints
