@@ -305,3 +305,21 @@ def test_bad_arguments_raise_with_names():
         model(jnp.zeros((1, 3), jnp.int32), rope_scaling=object())
     with pytest.raises(TypeError, match="positions"):
         model(jnp.zeros((1, 3), jnp.int32), positions=jnp.arange(3.0))
+
+
+# ------------------------------------------------------------ the README example runs
+@pytest.mark.slow
+def test_readme_decoder_example_runs_and_is_short():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    block = re.search(r"<!-- decoder-example -->\n```python\n(.*?)```", readme, re.S)
+    assert block is not None, "README section 'Build a decoder in a few lines' is missing"
+    code = block.group(1)
+    assert len([ln for ln in code.splitlines() if ln.strip()]) < 20  # the "under 20 lines"
+    scope = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 (our own README)
+    assert np.isfinite(float(scope["loss"]))
+    assert scope["logits"].shape == (8, 1, 256)
+    np.testing.assert_array_equal(scope["cache"][0].length, 17)
