@@ -22,8 +22,8 @@ one T5 table per stack, Shaw tables per layer) and for the KV-cache convention.
 
 from __future__ import annotations
 
-import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -64,9 +64,19 @@ from jaxpos.rope import apply_rope, check_rotary_dim
 from jaxpos.t5 import check_bucket_args, t5_bias
 
 __all__ = [
-    "POSITIONS", "KVCache", "SinusoidalEmbedding", "LearnedPositionalEmbedding",
-    "RotaryEmbedding", "ALiBi", "T5RelativeBias", "ShawRelativePosition",
-    "MultiHeadAttention", "TransformerBlock", "DecoderLM", "Encoder", "params_from_nnx",
+    "POSITIONS",
+    "ALiBi",
+    "DecoderLM",
+    "Encoder",
+    "KVCache",
+    "LearnedPositionalEmbedding",
+    "MultiHeadAttention",
+    "RotaryEmbedding",
+    "ShawRelativePosition",
+    "SinusoidalEmbedding",
+    "T5RelativeBias",
+    "TransformerBlock",
+    "params_from_nnx",
 ]
 
 Dtype = Any

@@ -66,9 +66,18 @@ from jaxpos.sinusoidal import sinusoidal_pe
 from jaxpos.t5 import check_bucket_args, t5_bias
 
 __all__ = [
-    "POSITIONS", "KVCache", "SinusoidalEmbedding", "LearnedPositionalEmbedding",
-    "RotaryEmbedding", "ALiBi", "T5RelativeBias", "ShawRelativePosition",
-    "MultiHeadAttention", "TransformerBlock", "DecoderLM", "Encoder",
+    "POSITIONS",
+    "ALiBi",
+    "DecoderLM",
+    "Encoder",
+    "KVCache",
+    "LearnedPositionalEmbedding",
+    "MultiHeadAttention",
+    "RotaryEmbedding",
+    "ShawRelativePosition",
+    "SinusoidalEmbedding",
+    "T5RelativeBias",
+    "TransformerBlock",
 ]
 
 #: Position names accepted by the stacks.
@@ -280,10 +289,6 @@ def attention_dims(d_model, num_heads, num_kv_heads, head_dim):
     return d_model, num_heads, num_kv_heads, head_dim
 
 
-def _value(v):
-    return v[...] if isinstance(v, nnx.Variable) else v
-
-
 # ================================================================== position modules
 
 class SinusoidalEmbedding(nnx.Module):
@@ -489,10 +494,9 @@ def _make_attention_position(position, *, num_heads, head_dim, causal, rotary_di
 def position_scheme(module, rope_scaling=None):
     """The scheme object of an attention-position module (``None`` -> :class:`jaxpos.NoPE`)."""
     if module is None:
-        if rope_scaling is not None:
-            no_rope_scaling("nope", rope_scaling)
+        no_rope_scaling("nope", rope_scaling)
         return _schemes.NoPE()
-    if isinstance(module, RotaryEmbedding) or getattr(module, "is_rope", False):
+    if isinstance(module, RotaryEmbedding):
         return module.scheme(rope_scaling)
     if rope_scaling is not None:
         no_rope_scaling(type(module).__name__, rope_scaling)

@@ -289,6 +289,21 @@ def test_rotary_module_scores_depend_on_offset_only(m, n, shift):
     np.testing.assert_allclose(s1, s2, rtol=1e-4, atol=1e-4)
 
 
+# ------------------------------------------------------------ rope_scaling per call
+def test_rope_scaling_applies_to_one_call_only():
+    from jaxpos.rope_scaling import LinearScaling
+
+    # Linear scaling divides inv_freq by the factor (Chen et al. 2023), so positions 2t
+    # with factor 2 rotate exactly as positions t without scaling.
+    model = make_decoder("rope")
+    tokens = jax.random.randint(jax.random.key(9), (1, 6), 0, V)
+    plain = model(tokens)
+    scaled = model(tokens, positions=2 * np.arange(6), rope_scaling=LinearScaling(factor=2.0))
+    np.testing.assert_allclose(scaled, plain, rtol=1e-5, atol=1e-5)
+    assert np.abs(model(tokens, positions=2 * np.arange(6)) - plain).max() > 1e-3
+    np.testing.assert_array_equal(model(tokens), plain)  # nothing stuck to the model
+
+
 # ------------------------------------------------------------ bad input
 def test_bad_arguments_raise_with_names():
     with pytest.raises(ValueError, match="position"):
@@ -314,7 +329,7 @@ def test_readme_decoder_example_runs_and_is_short():
     import re
 
     readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-    block = re.search(r"<!-- decoder-example -->\n```python\n(.*?)```", readme, re.S)
+    block = re.search(r"<!-- decoder-example -->\n```python\n(.*?)```", readme, re.DOTALL)
     assert block is not None, "README section 'Build a decoder in a few lines' is missing"
     code = block.group(1)
     assert len([ln for ln in code.splitlines() if ln.strip()]) < 20  # the "under 20 lines"
