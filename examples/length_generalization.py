@@ -348,7 +348,8 @@ def evaluate(name: str, graphdef, params, rest, args, chunks: np.ndarray, progre
 
     Every length scores the same bytes: the chunks ``[n, P + 1]`` are fed as ``[n, P]``
     inputs with :func:`packed_positions` (one compiled function per RoPE scaling, not per
-    length). Learned positions past their table are tried on one unpacked window
+    length); learned positions run unpacked, one window per row. Learned positions past
+    their table are tried on one unpacked window
     (``jax.eval_shape``, nothing computed): the library raises ``ValueError`` and the
     length is reported as ``"cannot run"``.
 
@@ -385,22 +386,32 @@ def evaluate(name: str, graphdef, params, rest, args, chunks: np.ndarray, progre
             raise RuntimeError(f"learned positions ran at length {L} > max_len {args.train_len}; "
                                f"they must raise instead of clamping.")
         scaling = rope_scaling_for(name, args.train_len, L)
-        if repr(scaling) not in compiled:
+        # Packed rows need traced positions; a learned table checks positions against its
+        # rows by value or by sequence length, so learned windows run one per row instead.
+        packed = base_scheme(name) != "learned"
+        shape = (rows, period) if packed else (rows * period // L, L)
+        cache_key = (repr(scaling), shape)
+        if cache_key not in compiled:
             def loss_sum(p, xb, yb, pos, seg, scaling=scaling):
                 logits = nnx.merge(graphdef, p, rest)(xb, positions=pos, segment_ids=seg,
                                                       rope_scaling=scaling)
                 return jnp.sum(cross_entropy_nats(logits, yb), dtype=jnp.float32)
 
-            shapes = (jax.ShapeDtypeStruct((rows, period), jnp.int32),) * 4
+            ints = jax.ShapeDtypeStruct(shape, jnp.int32)
             t0 = time.perf_counter()
-            compiled[repr(scaling)] = jax.jit(loss_sum).lower(params, *shapes).compile()
+            compiled[cache_key] = jax.jit(loss_sum).lower(
+                params, ints, ints, *((ints, ints) if packed else (None, None))).compile()
             compile_s += time.perf_counter() - t0
-        fn = compiled[repr(scaling)]
-        pos, seg = (np.broadcast_to(a, (rows, period)) for a in packed_positions(period, L))
+        fn = compiled[cache_key]
+        if packed:
+            pos, seg = (np.broadcast_to(a, shape) for a in packed_positions(period, L))
+        else:
+            pos = seg = None
         t0 = time.perf_counter()
         total = 0.0
         for r in range(0, n, rows):
-            total += float(fn(params, x[r:r + rows], y[r:r + rows], pos, seg))
+            xb, yb = x[r:r + rows].reshape(shape), y[r:r + rows].reshape(shape)
+            total += float(fn(params, xb, yb, pos, seg))
         run_s += time.perf_counter() - t0
         tokens += y.size
         value = total / y.size / math.log(2)
