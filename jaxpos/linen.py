@@ -296,7 +296,10 @@ class MultiHeadAttention(nn.Module):
     ``position`` (a name, or a Linen position module, shared if defined in a parent),
     ``causal``, ``rotary_dim``, ``rope_base``, ``num_buckets``, ``max_distance``,
     ``scale``, ``implementation``, ``dtype``, ``param_dtype``). Parameters
-    ``q_proj/k_proj/v_proj/o_proj.kernel`` and ``position_module/...``.
+    ``q_proj/k_proj/v_proj/o_proj.kernel`` and ``position_module/...`` for a position given
+    by name. A position module passed in lives where it was defined: once in the parent
+    that defined it in ``setup`` (shared by every layer it was passed to, like a stack's T5
+    table), or under ``position/...`` when it was created unbound for this layer.
 
     Call: ``x [B, T, D]`` -> ``[B, T, D]`` (keywords ``positions``, ``mask``,
     ``segment_ids``, ``scheme``, ``rope_scaling``, ``implementation``);

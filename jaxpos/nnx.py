@@ -855,8 +855,10 @@ class Encoder(_Stack):
     output head: the call returns the final-normalised hidden states.
 
     Call: ``tokens`` int ``[B, T]``; keywords ``positions``, ``mask`` (bool, broadcastable
-    to ``[B, N, T, T]``, e.g. ``valid[:, None, None, :]`` for padding), ``segment_ids``,
-    ``rope_scaling``, ``implementation``. Returns ``[B, T, d_model]`` in ``dtype``.
+    to ``[B, N, T, T]``, e.g. ``valid[:, None, None, :]`` for padding; the Pallas kernel
+    takes no arbitrary mask, so on GPU/TPU express padding with ``segment_ids`` instead,
+    e.g. 1 for real tokens and 0 for padding), ``segment_ids``, ``rope_scaling``,
+    ``implementation``. Returns ``[B, T, d_model]`` in ``dtype``.
     """
 
     _causal = False

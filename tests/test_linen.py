@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 from flax import nnx
 
 from jaxpos import linen as jl
@@ -128,3 +129,18 @@ def test_linen_multi_head_attention_matches_nnx_with_grouped_query_heads():
     assert jax.tree_util.tree_map(jnp.shape, params) == jax.tree_util.tree_map(
         jnp.shape, linen_mha.init(jax.random.key(0), x)["params"])
     np.testing.assert_array_equal(linen_mha.apply({"params": params}, x), nnx_mha(x))
+
+
+def test_linen_position_module_defined_in_a_parent_is_shared():
+    class TwoLayers(nn.Module):
+        def setup(self):
+            self.t5 = jl.T5RelativeBias(N, bidirectional=False)
+            self.layers = [jl.MultiHeadAttention(D, N, position=self.t5, causal=True,
+                                                 implementation="reference") for _ in range(2)]
+
+        def __call__(self, x):
+            return self.layers[1](self.layers[0](x))
+
+    params = TwoLayers().init(jax.random.key(0), jnp.ones((1, 4, D)))["params"]
+    assert params["t5"]["table"].shape == (32, N)
+    assert sum(x.size for x in jax.tree_util.tree_leaves(params)) == 2 * 4 * D * D + 32 * N
