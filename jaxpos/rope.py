@@ -175,8 +175,13 @@ def _two_sum(a, b):
 
 
 def _frac(x):
-    """``x - round(x)``: exact in floating point, in [-0.5, 0.5]."""
-    return x - jnp.round(x)
+    """``x - n`` for an integer ``n`` nearest ``x`` (ties either way): exact in float32.
+
+    Written with ``floor`` rather than ``round`` so that Pallas Triton lowers it (the
+    fused kernel computes RoPE angles in-kernel). ``x + 0.5`` is exact below ``2**23``;
+    at or above it every float32 is an integer and the fraction is 0.
+    """
+    return jnp.where(jnp.abs(x) >= 2.0**23, jnp.zeros_like(x), x - jnp.floor(x + 0.5))
 
 
 def _turns_per_position(inv_freq):

@@ -24,40 +24,13 @@ _FUSED = (NoPE, RoPE, ALiBi, T5Bias)
 
 
 def supports_scheme(scheme: PositionScheme) -> bool:
-    """True for the schemes the kernel fuses: :class:`NoPE`, :class:`RoPE`, :class:`ALiBi`,
-    :class:`T5Bias` (and their subclasses). False for :class:`Shaw` and anything else.
-
-    On a GPU backend RoPE is reported only when :func:`jaxpos.rope.rope_angles` (the
-    angle computation the kernel calls) lowers through Pallas Triton
-    (:func:`rope_angles_lower_for_triton`), so the default never picks a kernel that
-    cannot compile.
-    """
+    """True for the schemes the kernel fuses: :class:`NoPE`, :class:`RoPE` (without
+    M-RoPE sections), :class:`ALiBi`, :class:`T5Bias` (and their subclasses). False for
+    :class:`Shaw` and anything else, so the default implementation falls back to
+    ``"chunked"`` for them."""
     if not isinstance(scheme, _FUSED):
         return False
-    if isinstance(scheme, RoPE) and jax.default_backend() in ("gpu", "cuda", "rocm"):
-        return rope_angles_lower_for_triton()
-    return True
-
-
-@functools.cache
-def rope_angles_lower_for_triton() -> bool:
-    """Whether the kernel's RoPE angles (``angle_precision="high"``) lower through Pallas
-    Triton: exports a one-tile kernel for ``cuda`` once (about a second) and caches the
-    answer. False when the angle code uses a primitive Triton lacks (``lax.round``)."""
-    from jaxpos.kernels.fused import fused_attention
-
-    sds = jax.ShapeDtypeStruct
-    x = sds((1, 16, 1, 32), jnp.float32)
-    pos = sds((16,), jnp.int32)
-    fn = functools.partial(fused_attention, inv_freq=jnp.ones((16,), jnp.float32),
-                           interpret=False)
-    try:
-        jax.export.export(
-            jax.jit(lambda q, k, v, p: fn(q, k, v, q_positions=p, kv_positions=p)),
-            platforms=["cuda"],
-            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-        )(x, x, x, pos)
-    except NotImplementedError:
+    if isinstance(scheme, RoPE) and getattr(scheme, "mrope_section", None) is not None:
         return False
     return True
 
@@ -89,7 +62,8 @@ def scheme_to_kernel_args(scheme: PositionScheme, q_positions, kv_positions) -> 
             f"implementation='chunked' or 'reference'.")
     if isinstance(scheme, RoPE):
         inv_freq, af = scheme.frequencies(q_positions, kv_positions)
-        return {"inv_freq": inv_freq, "rope_layout": scheme.layout, "attention_factor": float(af)}
+        return {"inv_freq": inv_freq, "rope_layout": scheme.layout, "attention_factor": af,
+                "angle_precision": scheme.angle_precision}
     if isinstance(scheme, ALiBi):
         return {"alibi_slopes": scheme.slopes, "alibi_bidirectional": scheme.bidirectional}
     if isinstance(scheme, T5Bias):
@@ -112,8 +86,7 @@ def attention_via_kernel(q, k, v, *, scheme, q_positions, kv_positions, causal, 
     Raises:
       ValueError: a ``mask`` (the kernel has no ``[Tq, Tk]`` input: express it with
         ``causal``, positions or segment ids, or use ``implementation="chunked"``); a
-        scheme the kernel does not fuse (Shaw); RoPE on a GPU backend while its angles do
-        not lower through Triton (see :func:`rope_angles_lower_for_triton`).
+        scheme the kernel does not fuse (Shaw, M-RoPE).
     """
     if mask is not None:
         raise ValueError(
@@ -121,12 +94,6 @@ def attention_via_kernel(q, k, v, *, scheme, q_positions, kv_positions, causal, 
             f"{tuple(mask.shape)}); express it with causal=, positions or segment_ids, or use "
             f"implementation='chunked'.")
     kw = scheme_to_kernel_args(scheme, q_positions, kv_positions)
-    if "inv_freq" in kw and not supports_scheme(scheme):
-        raise ValueError(
-            "implementation='pallas' cannot run RoPE on this GPU backend yet: the kernel's "
-            "angle computation (jaxpos.rope.rope_angles, angle_precision='high') uses "
-            "lax.round, which Pallas Triton does not lower; use implementation='chunked', or "
-            "jaxpos.kernels.fused_attention(..., angle_precision='float32').")
     return fused_attention(q, k, v, q_positions=q_positions, kv_positions=kv_positions,
                            causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                            scale=scale, block_q=block_q or DEFAULT_BLOCK_Q,

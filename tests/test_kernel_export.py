@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jaxpos.kernels import fused_attention
-from jaxpos.kernels.dispatch import rope_angles_lower_for_triton
 
 B, T, N, NKV, H = 1, 192, 4, 2, 128
 _TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -79,20 +78,11 @@ def test_export_rope_high_precision_angles_tpu():
     assert _kernel_calls(_export(bwd, args, "tpu"), "tpu") >= 3
 
 
-@pytest.mark.xfail(strict=True, raises=NotImplementedError,
-                   reason="jaxpos.rope's high-precision angles use lax.round (in _frac), which "
-                          "Pallas Triton does not lower; a floor-based _frac would fix it. Until "
-                          "then supports_scheme(RoPE) is False on GPU and the default falls "
-                          "back to 'chunked'.")
 def test_export_rope_high_precision_angles_cuda():
-    fwd, _, args = _functions("high")
-    _export(fwd, args, "cuda")
+    # jaxpos.rope's extended-precision angle reduction (floor-based, no lax.round) lowers
+    # through Pallas Triton, so the default angle_precision="high" compiles for GPU too.
+    fwd, bwd, args = _functions("high")
+    assert _kernel_calls(_export(fwd, args, "cuda"), "cuda") >= 1
+    assert _kernel_calls(_export(bwd, args, "cuda"), "cuda") >= 3
 
 
-def test_rope_triton_probe_agrees_with_export():
-    try:
-        _export(_functions("high")[0], _functions("high")[2], "cuda")
-        lowered = True
-    except NotImplementedError:
-        lowered = False
-    assert rope_angles_lower_for_triton() == lowered
