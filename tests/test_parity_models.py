@@ -61,7 +61,7 @@ IMPLEMENTATIONS = ["reference", "chunked", pytest.param("pallas", marks=_NEEDS_P
 DECODE_IMPLEMENTATIONS = ["reference", "chunked",
                           pytest.param("pallas", marks=[_NEEDS_PALLAS, pytest.mark.slow])]
 # Small tiles so the chunked and Pallas paths run several key and query blocks.
-BLOCKS = dict(block_q=4, block_k=4)
+BLOCKS = {"block_q": 4, "block_k": 4}
 
 
 EMBED_STD = 0.5
@@ -125,8 +125,9 @@ def _hf_positions(mask):
 
 
 # ----------------------------------------------------------------------------- Llama
-LLAMA_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                  high_freq_factor=4.0, original_max_position_embeddings=8192)
+LLAMA_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
 
 
 @pytest.fixture(scope="module")
@@ -346,3 +347,38 @@ def test_converters_reject_the_wrong_checkpoint(gpt2_pair, llama_pair):
     sd = dict(hf_llama.state_dict(), **{"model.extra.weight": torch.zeros(3)})
     with pytest.raises(ValueError, match="not used.*model.extra.weight"):
         llama.from_hf(sd, cfg)
+
+
+# -------------------------------------------------------------- other config branches
+@pytest.mark.slow
+def test_variants_t5_v1_1_and_llama_with_biases_and_tied_head():
+    """T5 v1.1 (gated GELU, no output rescaling) and a Llama with attention/MLP biases, a
+    tied head and plain RoPE: the branches the main fixtures do not take."""
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=16, d_ff=128,
+                                num_layers=LAYERS, num_heads=4, feed_forward_proj="gated-gelu",
+                                tie_word_embeddings=False, decoder_start_token_id=0,
+                                attn_implementation="eager")
+    torch.manual_seed(0)
+    hf = _randomize(transformers.T5ForConditionalGeneration(cfg), seed=10, std=0.1)
+    assert not cfg.scale_decoder_outputs
+    rs = np.random.RandomState(11)
+    src, tgt = rs.randint(0, VOCAB, (2, 10)), rs.randint(0, VOCAB, (2, 7))
+    with torch.no_grad():
+        out = hf(input_ids=torch.tensor(src), decoder_input_ids=torch.tensor(tgt))
+    logits, enc = _jit(t5.from_hf(hf.state_dict(), cfg))(
+        jnp.asarray(src), jnp.asarray(tgt), implementation="reference")
+    assert _max_diff(enc, out.encoder_last_hidden_state.numpy()) <= TOL
+    assert _max_diff(logits, out.logits.numpy()) <= TOL
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=1, attention_bias=True, mlp_bias=True,
+        tie_word_embeddings=True, attn_implementation="eager")
+    torch.manual_seed(0)
+    hf = _randomize(transformers.LlamaForCausalLM(cfg), seed=12)
+    ids = rs.randint(0, VOCAB, (2, 9))
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits.numpy()
+    ours, _ = _jit(llama.from_hf(hf.state_dict(), cfg))(jnp.asarray(ids),
+                                                         implementation="chunked", **BLOCKS)
+    assert _max_diff(ours, ref) <= TOL

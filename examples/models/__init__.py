@@ -1,0 +1,15 @@
+"""Small Flax NNX re-implementations of published models on :func:`jaxpos.attention`,
+each with a converter from a Hugging Face PyTorch state dict (``from_hf``):
+
+* :mod:`examples.models.llama`: Llama decoder, grouped-query attention, RoPE with Llama 3
+  scaling, left-padded batches and KV-cache decoding.
+* :mod:`examples.models.t5`: T5 encoder-decoder, bucketed relative bias per stack.
+* :mod:`examples.models.bloom`: BLOOM decoder, ALiBi.
+* :mod:`examples.models.gpt2`: GPT-2 decoder, learned absolute positions.
+* :mod:`examples.models.common`: padding -> positions and segment ids, the KV cache, and
+  the checked state-dict loader.
+
+``tests/test_parity_models.py`` compares all four with transformers on CPU PyTorch.
+"""
+
+__all__ = ["bloom", "common", "gpt2", "llama", "t5"]

@@ -149,10 +149,9 @@ class BloomForCausalLM(nnx.Module):
         x = self.word_embeddings_layernorm(common.embed_tokens(emb, input_ids))
         mask = common.check_attention_mask(attention_mask, B, T)
         mask = jnp.ones((B, T), jnp.int32) if mask is None else mask
-        kw = dict(alibi=self.alibi.scheme(),
-                  positions=common.padding_positions(mask),
-                  kv_segments=common.key_segments(mask, B, T),
-                  attn_kw=dict(implementation=implementation, block_q=block_q, block_k=block_k))
+        attn_kw = {"implementation": implementation, "block_q": block_q, "block_k": block_k}
+        kw = {"alibi": self.alibi.scheme(), "positions": common.padding_positions(mask),
+              "kv_segments": common.key_segments(mask, B, T), "attn_kw": attn_kw}
         for block in self.h:
             x = block(x, **kw)
         x = self.ln_f(x)

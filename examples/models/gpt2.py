@@ -158,9 +158,9 @@ class GPT2LMHeadModel(nnx.Module):
             positions = jnp.arange(T, dtype=jnp.int32)
         x = common.embed_tokens(wte, input_ids) + self.wpe(positions).astype(wte.dtype)
         mask = common.check_attention_mask(attention_mask, B, T)
-        kw = dict(positions=jnp.asarray(positions, jnp.int32),
-                  kv_segments=common.key_segments(mask, B, T),
-                  attn_kw=dict(implementation=implementation, block_q=block_q, block_k=block_k))
+        attn_kw = {"implementation": implementation, "block_q": block_q, "block_k": block_k}
+        kw = {"positions": jnp.asarray(positions, jnp.int32),
+              "kv_segments": common.key_segments(mask, B, T), "attn_kw": attn_kw}
         for block in self.h:
             x = block(x, **kw)
         x = self.ln_f(x)

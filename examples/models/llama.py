@@ -243,7 +243,7 @@ class LlamaForCausalLM(nnx.Module):
             common.check_cache_room(cache, T)
             kv_segments = jax.lax.dynamic_update_slice(cache.segments, kv_segments,
                                                        (0, cache.index))
-        attn_kw = dict(implementation=implementation, block_q=block_q, block_k=block_k)
+        attn_kw = {"implementation": implementation, "block_q": block_q, "block_k": block_k}
         new_k, new_v = [], []
         rope = rope_from_config(self.config, angle_precision=self.angle_precision)
         for i, layer in enumerate(self.layers):

@@ -198,7 +198,7 @@ class T5ForConditionalGeneration(nnx.Module):
         emb = self.shared.embedding[...]
         B, T = input_ids.shape
         mask = common.check_attention_mask(attention_mask, B, T)
-        attn_kw = dict(implementation=implementation, block_q=block_q, block_k=block_k)
+        attn_kw = {"implementation": implementation, "block_q": block_q, "block_k": block_k}
         return self.encoder(common.embed_tokens(emb, input_ids),
                             segments=common.key_segments(mask, B, T), attn_kw=attn_kw)
 
@@ -220,7 +220,7 @@ class T5ForConditionalGeneration(nnx.Module):
                              f"{encoder_output.shape}.")
         enc_mask = common.check_attention_mask(attention_mask, B, Ts)
         dec_mask = common.check_attention_mask(decoder_attention_mask, B, T)
-        attn_kw = dict(implementation=implementation, block_q=block_q, block_k=block_k)
+        attn_kw = {"implementation": implementation, "block_q": block_q, "block_k": block_k}
         x = self.decoder(common.embed_tokens(emb, decoder_input_ids),
                          segments=common.key_segments(dec_mask, B, T), enc=encoder_output,
                          enc_segments=common.key_segments(enc_mask, B, Ts), attn_kw=attn_kw)
@@ -235,7 +235,7 @@ class T5ForConditionalGeneration(nnx.Module):
         Raises:
           ValueError / TypeError: bad ids, mask shapes, or implementation.
         """
-        kw = dict(implementation=implementation, block_q=block_q, block_k=block_k)
+        kw = {"implementation": implementation, "block_q": block_q, "block_k": block_k}
         enc = self.encode(input_ids, attention_mask=attention_mask, **kw)
         logits = self.decode(decoder_input_ids, enc, attention_mask=attention_mask,
                              decoder_attention_mask=decoder_attention_mask, **kw)
