@@ -382,3 +382,16 @@ def test_variants_t5_v1_1_and_llama_with_biases_and_tied_head():
     ours, _ = _jit(llama.from_hf(hf.state_dict(), cfg))(jnp.asarray(ids),
                                                          implementation="chunked", **BLOCKS)
     assert _max_diff(ours, ref) <= TOL
+
+
+def test_llama_cache_overflow_raises_or_poisons(llama_pair):
+    """A concrete write past the cache raises; a traced one gives NaN, never a clamped
+    write over other slots."""
+    _, model, _ = llama_pair
+    cache = model.init_cache(batch=1, max_len=3)
+    ids = jnp.zeros((1, 2), jnp.int32)
+    _, cache = model(ids, cache=cache, implementation="reference")
+    with pytest.raises(ValueError, match="cache holds 3 slots and 2 are used"):
+        model(ids, cache=cache, implementation="reference")
+    logits, _ = _jit(model)(ids, cache=cache, implementation="reference")
+    assert np.isnan(np.asarray(logits)).all()

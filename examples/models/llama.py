@@ -223,7 +223,8 @@ class LlamaForCausalLM(nnx.Module):
 
         Returns:
           ``(logits [B, T, vocab_size] float32, cache)``; ``cache`` is the updated cache
-          (or ``None``). Logits at padding positions are meaningless.
+          (or ``None``). Logits at padding positions are meaningless; logits of a traced
+          call that overflows the cache are NaN (a concrete one raises).
 
         Raises:
           ValueError / TypeError: bad ids, mask shape, a full cache, bad implementation.
@@ -256,9 +257,14 @@ class LlamaForCausalLM(nnx.Module):
             logits = x @ emb.T.astype(x.dtype)
         else:
             logits = self.lm_head(x)
+        logits = logits.astype(jnp.float32)
         if cache is not None:
+            # A traced index cannot raise; a write past the end would be clamped by
+            # dynamic_update_slice onto other slots, so such logits become NaN instead.
+            overflow = cache.index + T > cache.max_len
+            logits = jnp.where(overflow, jnp.nan, logits)
             cache = cache.advance(new_k, new_v, positions, common.key_segments(mask, B, T), mask)
-        return logits.astype(jnp.float32), cache
+        return logits, cache
 
 
 def param_mapping(config: LlamaConfig) -> dict:

@@ -292,5 +292,7 @@ def from_hf(state_dict, hf_config, *, dtype=jnp.float32) -> T5ForConditionalGene
                 common.to_numpy(state_dict[key]), shared):
             raise ValueError(f"{key} differs from shared.weight; this model ties them as HF's "
                              f"T5 does.")
+    # Old checkpoints carry an unused bias table in the first cross-attention layer.
+    unused = "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"
     return common.load_params(model, state_dict, param_mapping(config),
-                              ignore=lambda k: k in tied)
+                              ignore=lambda k: k in tied or k == unused)
