@@ -388,9 +388,8 @@ def test_llama_cache_overflow_raises_or_poisons(llama_pair):
     """A concrete write past the cache raises; a traced one gives NaN, never a clamped
     write over other slots."""
     _, model, _ = llama_pair
-    cache = model.init_cache(batch=1, max_len=3)
+    cache = model.init_cache(batch=1, max_len=3)._replace(index=jnp.asarray(2, jnp.int32))
     ids = jnp.zeros((1, 2), jnp.int32)
-    _, cache = model(ids, cache=cache, implementation="reference")
     with pytest.raises(ValueError, match="cache holds 3 slots and 2 are used"):
         model(ids, cache=cache, implementation="reference")
     logits, _ = _jit(model)(ids, cache=cache, implementation="reference")
