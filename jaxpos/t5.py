@@ -173,7 +173,9 @@ def t5_bias_from_offsets(rel, table, *, bidirectional, num_buckets, max_distance
       ``[0, num_buckets)`` by construction.
     """
     b = _bucket(jnp, rel, bidirectional, num_buckets, max_distance)
-    vals = jnp.asarray(table, jnp.float32)[b]  # [..., Tq, Tk, N]
+    # promise_in_bounds: the buckets are in range (above), and the default "fill" gather
+    # is about 8x slower on CPU (5.1 ms vs 0.6 ms for a 256 x 256 tile of 8 heads).
+    vals = jnp.asarray(table, jnp.float32).at[b].get(mode="promise_in_bounds")  # [..., Tq, Tk, N]
     return jnp.moveaxis(vals, -1, -3)
 
 
