@@ -256,6 +256,121 @@ CASES = [
 ]
 
 
+# ---------------------------------------------------------------- modules and extras
+def L(id, thunk, exc, words):
+    """A case whose call is a thunk (constructors, modules): eager only."""
+    return Case(id, thunk, (), {}, exc, words, jit=False)
+
+
+def _nnx():
+    from flax import nnx
+
+    from jaxpos import nnx as jn
+    return nnx, jn
+
+
+def _decoder(**kw):
+    nnx, jn = _nnx()
+    kw = dict(dict(d_model=16, num_layers=1, num_heads=2, rngs=nnx.Rngs(0)), **kw)
+    return jn.DecoderLM(32, **kw)
+
+
+_TOK = np.zeros((2, 4), np.int32)
+
+
+def _linen_init(position="rope", tokens=_TOK, **kw):
+    from jaxpos import linen as jl
+    model = jl.DecoderLM(vocab_size=32, d_model=16, num_layers=1, num_heads=2,
+                         position=position, **kw)
+    return model.init(jax.random.PRNGKey(0), tokens)
+
+
+def _rs():
+    from jaxpos import rope_scaling
+    return rope_scaling
+
+
+def _fused(**kw):
+    from jaxpos.kernels import fused_attention
+    q = kw.pop("q", Q)
+    k = kw.pop("k", KV)
+    return fused_attention(q, k, KV, q_positions=POS, kv_positions=POS, **kw)
+
+
+CASES += [
+    # Pallas through attention(): what the kernel cannot do is refused, never approximated
+    A("attention/pallas-block_q-not-power-of-two", ValueError, ("block_q", "power of two", "6"),
+      implementation="pallas", block_q=6),
+    A("attention/pallas-block_k-not-power-of-two", ValueError, ("block_k", "power of two", "24"),
+      implementation="pallas", block_k=24),
+    A("attention/pallas-shaw", ValueError, ("Shaw", "implementation='chunked'"),
+      implementation="pallas", position=Shaw(SHAW)),
+    A("attention/pallas-mask", ValueError, ("mask", "(1, 1, 4, 4)", "segment_ids"),
+      implementation="pallas", mask=np.ones((T, T), bool)),
+    # jaxpos.kernels.fused_attention directly
+    L("fused_attention/dtype-mismatch", lambda: _fused(k=KV.astype(np.float16)), TypeError,
+      ("share a dtype", "float16")),
+    L("fused_attention/block_q", lambda: _fused(block_q=12), ValueError, ("block_q", "power of two", "12")),
+    L("fused_attention/block_k-zero", lambda: _fused(block_k=0), ValueError, ("block_k", "0")),
+    L("fused_attention/offset_bias-even", lambda: _fused(offset_bias=_x(N, 6)), ValueError,
+      ("offset_bias", "2R + 1", "(4, 6)")),
+    L("fused_attention/alibi_slopes-count", lambda: _fused(alibi_slopes=_x(3)), ValueError,
+      ("alibi_slopes", f"[{N}]", "(3,)")),
+    L("fused_attention/inv_freq-too-long", lambda: _fused(inv_freq=_x(H)), ValueError,
+      ("inv_freq", f"H/2 = {H // 2}", "8")),
+    L("fused_attention/interpret", lambda: _fused(interpret="yes"), TypeError, ("interpret", "'yes'")),
+    L("fused_attention/rope_layout", lambda: _fused(inv_freq=_x(2), rope_layout="gptj"), ValueError,
+      ("rope_layout", "'gptj'")),
+    L("fused_attention/q-rank3", lambda: _fused(q=_x(B, T, H)), ValueError, ("q", "rank 4")),
+    # RoPE scaling dataclasses (field names as HF's rope_scaling keys)
+    L("LinearScaling/factor-zero", lambda: _rs().LinearScaling(factor=0.0), ValueError,
+      ("LinearScaling.factor", "0.0")),
+    L("Llama3Scaling/freq-order", lambda: _rs().Llama3Scaling(
+        factor=8.0, low_freq_factor=4.0, high_freq_factor=1.0,
+        original_max_position_embeddings=8192), ValueError, ("high_freq_factor", "low_freq_factor")),
+    L("YaRNScaling/original_max-float", lambda: _rs().YaRNScaling(
+        factor=4.0, original_max_position_embeddings=4096.0), TypeError,
+      ("original_max_position_embeddings", "4096.0")),
+    L("rope_frequencies/scaling-dict", lambda: rope_frequencies(8, scaling={"factor": 2.0}), TypeError,
+      ("scaling", "LinearScaling", "dict")),
+    L("scaling_from_dict/rope_type", lambda: _rs().scaling_from_dict({"rope_type": "bogus"}),
+      ValueError, ("rope_type", "'bogus'", "yarn")),
+    # Flax NNX modules
+    L("nnx.DecoderLM/position", lambda: _decoder(position="xpos"), ValueError, ("position", "'xpos'", "rope")),
+    L("nnx.DecoderLM/learned-without-max_len", lambda: _decoder(position="learned"), ValueError,
+      ("max_len", "None")),
+    L("nnx.DecoderLM/heads-divide-d_model", lambda: _decoder(num_heads=3), ValueError,
+      ("num_heads", "(3)", "d_model")),
+    L("nnx.DecoderLM/kv_heads", lambda: _decoder(num_heads=4, num_kv_heads=3), ValueError,
+      ("num_kv_heads", "(3)")),
+    L("nnx.DecoderLM/tokens-float", lambda: _decoder()(_TOK.astype(np.float32)), TypeError,
+      ("tokens", "float32")),
+    L("nnx.DecoderLM/tokens-rank1", lambda: _decoder()(_TOK[0]), ValueError, ("tokens", "rank 2", "(4,)")),
+    L("nnx.DecoderLM/tokens-out-of-vocab", lambda: _decoder()(_TOK + 40), ValueError,
+      ("tokens", "vocab_size=32", "40")),
+    L("nnx.DecoderLM/positions-float", lambda: _decoder()(_TOK, positions=POS.astype(np.float32)),
+      TypeError, ("positions", "float32")),
+    L("nnx.DecoderLM/positions-length", lambda: _decoder()(_TOK, positions=np.arange(5)), ValueError,
+      ("positions", "[4]", "(5,)")),
+    L("nnx.DecoderLM/implementation", lambda: _decoder()(_TOK, implementation="flash"), ValueError,
+      ("implementation", "'flash'")),
+    L("nnx.RotaryEmbedding/odd", lambda: _nnx()[1].RotaryEmbedding(7), ValueError, ("rotary_dim", "even", "7")),
+    L("nnx.ALiBi/zero-heads", lambda: _nnx()[1].ALiBi(0), ValueError, ("num_heads", "0")),
+    L("nnx.T5RelativeBias/odd-buckets", lambda: _nnx()[1].T5RelativeBias(
+        4, num_buckets=31, rngs=_nnx()[0].Rngs(0)), ValueError, ("num_buckets", "even", "31")),
+    L("nnx.LearnedPositionalEmbedding/max_len", lambda: _nnx()[1].LearnedPositionalEmbedding(
+        0, 8, rngs=_nnx()[0].Rngs(0)), ValueError, ("max_len", "0")),
+    L("nnx.ShawRelativePosition/max_distance", lambda: _nnx()[1].ShawRelativePosition(
+        8, max_distance=0, rngs=_nnx()[0].Rngs(0)), ValueError, ("max_distance", "0")),
+    L("nnx.MultiHeadAttention/heads", lambda: _nnx()[1].MultiHeadAttention(
+        16, 3, rngs=_nnx()[0].Rngs(0)), ValueError, ("num_heads", "(3)")),
+    # Flax Linen twins: the same checks when the module is initialised
+    L("linen.DecoderLM/position", lambda: _linen_init(position="xpos"), ValueError, ("position", "'xpos'")),
+    L("linen.DecoderLM/tokens-float", lambda: _linen_init(tokens=_TOK.astype(np.float32)), TypeError,
+      ("tokens", "float32")),
+]
+
+
 def _array_argnums(args):
     return tuple(i for i, a in enumerate(args) if isinstance(a, (np.ndarray, jax.Array)) and a.ndim > 0)
 
