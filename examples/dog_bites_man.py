@@ -77,7 +77,7 @@ def single_layer_check(seed: int = 0, d: int = 8, heads: int = 2) -> dict:
 
     def attn(words, causal):
         X = emb[token_ids(words)[0]]  # [T, d]
-        split = lambda W: (X @ W).reshape(1, len(words), heads, d // heads)  # noqa: E731
+        split = lambda W: (X @ W).reshape(1, len(words), heads, d // heads)
         out = jaxpos.attention(split(Wq), split(Wk), split(Wv), position=jaxpos.NoPE(),
                                causal=causal, implementation="reference")
         return out.reshape(len(words), d)

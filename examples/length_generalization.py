@@ -22,6 +22,10 @@ and each chunk is cut into non-overlapping windows of the evaluation length (Pre
 call this non-overlapping evaluation, §B). Tokens near the start of a window have little
 context, so a model that generalises perfectly gets *lower* loss at longer windows.
 
+Scheme settings: T5 uses 32 causal buckets with ``max_distance = min(128, train_len)``
+(at least 32), so that every bucket is trained, as in Press et al., whose training
+lengths (512 and more) exceed T5's 128; Shaw clips at K = 16; RoPE uses base 10,000.
+
 Learned absolute positions have no row past the training length: the library raises
 ``ValueError`` there, and the table reports "cannot run" instead of clamping.
 
@@ -247,7 +251,8 @@ def build_model(position: str, args):
     return DecoderLM(
         VOCAB_SIZE, d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
         position=position, max_len=args.train_len if position == "learned" else None,
-        implementation=args.implementation, dtype=jnp.float32, rngs=nnx.Rngs(args.seed))
+        t5_max_distance=args.t5_max_distance, implementation=args.implementation,
+        dtype=jnp.float32, rngs=nnx.Rngs(args.seed))
 
 
 def cross_entropy_nats(logits, targets):
@@ -378,8 +383,8 @@ def evaluate(name: str, graphdef, params, rest, args, chunks: np.ndarray, progre
         key = str(L)
         if base_scheme(name) == "learned" and L > args.train_len:
             try:  # the library must refuse: there is no table row past train_len
-                jax.eval_shape(lambda p: nnx.merge(graphdef, p, rest)(jnp.zeros((1, L), jnp.int32)),
-                               params)
+                window = jax.ShapeDtypeStruct((1, L), jnp.int32)
+                jax.eval_shape(lambda p, t: nnx.merge(graphdef, p, rest)(t), params, window)
             except ValueError as e:
                 bpb[key], status[key], messages[key] = None, "cannot run", str(e)
                 continue
@@ -445,7 +450,7 @@ def format_table(results: dict) -> str:
                   f"{r['eval_s'] + r['eval_compile_s']:.1f}"]
         rows.append(cells)
     widths = [max(len(h), *(len(c[i]) for c in rows)) for i, h in enumerate(head)]
-    line = lambda cells: "| " + " | ".join(c.rjust(w) if i else c.ljust(w)  # noqa: E731
+    line = lambda cells: "| " + " | ".join(c.rjust(w) if i else c.ljust(w)
                                            for i, (c, w) in enumerate(zip(cells, widths))) + " |"
     sep = "|" + "|".join(("-" * (w + 1) + ":") if i else ("-" * (w + 2))
                          for i, w in enumerate(widths)) + "|"
@@ -521,11 +526,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--t5-max-distance", type=int, default=None,
+                   help="T5's max_distance; default max(32, min(128, --train-len)), so that every "
+                        "bucket is trained, as in Press et al. (trained on 512+ tokens)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     p.add_argument("--seed", type=int, default=0, help="data split, batches and initialisation")
     p.add_argument("--corpus", default=None,
                    help="text file or folder; default: the Python standard library's source")
-    p.add_argument("--eval-bytes", type=int, default=16384,
+    p.add_argument("--eval-bytes", type=int, default=8192,
                    help="held-out bytes scored at every evaluation length")
     p.add_argument("--eval-batch-tokens", type=int, default=8192,
                    help="tokens per evaluation forward pass")
@@ -540,6 +548,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.d_model % args.heads:
         p.error(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
+    if args.t5_max_distance is None:
+        args.t5_max_distance = max(32, min(128, args.train_len))
     if args.eval_lens is None:
         args.eval_lens = [args.train_len * m for m in (1, 2, 4, 8, 16)]
     args.eval_lens = sorted(set(args.eval_lens))
@@ -571,13 +581,14 @@ def run(args) -> dict:
     print(f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind}); attention "
           f"implementation: {args.implementation or 'library default'}")
     print(f"model: d_model {args.d_model}, {args.layers} layers, {args.heads} heads; training "
-          f"{args.steps} steps x {args.batch_size} x {args.train_len} bytes, seed {args.seed}")
+          f"{args.steps} steps x {args.batch_size} x {args.train_len} bytes, seed {args.seed}; "
+          f"T5 max_distance {args.t5_max_distance}")
 
     results = {
         "config": {k: v for k, v in vars(args).items() if k not in ("no_progress",)},
         "eval_lens": list(args.eval_lens),
-        "corpus": {"source": corpus.source, "train_bytes": int(len(corpus.train)),
-                   "heldout_bytes": int(len(corpus.heldout)), "train_files": corpus.train_files,
+        "corpus": {"source": corpus.source, "train_bytes": len(corpus.train),
+                   "heldout_bytes": len(corpus.heldout), "train_files": corpus.train_files,
                    "heldout_files": corpus.heldout_files,
                    "eval_bytes_per_length": int(chunks.size - len(chunks))},
         "environment": {"jax": jax.__version__, "backend": jax.default_backend(),

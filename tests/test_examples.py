@@ -45,13 +45,14 @@ def test_length_generalization_end_to_end(tmp_path, lg):
     """Issue 6, item 7: the script runs with tiny settings on the default corpus (the
     standard library), writes a table, results.json and a PNG, reports learned positions
     past their table as "cannot run", and every finite value is a plausible loss."""
-    schemes = ["learned", "alibi"] + (["rope+yarn"] if lg.rope_scaling_available() else [])
+    schemes = ["learned", "rope+yarn" if lg.rope_scaling_available() else "alibi"]
     out = tmp_path / "run"
     cmd = [sys.executable, str(EXAMPLES / "length_generalization.py"),
            "--steps", "30", "--lr", "1e-2", "--train-len", "8", "--eval-lens", "8,16,32", "--d-model", "16",
            "--layers", "1", "--heads", "2", "--batch-size", "8", "--eval-bytes", "64",
            "--schemes", ",".join(schemes), "--seed", "1", "--out", str(out), "--no-progress"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     res = json.loads((out / "results.json").read_text())
@@ -71,9 +72,9 @@ def test_length_generalization_end_to_end(tmp_path, lg):
     learned = res["schemes"]["learned"]
     assert learned["status"] == {"8": "ok", "16": "cannot run", "32": "cannot run"}
     assert "max_len" in learned["messages"]["16"]  # the library's own ValueError
-    for name in ("alibi",):
-        assert all(s == "ok" for s in res["schemes"][name]["status"].values())
-        assert res["schemes"][name]["train_tokens_per_s"] > 0
+    other = res["schemes"][schemes[1]]
+    assert all(s == "ok" for s in other["status"].values())
+    assert other["train_tokens_per_s"] > 0
     if "rope+yarn" in schemes:  # trained as plain RoPE, evaluated with YaRN past 1x
         assert res["schemes"]["rope+yarn"]["trained_as"] == "rope"
         assert res["schemes"]["rope+yarn"]["status"]["32"] == "ok"
@@ -139,9 +140,8 @@ def test_every_length_scores_the_same_bytes(lg, eval_lens):
     P = math.lcm(*eval_lens)
     assert chunks.shape == (200 // P, P + 1)
     for row in chunks:  # every chunk is a contiguous piece of the held-out text
-        start = int(np.flatnonzero((heldout[:-P] == row[0]))[0])
         assert any(np.array_equal(heldout[s:s + P + 1], row)
-                   for s in np.flatnonzero(heldout[:len(heldout) - P] == row[0])), start
+                   for s in np.flatnonzero(heldout[:len(heldout) - P] == row[0]))
     for L in eval_lens:
         pos, seg = lg.packed_positions(P, L)
         assert pos.shape == seg.shape == (P,)
