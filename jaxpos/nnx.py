@@ -110,6 +110,8 @@ def shaw_table_init():
 
 
 def check_position_name(name: str, value: Any, choices=POSITIONS) -> str:
+    """Lower-cased position name (``"none"`` means ``"nope"``); ``TypeError`` for a
+    non-string, ``ValueError`` naming ``choices`` for an unknown name."""
     if not isinstance(value, str):
         raise TypeError(f"{name} must be one of {choices} (a string); got "
                         f"{type(value).__name__} {value!r}.")
@@ -172,10 +174,12 @@ def check_learned_length(position: str, max_len, T: int, positions) -> None:
 
 
 def rope_scheme(rotary_dim: int, base: float, layout: str, scaling) -> _schemes.RoPE:
+    """:class:`jaxpos.RoPE` with ``scaling`` (a :mod:`jaxpos.rope_scaling` dataclass or None)."""
     return _schemes.RoPE(rotary_dim=rotary_dim, base=base, layout=layout, scaling=scaling)
 
 
 def no_rope_scaling(position: str, rope_scaling) -> None:
+    """``ValueError`` when ``rope_scaling`` is given to a model without RoPE."""
     if rope_scaling is not None:
         raise ValueError(f"rope_scaling applies to RoPE models only; this model uses "
                          f"position={position!r}. Got rope_scaling={rope_scaling!r}.")
@@ -199,6 +203,9 @@ class KVCache(NamedTuple):
 
 
 def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:
+    """An empty :class:`KVCache`: zeros ``[batch, max_len, num_kv_heads, head_dim]`` of
+    ``dtype``, positions 0 and fill counts 0. ``ValueError``/``TypeError`` for sizes that
+    are not positive ints."""
     _checks.check_positive_int("batch", batch)
     _checks.check_positive_int("max_len", max_len)
     z = jnp.zeros((batch, max_len, num_kv_heads, head_dim), dtype)
@@ -273,6 +280,9 @@ def mlp(x, w_in, w_out, dtype):
 
 
 def attention_dims(d_model, num_heads, num_kv_heads, head_dim):
+    """Validated ``(d_model, num_heads, num_kv_heads, head_dim)``: ``num_kv_heads``
+    defaults to ``num_heads`` and must divide it; ``head_dim`` defaults to
+    ``d_model // num_heads`` (which must divide). Raises ``ValueError``/``TypeError``."""
     d_model = _checks.check_positive_int("d_model", d_model)
     num_heads = _checks.check_positive_int("num_heads", num_heads)
     num_kv_heads = num_heads if num_kv_heads is None else _checks.check_positive_int(
@@ -396,6 +406,7 @@ class ALiBi(nnx.Module):
         self.bidirectional = bool(bidirectional)
 
     def scheme(self) -> _schemes.ALiBi:
+        """The :class:`jaxpos.ALiBi` scheme with the paper's slopes."""
         return _schemes.ALiBi(self.num_heads, bidirectional=self.bidirectional)
 
     def __call__(self, q_positions, kv_positions) -> jax.Array:
@@ -432,6 +443,7 @@ class T5RelativeBias(nnx.Module):
         self.bidirectional = bool(bidirectional)
 
     def scheme(self) -> _schemes.T5Bias:
+        """The :class:`jaxpos.T5Bias` scheme holding this table (gradients flow to it)."""
         return _schemes.T5Bias(self.table[...], bidirectional=self.bidirectional,
                                num_buckets=self.num_buckets, max_distance=self.max_distance)
 
@@ -465,6 +477,7 @@ class ShawRelativePosition(nnx.Module):
         self.head_dim, self.max_distance = head_dim, K
 
     def scheme(self) -> _schemes.Shaw:
+        """The :class:`jaxpos.Shaw` scheme holding these tables (gradients flow to them)."""
         return _schemes.Shaw(self.rel_k[...], None if self.rel_v is None else self.rel_v[...])
 
 
@@ -516,7 +529,9 @@ class MultiHeadAttention(nnx.Module):
       head_dim: ``H``, default ``d_model // num_heads``.
       position: ``"nope"`` / ``None``, ``"rope"``, ``"alibi"``, ``"t5"``, ``"shaw"``, or a
         position module (:class:`RotaryEmbedding`, :class:`ALiBi`, :class:`T5RelativeBias`,
-        :class:`ShawRelativePosition`); a module passed here is shared by reference.
+        :class:`ShawRelativePosition`); a module passed here is shared by reference. A
+        scheme object (e.g. ``jaxpos.RoPE(inv_freq)`` from a checkpoint) goes in at call
+        time instead, as ``scheme=``.
       causal: causal self-attention (by positions: a query at ``p`` sees keys ``<= p``).
       rotary_dim, rope_base: RoPE options (default ``head_dim``, 10000).
       num_buckets, max_distance: T5 options (32, 128), or ``max_distance`` = Shaw's K (16).
