@@ -115,7 +115,7 @@ def test_check_grads_reverse_first_order(param, impl):
     check_grads(jax.jit(f), args, order=1, modes=["rev"], **TOL)
 
 
-@pytest.mark.parametrize("param", [pytest.param(p, marks=[] if p in ("t5", "alibi") else
+@pytest.mark.parametrize("param", [pytest.param(p, marks=[] if p == "t5" else
                                                 [pytest.mark.slow]) for p in CASES])
 def test_parameter_gradients_agree_across_implementations(param):
     """The same parameter gradient from every implementation (tighter than finite

@@ -33,7 +33,7 @@ def available_implementations():
 IMPLS = available_implementations()
 OTHERS = [i for i in IMPLS if i != "reference"]
 SCHEMES = ("nope", "rope", "alibi", "t5", "shaw")
-FAST = settings(max_examples=4, deadline=None, derandomize=True, database=None,
+FAST = settings(max_examples=3, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 SLOW = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -176,7 +176,7 @@ _SHIFT_SHAPE = dict(B=1, Tq=7, Tk=7, N=2, Nk=2, H=8, per_row=False, block_q=4, b
 
 
 @pytest.mark.parametrize("scheme", ["rope", "alibi", "t5", "shaw"])
-@settings(max_examples=5, deadline=None, derandomize=True, database=None)
+@settings(max_examples=4, deadline=None, derandomize=True, database=None)
 @given(shift=st.integers(-5000, 5000), causal=st.booleans(), seed=st.integers(0, 1000))
 def test_relative_schemes_are_translation_invariant(scheme, shift, causal, seed):
     """Relative schemes depend on kv_pos - q_pos only (Shaw §3, T5 §2.1, ALiBi §3, RoPE
