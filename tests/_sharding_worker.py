@@ -20,7 +20,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import functools  # noqa: E402
+import functools  # noqa: E402 (XLA_FLAGS must be set first)
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -28,9 +28,9 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import jaxpos  # noqa: E402
 from jaxpos import ALiBi, NoPE, RoPE, Shaw, T5Bias, attention  # noqa: E402
 
 try:  # JAX >= 0.6 (0.10, 0.11): public jax.shard_map
@@ -244,8 +244,9 @@ def main(argv):
     res["cpu_seconds/4"] = time.process_time() - cpu0
     # 5. One sharded training step of the small Flax model (batch over 8 devices).
     try:
-        from flax import nnx
         import optax
+        from flax import nnx
+
         from jaxpos.nnx import DecoderLM
     except ImportError as e:  # the module is not there (yet)
         res["train_step/skipped"] = str(e)

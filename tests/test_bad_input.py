@@ -12,19 +12,32 @@ argument's name, the value or shape it received, and usually what was expected.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxpos
-from jaxpos import (ALiBi, NoPE, RoPE, Shaw, T5Bias, alibi_bias, alibi_slopes, apply_rope,
-                    as_scheme, attention, learned_positions, relative_bias_attention,
-                    relative_head_W, rope_frequencies, shaw_attention, shift_matrix,
-                    sinusoidal_pe, t5_bias, t5_bucket)
+from jaxpos import (
+    ALiBi,
+    RoPE,
+    Shaw,
+    T5Bias,
+    alibi_bias,
+    alibi_slopes,
+    apply_rope,
+    as_scheme,
+    attention,
+    learned_positions,
+    relative_bias_attention,
+    relative_head_W,
+    rope_frequencies,
+    shaw_attention,
+    shift_matrix,
+    sinusoidal_pe,
+    t5_bias,
+    t5_bucket,
+)
 
 B, T, N, H = 2, 4, 4, 8
 
