@@ -38,14 +38,19 @@ _BLOCK_K = 256
 
 
 def default_implementation(position: PositionScheme | None = None) -> str:
-    """``"pallas"`` on GPU/TPU for the schemes the kernel fuses, otherwise ``"chunked"``."""
+    """``"pallas"`` on GPU/TPU for the schemes the kernel fuses, otherwise ``"chunked"``.
+
+    Raises:
+      TypeError: ``position`` is not a scheme, ``None`` or ``"none"`` (on every backend).
+    """
+    scheme = as_scheme(position)
     backend = jax.default_backend()
     if backend in ("gpu", "cuda", "rocm", "tpu"):
         try:
             from jaxpos.kernels import supports_scheme
         except ImportError:  # kernel not available in this build
             return "chunked"
-        if supports_scheme(as_scheme(position)):
+        if supports_scheme(scheme):
             return "pallas"
     return "chunked"
 
