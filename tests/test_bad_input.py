@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 
+import jaxpos
 from jaxpos import (
     ALiBi,
     RoPE,
@@ -303,6 +304,30 @@ def _rs():
     return rope_scaling
 
 
+_LLAMA_CFG = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+              "rope_theta": 10000.0}
+
+
+def _hf():
+    from jaxpos import hf
+    return hf
+
+
+def _kernels():
+    from jaxpos import kernels
+    return kernels
+
+
+def _testing():
+    from jaxpos import testing
+    return testing
+
+
+def _linen():
+    from jaxpos import linen
+    return linen
+
+
 def _fused(**kw):
     from jaxpos.kernels import fused_attention
     q = kw.pop("q", Q)
@@ -377,6 +402,42 @@ CASES += [
         8, max_distance=0, rngs=_nnx()[0].Rngs(0)), ValueError, ("max_distance", "0")),
     L("nnx.MultiHeadAttention/heads", lambda: _nnx()[1].MultiHeadAttention(
         16, 3, rngs=_nnx()[0].Rngs(0)), ValueError, ("num_heads", "(3)")),
+    L("nnx.Encoder/position", lambda: _nnx()[1].Encoder(32, d_model=16, num_layers=1, num_heads=2,
+      position="xpos", rngs=_nnx()[0].Rngs(0)), ValueError, ("position", "'xpos'")),
+    L("nnx.DecoderLM.decode_step/cache", lambda: _decoder().decode_step(_TOK[:, :1], cache=None),
+      ValueError, ("cache", "KVCache", "NoneType")),
+    L("nnx.DecoderLM.init_cache/batch", lambda: _decoder().init_cache(0, 8), ValueError, ("batch", "0")),
+    L("nnx.SinusoidalEmbedding/d_model", lambda: _nnx()[1].SinusoidalEmbedding(0), ValueError,
+      ("d_model", "0")),
+    L("nnx.RotaryEmbedding/positions-float", lambda: _nnx()[1].RotaryEmbedding(H)(
+        Q, POS.astype(np.float32)), TypeError, ("positions", "float32")),
+    # more scaling dataclasses, HF config readers, kernel dispatch, testing helpers
+    L("DynamicNTKScaling/factor-negative", lambda: _rs().DynamicNTKScaling(
+        factor=-2.0, original_max_position_embeddings=2048), ValueError, ("factor", "-2.0")),
+    L("LongRoPEScaling/factor-lengths", lambda: _rs().LongRoPEScaling(
+        short_factor=[1.0, 1.0], long_factor=[1.0], original_max_position_embeddings=4096),
+      ValueError, ("short_factor", "long_factor", "2 and 1")),
+    L("ProportionalScaling/partial_rotary_factor", lambda: _rs().ProportionalScaling(
+        partial_rotary_factor=2.0), ValueError, ("partial_rotary_factor", "[0, 1]", "2.0")),
+    L("rope_from_hf_config/config-type", lambda: _hf().rope_from_hf_config(3), TypeError,
+      ("config", "int")),
+    L("rope_from_hf_config/angle_precision", lambda: _hf().rope_from_hf_config(
+        _LLAMA_CFG, angle_precision="f64"), ValueError, ("angle_precision", "'f64'")),
+    L("rope_from_hf_config/rope_type", lambda: _hf().rope_from_hf_config(
+        dict(_LLAMA_CFG, rope_scaling={"rope_type": "bogus"})), ValueError, ("rope_type", "'bogus'")),
+    L("scheme_to_kernel_args/shaw", lambda: _kernels().scheme_to_kernel_args(Shaw(SHAW), POS, POS),
+      ValueError, ("Shaw", "NoPE, RoPE, ALiBi and T5Bias")),
+    L("default_implementation/string", lambda: jaxpos.default_implementation("rope"), TypeError,
+      ("position", "'rope'")),
+    L("testing.assert_translation_invariant/atol", lambda: _testing().assert_translation_invariant(
+        lambda a, b: a, POS, POS, atol=-1.0), ValueError, ("atol", "-1.0")),
+    L("testing.attention_scores/q-rank3", lambda: _testing().attention_scores(Q[0], KV), ValueError,
+      ("q", "rank 4", "(4, 4, 8)")),
+    L("linen.params_from_nnx/type", lambda: _linen().params_from_nnx(3), TypeError, ("model", "int")),
+    L("linen.RotaryEmbedding/odd", lambda: _linen().RotaryEmbedding(rotary_dim=7).init(
+        jax.random.PRNGKey(0), Q, POS), ValueError, ("rotary_dim", "even", "7")),
+    L("linen.SinusoidalEmbedding/d_model", lambda: _linen().SinusoidalEmbedding(d_model=0).init(
+        jax.random.PRNGKey(0), POS), ValueError, ("d_model", "0")),
     # Flax Linen twins: the same checks when the module is initialised
     L("linen.DecoderLM/position", lambda: _linen_init(position="xpos"), ValueError, ("position", "'xpos'")),
     L("linen.DecoderLM/tokens-float", lambda: _linen_init(tokens=_TOK.astype(np.float32)), TypeError,
