@@ -235,20 +235,20 @@ CASES = [
     Case("shaw_attention/rel_k-width", shaw_attention, (Q, KV, KV, _x(5, H + 1), _x(5, H + 1)), {},
          ValueError, ("rel_k", "(5, 9)")),
     # ---------------------------------------------------------------- learned
-    Case("learned/out_of_range-unknown", learned_positions, (_x(8, H), POS), dict(out_of_range="ignore"),
+    Case("learned_positions/out_of_range-unknown", learned_positions, (_x(8, H), POS), dict(out_of_range="ignore"),
          ValueError, ("out_of_range", "'ignore'", "wrap")),
-    Case("learned/table-rank1", learned_positions, (_x(8), POS), {}, ValueError, ("table", "rank 2")),
-    Case("learned/positions-float", learned_positions, (_x(8, H), POS.astype(np.float32)), {}, TypeError,
+    Case("learned_positions/table-rank1", learned_positions, (_x(8), POS), {}, ValueError, ("table", "rank 2")),
+    Case("learned_positions/positions-float", learned_positions, (_x(8, H), POS.astype(np.float32)), {}, TypeError,
          ("positions", "integer", "float32")),
-    Case("learned/positions-scalar", learned_positions, (_x(8, H), np.int32(3)), {}, ValueError,
+    Case("learned_positions/positions-scalar", learned_positions, (_x(8, H), np.int32(3)), {}, ValueError,
          ("positions", "scalar")),
-    Case("learned/sequence-longer-than-table", learned_positions, (_x(4, H), np.arange(6)), {}, ValueError,
+    Case("learned_positions/sequence-longer-than-table", learned_positions, (_x(4, H), np.arange(6)), {}, ValueError,
          ("positions", "[0, 4)", "0 to 5"), jit=False),
-    Case("learned/table-int", learned_positions, (np.zeros((8, H), np.int32), POS), {}, TypeError,
+    Case("learned_positions/table-int", learned_positions, (np.zeros((8, H), np.int32), POS), {}, TypeError,
          ("table", "floating", "int32")),
-    Case("learned/position-past-table", learned_positions, (_x(8, H), np.array([0, 8])), {}, ValueError,
+    Case("learned_positions/position-past-table", learned_positions, (_x(8, H), np.array([0, 8])), {}, ValueError,
          ("positions", "[0, 8)", "8"), jit=False),
-    Case("learned/position-negative", learned_positions, (_x(8, H), np.array([-1, 2])), {}, ValueError,
+    Case("learned_positions/position-negative", learned_positions, (_x(8, H), np.array([-1, 2])), {}, ValueError,
          ("positions", "[0, 8)", "-1"), jit=False),
     # ---------------------------------------------------------------- sinusoidal
     Case("sinusoidal_pe/T-negative", sinusoidal_pe, (-1, 8), {}, ValueError, ("T", "-1"), jit=False),
@@ -306,6 +306,16 @@ def _rs():
 
 _LLAMA_CFG = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
               "rope_theta": 10000.0}
+
+
+def _rope():
+    import sys
+    return sys.modules["jaxpos.rope"]
+
+
+def _sin():
+    import sys
+    return sys.modules["jaxpos.sinusoidal"]
 
 
 def _hf():
@@ -438,6 +448,25 @@ CASES += [
         jax.random.PRNGKey(0), Q, POS), ValueError, ("rotary_dim", "even", "7")),
     L("linen.SinusoidalEmbedding/d_model", lambda: _linen().SinusoidalEmbedding(d_model=0).init(
         jax.random.PRNGKey(0), POS), ValueError, ("d_model", "0")),
+    # RoPE variants and weight-layout converters (jaxpos.rope)
+    L("half_to_interleaved/head_dim", lambda: jaxpos.half_to_interleaved(_x(2, 8), head_dim=6),
+      ValueError, ("head_dim=6", "size 8")),
+    L("interleaved_to_half/rotary_dim", lambda: jaxpos.interleaved_to_half(
+        _x(2, 8), head_dim=8, rotary_dim=10), ValueError, ("rotary_dim", "head_dim=8", "10")),
+    L("rope_angles/positions-float", lambda: _rope().rope_angles(POS.astype(np.float32), _x(4)),
+      TypeError, ("positions", "float32")),
+    L("apply_mrope/mrope_section", lambda: _rope().apply_mrope(
+        Q, np.zeros((3, T), np.int32), _x(4), mrope_section=[1, 1, 1]), ValueError,
+      ("mrope_section", "rotary_dim // 2 = 4", "(1, 1, 1)")),
+    L("axial_rope_frequencies/head_dim", lambda: _rope().axial_rope_frequencies(6), ValueError,
+      ("head_dim", "multiple of 4", "6")),
+    L("p_rope_frequencies/p", lambda: _rope().p_rope_frequencies(8, p=2.0), ValueError,
+      ("p must be in [0, 1]", "2.0")),
+    L("apply_rope_angles/angles-rank", lambda: _rope().apply_rope_angles(Q, _x(4, 3)), ValueError,
+      ("angles", "rank 3", "(4, 3)")),
+    L("sinusoidal_frequencies/d", lambda: _sin().sinusoidal_frequencies(0), ValueError, ("d", "0")),
+    L("softmax_scale_from_hf_config/type", lambda: _hf().softmax_scale_from_hf_config(3), TypeError,
+      ("config", "int")),
     # Flax Linen twins: the same checks when the module is initialised
     L("linen.DecoderLM/position", lambda: _linen_init(position="xpos"), ValueError, ("position", "'xpos'")),
     L("linen.DecoderLM/tokens-float", lambda: _linen_init(tokens=_TOK.astype(np.float32)), TypeError,
