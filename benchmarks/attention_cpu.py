@@ -137,8 +137,14 @@ def _torch_case(impl, mode, name, T, B, N, H):
             def score_mod(score, b, h, q_idx, kv_idx):
                 return score + slopes[h] * (kv_idx - q_idx)
         else:
+            # Inductor cannot lower the bucket's logarithm inside score_mod (torch 2.13:
+            # "'Tensor' object has no attribute 'get_dtype'"), so the score function reads
+            # the bias by offset from a [N, 2T - 1] vector, as jaxpos's chunked path does.
+            rel = torch.arange(-(T - 1), T)
+            offset_bias = table[t5_bucket(rel)].T.contiguous()  # [N, 2T - 1]
+
             def score_mod(score, b, h, q_idx, kv_idx):
-                return score + table[t5_bucket(kv_idx - q_idx), h]
+                return score + offset_bias[h, kv_idx - q_idx + (T - 1)]
 
         block_mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, T, T,
                                        device="cpu")
@@ -185,6 +191,8 @@ def _parse(argv):
     p.add_argument("--tiny", action="store_true", help="T = 128, 2 heads of 16; seconds")
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--output", type=pathlib.Path, default=RESULTS)
+    p.add_argument("--append", action="store_true",
+                   help="append this run's table to --output instead of replacing it")
     a = p.parse_args(argv)
     if a.quick:
         a.lengths, a.repeats = [1024, 4096], 3
@@ -272,6 +280,8 @@ def main(argv=None):
                   flush=True)
     text = _table(rows, memory, a, argv, load_before, _load())
     a.output.parent.mkdir(parents=True, exist_ok=True)
+    if a.append and a.output.exists():
+        text = a.output.read_text() + "\n" + text.replace("# Attention on CPU", "## Additional run", 1)
     a.output.write_text(text)
     print(f"wrote {a.output}")
     return rows

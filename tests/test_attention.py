@@ -107,8 +107,16 @@ def _config_inputs(cfg_name, rng):
     return c, (q, k, v), kw
 
 
-@pytest.mark.parametrize("cfg_name", list(CONFIGS))
-@pytest.mark.parametrize("name", SCHEMES)
+def _slow_unless(name, cfg_name, keep):
+    """The default run covers every scheme causal ("packed-gqa") and the parametrised
+    tables (T5, Shaw) non-causal too; the rest run under ``pytest -m slow``."""
+    marks = [] if (name, cfg_name) in keep or cfg_name == "packed-gqa" else [pytest.mark.slow]
+    return pytest.param(name, cfg_name, marks=marks, id=f"{name}-{cfg_name}")
+
+
+@pytest.mark.parametrize("name, cfg_name", [
+    _slow_unless(n, c, keep={("t5", "cross-mask"), ("shaw", "cross-mask")})
+    for n in SCHEMES for c in CONFIGS])
 def test_chunked_matches_reference(name, cfg_name, rng):
     """Forward and gradients (q, k, v and every scheme array: RoPE inv_freq, ALiBi
     slopes, the T5 table, Shaw's tables), causal in one configuration and not in the
@@ -257,7 +265,8 @@ def test_kv_cache_decoding_matches_full_forward(name, rng):
     np.testing.assert_allclose(np.concatenate(steps, axis=1), np.asarray(full), **FWD_TOL)
 
 
-@pytest.mark.parametrize("name", ["rope", "alibi", "t5", "shaw"])
+@pytest.mark.parametrize("name", ["rope", "t5", pytest.param("alibi", marks=pytest.mark.slow),
+                                  pytest.param("shaw", marks=pytest.mark.slow)])
 def test_packed_batch_equals_documents_alone(name, rng):
     """Three documents packed in one row with segment ids and restarting positions give
     what each document gives alone."""
