@@ -61,14 +61,14 @@ def _dense_bias(scheme, T):
     return jaxpos.t5_bias(pos, pos, scheme.table, bidirectional=False)[None]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jax_fn(impl, mode, block_q, block_k):
     def fwd(q, k, v, scheme):
         if impl == "jax_dpa":
             # The bias is materialised inside the program, as a user would build it.
             return jax.nn.dot_product_attention(q, k, v, bias=_dense_bias(scheme, q.shape[1]),
                                                 is_causal=True)
-        blocks = dict(block_q=block_q, block_k=block_k) if impl == "chunked" else {}
+        blocks = {"block_q": block_q, "block_k": block_k} if impl == "chunked" else {}
         return jaxpos.attention(q, k, v, position=scheme, causal=True, implementation=impl,
                                 **blocks)
 
@@ -211,13 +211,13 @@ def _torch_available():
         import torch  # noqa: F401
         from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
         return True
-    except Exception:
+    except Exception:  # noqa: BLE001 (any import failure means "no torch")
         return False
 
 
 def _load():
     try:
-        return "%.2f %.2f %.2f" % os.getloadavg()
+        return "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
     except OSError:
         return "n/a"
 
@@ -251,10 +251,10 @@ def main(argv=None):
                                                   a.block_q, a.block_k)
                         run()  # warm-up (and compilation for torch.compile)
                         cases[impl] = (run, temp)
-                    except Exception as e:  # report and continue: one failure is a row
+                    except Exception as e:  # noqa: BLE001 (a failure is reported as a row)
                         print(f"{name} {mode} T={T} {impl}: failed: {type(e).__name__}: {e}")
-                        rows.append(dict(scheme=name, mode=mode, T=T, implementation=impl,
-                                         time_ms=None, temp_mib=None, error=type(e).__name__))
+                        rows.append({"scheme": name, "mode": mode, "T": T, "implementation": impl,
+                                         "time_ms": None, "temp_mib": None, "error": type(e).__name__})
                 times = {impl: [] for impl in cases}
                 for _ in range(a.repeats):
                     for impl, (run, _) in cases.items():
@@ -263,9 +263,9 @@ def main(argv=None):
                         times[impl].append(time.perf_counter() - t0)
                 for impl, (run, temp) in cases.items():
                     ms = 1e3 * statistics.median(times[impl])
-                    rows.append(dict(scheme=name, mode=mode, T=T, implementation=impl,
-                                     time_ms=ms,
-                                     temp_mib=None if temp is None else temp / 2**20))
+                    rows.append({"scheme": name, "mode": mode, "T": T, "implementation": impl,
+                                     "time_ms": ms,
+                                     "temp_mib": None if temp is None else temp / 2**20})
                     print(f"{name:5s} {mode:7s} T={T:6d} {impl:10s} {ms:10.1f} ms"
                           + ("" if temp is None else f"   temp {temp / 2**20:9.1f} MiB"),
                           flush=True)
@@ -275,7 +275,7 @@ def main(argv=None):
             if impl != "chunked" and T > max(a.max_dense, 16384):
                 continue  # the dense programs would still compile, but say nothing new
             temp = jax_temp_bytes(impl, "fwd+bwd", "alibi", T, B, N, H, a.block_q, a.block_k)
-            memory.append(dict(T=T, implementation=impl, temp_mib=temp / 2**20))
+            memory.append({"T": T, "implementation": impl, "temp_mib": temp / 2**20})
             print(f"memory fwd+bwd alibi T={T:6d} {impl:10s} temp {temp / 2**20:10.1f} MiB",
                   flush=True)
     text = _table(rows, memory, a, argv, load_before, _load())
@@ -293,29 +293,29 @@ def _table(rows, memory, a, argv, load_before, load_after):
     try:
         import torch
         tv = torch.__version__
-    except Exception:
+    except Exception:  # noqa: BLE001 (version string only)
         tv = "not installed"
     lines = [
         "# Attention on CPU: time and memory",
         "",
         f"Command: `{cmd.strip()}`",
         "",
-        f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
+        (f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
         f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}); "
-        f"load average before {load_before}, after {load_after} (the machine is shared).",
-        f"- jax {jax.__version__}, torch {tv}; B={a.batch}, N={a.heads}, H={a.head_dim}, "
-        f"float32, causal; block sizes {a.block_q or 'default'} x {a.block_k or 'default'}.",
-        f"- Time: median of {a.repeats} runs, all implementations of a row group run "
+        f"load average before {load_before}, after {load_after} (the machine is shared)."),
+        (f"- jax {jax.__version__}, torch {tv}; B={a.batch}, N={a.heads}, H={a.head_dim}, "
+        f"float32, causal; block sizes {a.block_q or 'default'} x {a.block_k or 'default'}."),
+        (f"- Time: median of {a.repeats} runs, all implementations of a row group run "
         f"round-robin in one process; `x chunked` is time / chunked time (above 1: slower "
-        f"than chunked).",
-        "- Temp: compiled temporary buffers (`memory_analysis().temp_size_in_bytes`); "
-        "inputs and outputs excluded; torch: n/a.",
-        "- `jax_dpa`: `jax.nn.dot_product_attention(q, k, v, bias=<[1, N, T, T] bias>, "
+        f"than chunked)."),
+        ("- Temp: compiled temporary buffers (`memory_analysis().temp_size_in_bytes`); "
+        "inputs and outputs excluded; torch: n/a."),
+        ("- `jax_dpa`: `jax.nn.dot_product_attention(q, k, v, bias=<[1, N, T, T] bias>, "
         "is_causal=True)`; `torch_sdpa`: `scaled_dot_product_attention` with a float "
         "`[1, N, T, T]` mask (bias, `-inf` above the diagonal); `torch_flex`: "
         "`torch.compile(flex_attention)` with the same score function as `score_mod` and a "
         "causal block mask (forward only: torch 2.13 has no FlexAttention backward on CPU). "
-        "fwd+bwd: gradients with respect to q, k, v.",
+        "fwd+bwd: gradients with respect to q, k, v."),
         "",
         "| scheme | mode | T | implementation | time (ms) | x chunked | temp (MiB) |",
         "|---|---|---:|---|---:|---:|---:|",
@@ -330,8 +330,8 @@ def _table(rows, memory, a, argv, load_before, load_after):
         lines.append(f"| {r['scheme']} | {r['mode']} | {r['T']} | {r['implementation']} | "
                      f"{t} | {ratio} | {mem} |")
     if memory:
-        lines += ["", "Forward+backward temporary memory, causal ALiBi (compile only, no "
-                  "execution):", "", "| T | implementation | temp (MiB) |", "|---:|---|---:|"]
+        lines += ["", ("Forward+backward temporary memory, causal ALiBi (compile only, no "
+                  "execution):"), "", "| T | implementation | temp (MiB) |", "|---:|---|---:|"]
         lines += [f"| {m['T']} | {m['implementation']} | {m['temp_mib']:.1f} |" for m in memory]
     return "\n".join(lines) + "\n"
 

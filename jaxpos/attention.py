@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,7 @@ import numpy as np
 from jaxpos import _checks
 from jaxpos.schemes import PositionScheme, T5Bias, as_scheme
 
-__all__ = ["attention", "IMPLEMENTATIONS", "default_implementation"]
+__all__ = ["IMPLEMENTATIONS", "attention", "default_implementation"]
 
 IMPLEMENTATIONS = ("reference", "chunked", "pallas")
 _NEG_INF = -jnp.inf
@@ -209,7 +209,7 @@ class _OffsetBias(PositionScheme):
         self._set(offset_bias=offset_bias, max_distance=int(max_distance))
 
     @classmethod
-    def from_t5(cls, scheme: T5Bias) -> "_OffsetBias":
+    def from_t5(cls, scheme: T5Bias) -> _OffsetBias:
         R = scheme.max_distance
         rel = jnp.arange(-R, R + 1, dtype=jnp.int32)[None, :]
         vec = scheme.bias(None, jnp.zeros((1, 1), jnp.int32), rel)  # [1, N, 1, 2R + 1]
@@ -231,7 +231,7 @@ def _tile_scheme(scheme: PositionScheme) -> PositionScheme:
 
 
 def _chunk_inputs(qs, k, v, m: _Masking, block_q: int, block_k: int):
-    B, N, Tq, H = qs.shape
+    _B, _N, Tq, _H = qs.shape
     Tk = k.shape[2]
     nq, nk = -(-Tq // block_q), -(-Tk // block_k)
     Tq_p, Tk_p = nq * block_q, nk * block_k
@@ -240,17 +240,17 @@ def _chunk_inputs(qs, k, v, m: _Masking, block_q: int, block_k: int):
     if mask is not None:
         mask = mask if mask.shape[2] == 1 else _pad_to(mask, 2, Tq_p, False)
         mask = mask if mask.shape[3] == 1 else _pad_to(mask, 3, Tk_p, False)
-    blocked = dict(
-        qs=_blocks(_pad_to(qs, 2, Tq_p), 2, nq),
-        k=_blocks(_pad_to(k, 2, Tk_p), 2, nk),
-        v=_blocks(_pad_to(v, 2, Tk_p), 2, nk),
-        q_pos=_blocks(_pad_to(m.q_pos, 1, Tq_p), 1, nq),
-        kv_pos=_blocks(_pad_to(m.kv_pos, 1, Tk_p), 1, nk),
-        kv_valid=_blocks(_pad_to(kv_valid, 1, Tk_p, False), 1, nk),
-        seg_q=_blocks(_pad_to(m.seg_q, 1, Tq_p), 1, nq) if m.seg_q is not None else None,
-        seg_kv=_blocks(_pad_to(m.seg_kv, 1, Tk_p, -1), 1, nk) if m.seg_kv is not None else None,
-        mask=mask,
-    )
+    blocked = {
+        "qs": _blocks(_pad_to(qs, 2, Tq_p), 2, nq),
+        "k": _blocks(_pad_to(k, 2, Tk_p), 2, nk),
+        "v": _blocks(_pad_to(v, 2, Tk_p), 2, nk),
+        "q_pos": _blocks(_pad_to(m.q_pos, 1, Tq_p), 1, nq),
+        "kv_pos": _blocks(_pad_to(m.kv_pos, 1, Tk_p), 1, nk),
+        "kv_valid": _blocks(_pad_to(kv_valid, 1, Tk_p, False), 1, nk),
+        "seg_q": _blocks(_pad_to(m.seg_q, 1, Tq_p), 1, nq) if m.seg_q is not None else None,
+        "seg_kv": _blocks(_pad_to(m.seg_kv, 1, Tk_p, -1), 1, nk) if m.seg_kv is not None else None,
+        "mask": mask,
+    }
     return blocked, nq, nk
 
 
@@ -442,7 +442,7 @@ _chunked_core.defvjp(_chunked_core_fwd, _chunked_core_bwd)
 
 
 def _chunked(scheme, qs, k, v, m: _Masking, causal: bool, block_q: int, block_k: int):
-    B, N, Tq, H = qs.shape
+    _B, _N, Tq, _H = qs.shape
     block_q = min(block_q, Tq)
     block_k = min(block_k, k.shape[2])
     b, nq, nk = _chunk_inputs(qs, k, v, m, block_q, block_k)

@@ -33,7 +33,8 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import chex
 import jax
@@ -43,10 +44,10 @@ import numpy as np
 from jaxpos import _checks
 
 __all__ = [
-    "assert_permutation_equivariant",
-    "assert_translation_invariant",
     "assert_equal_under_jit",
     "assert_equal_under_vmap",
+    "assert_permutation_equivariant",
+    "assert_translation_invariant",
     "attention_scores",
 ]
 

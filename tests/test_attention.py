@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import functools
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jaxpos
 from _attention_reference import SCHEMES, make_params, make_scheme, np_attention
 
-FWD_TOL = dict(atol=2e-5, rtol=2e-5)
+import jaxpos
+
+FWD_TOL = {"atol": 2e-5, "rtol": 2e-5}
 GRAD_RTOL = 1e-4
 
 # Jitted once: eager calls would compile every primitive for every shape.
@@ -85,8 +84,8 @@ def test_score_bias_is_added_after_scaling(rng):
 # that do not divide T (11 = 4+4+3 queries, 3+3+3+2 keys); and Tq != Tk decoding-style
 # with per-row offsets and a boolean mask, where T5/ALiBi are causal.
 CONFIGS = {
-    "packed-gqa": dict(B=2, Tq=11, Tk=11, N=4, Nk=2, H=8, block_q=4, block_k=3),
-    "cross-mask": dict(B=2, Tq=5, Tk=9, N=4, Nk=1, H=8, block_q=2, block_k=4),
+    "packed-gqa": {"B": 2, "Tq": 11, "Tk": 11, "N": 4, "Nk": 2, "H": 8, "block_q": 4, "block_k": 3},
+    "cross-mask": {"B": 2, "Tq": 5, "Tk": 9, "N": 4, "Nk": 1, "H": 8, "block_q": 2, "block_k": 4},
 }
 
 
@@ -134,7 +133,7 @@ def test_chunked_matches_reference(name, cfg_name, rng):
                                        implementation=impl, **kw, **blocks)
                 return jnp.sum(out * w), out
             return jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, scheme)
-        return (run("chunked", dict(block_q=c["block_q"], block_k=c["block_k"])),
+        return (run("chunked", {"block_q": c["block_q"], "block_k": c["block_k"]}),
                 run("reference", {}))
 
     ((_, out_c), g_c), ((_, out_r), g_r) = both(q, k, v, scheme)
@@ -223,8 +222,8 @@ def test_rows_with_no_visible_key_give_zeros_and_zero_gradients(impl, rng):
     mask = np.ones((B, 1, T, T), bool)
     mask[1, 0, 2] = False  # batch 1, query 2: everything hidden
     alibi = jaxpos.ALiBi(num_heads=N)
-    kw = dict(position=alibi, causal=True, mask=mask, segment_ids=seg_q, kv_segment_ids=seg_kv,
-              implementation=impl)
+    kw = {"position": alibi, "causal": True, "mask": mask, "segment_ids": seg_q, "kv_segment_ids": seg_kv,
+              "implementation": impl}
     if impl == "pallas":
         kw.pop("mask")  # the fused kernel takes segments, not dense masks
     empty = [(0, 4), (0, 5)] + ([(1, 2)] if "mask" in kw else [])

@@ -15,14 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _attention_reference import make_params, make_scheme
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxpos
 import jaxpos.testing as jt
-from _attention_reference import make_params, make_scheme
 
-TOL = dict(atol=2e-5, rtol=2e-5)
+TOL = {"atol": 2e-5, "rtol": 2e-5}
 attn = jax.jit(jaxpos.attention,
                static_argnames=("causal", "scale", "implementation", "block_q", "block_k"))
 
@@ -42,7 +42,7 @@ def test_unmasked_nope_attention_is_permutation_equivariant(perm):
     claim; Vaswani et al. 2017, §3.5). Both implementations."""
     q, k, v = _x(0, 2, T_PERM, 2, 8), _x(1, 2, T_PERM, 2, 8), _x(2, 2, T_PERM, 2, 8)
     for impl in ("reference", "chunked"):
-        fn = lambda q, k, v: attn(q, k, v, implementation=impl, block_q=3, block_k=2)
+        fn = lambda q, k, v, impl=impl: attn(q, k, v, implementation=impl, block_q=3, block_k=2)
         jt.assert_permutation_equivariant(fn, q, k, v, perm=perm, **TOL)
 
 
@@ -79,7 +79,7 @@ def test_relative_schemes_are_translation_invariant(name):
                                            bidirectional=False))
     kv_pos = np.array([np.arange(Tk), np.arange(Tk) + 5], np.int32)
     q_pos = kv_pos[:, -Tq:]
-    tol = dict(atol=2e-4, rtol=2e-5) if name == "rope" else TOL
+    tol = {"atol": 2e-4, "rtol": 2e-5} if name == "rope" else TOL
 
     scores = jax.jit(lambda qp, kp: jt.attention_scores(q, k, position=scheme, q_positions=qp,
                                                        kv_positions=kp))

@@ -37,9 +37,9 @@ def test_permutation_equivariant_other_axis_and_pytree_outputs():
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(perm=[0, 1, 1, 2, 3]), "permutation of range(5)"),
-    (dict(perm=[0, 1, 2]), "permutation of range(5)"),
-    (dict(atol=-1.0), "atol"),
+    ({"perm": [0, 1, 1, 2, 3]}, "permutation of range(5)"),
+    ({"perm": [0, 1, 2]}, "permutation of range(5)"),
+    ({"atol": -1.0}, "atol"),
 ])
 def test_permutation_equivariant_bad_arguments(kwargs, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
