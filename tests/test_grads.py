@@ -115,8 +115,8 @@ def test_check_grads_reverse_first_order(param, impl):
     check_grads(jax.jit(f), args, order=1, modes=["rev"], **TOL)
 
 
-@pytest.mark.parametrize("param", [pytest.param(p, marks=[] if p == "t5" else
-                                                [pytest.mark.slow]) for p in CASES])
+@pytest.mark.slow
+@pytest.mark.parametrize("param", list(CASES))
 def test_parameter_gradients_agree_across_implementations(param):
     """The same parameter gradient from every implementation (tighter than finite
     differences: only float32 summation order differs)."""

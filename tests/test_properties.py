@@ -181,7 +181,8 @@ def test_every_implementation_gradient_agrees_with_reference_many(p):
 _SHIFT_SHAPE = dict(B=1, Tq=7, Tk=7, N=2, Nk=2, H=8, per_row=False, block_q=4, block_k=4)
 
 
-@pytest.mark.parametrize("scheme", ["rope", "alibi", "t5", "shaw"])
+@pytest.mark.parametrize("scheme", ["rope", "t5"] + [pytest.param(s, marks=pytest.mark.slow)
+                                                     for s in ("alibi", "shaw")])
 @settings(max_examples=4, deadline=None, derandomize=True, database=None)
 @given(shift=st.integers(-5000, 5000), causal=st.booleans(), seed=st.integers(0, 1000))
 def test_relative_schemes_are_translation_invariant(scheme, shift, causal, seed):
