@@ -31,7 +31,7 @@ from jaxpos.rope import LAYOUTS, apply_rope, check_rotary_dim, rope_frequencies
 from jaxpos.shaw import check_shaw_table, shaw_clipped_index, shaw_logits, shaw_values
 from jaxpos.t5 import check_bucket_args, check_t5_table, t5_bias_from_offsets
 
-__all__ = ["PositionScheme", "NoPE", "RoPE", "ALiBi", "T5Bias", "Shaw", "as_scheme"]
+__all__ = ["ALiBi", "NoPE", "PositionScheme", "RoPE", "Shaw", "T5Bias", "as_scheme"]
 
 
 class PositionScheme:
@@ -301,10 +301,9 @@ class Shaw(PositionScheme):
 
     def __init__(self, rel_k, rel_v=None):
         K = check_shaw_table("rel_k", rel_k)
-        if rel_v is not None:
-            if _checks.shape_of(rel_v) != _checks.shape_of(rel_k):
-                raise ValueError(f"rel_v must have rel_k's shape {_checks.shape_of(rel_k)}; got "
-                                 f"{_checks.shape_of(rel_v)}.")
+        if rel_v is not None and _checks.shape_of(rel_v) != _checks.shape_of(rel_k):
+            raise ValueError(f"rel_v must have rel_k's shape {_checks.shape_of(rel_k)}; got "
+                             f"{_checks.shape_of(rel_v)}.")
         self._set(rel_k=rel_k, rel_v=rel_v, max_distance=K)
 
     @property

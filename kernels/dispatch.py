@@ -10,9 +10,6 @@ depend on the query content and add a value term, and an arbitrary boolean ``mas
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 from jaxpos.kernels.fused import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, fused_attention
 
@@ -30,9 +27,7 @@ def supports_scheme(scheme: PositionScheme) -> bool:
     ``"chunked"`` for them."""
     if not isinstance(scheme, _FUSED):
         return False
-    if isinstance(scheme, RoPE) and getattr(scheme, "mrope_section", None) is not None:
-        return False
-    return True
+    return not (isinstance(scheme, RoPE) and getattr(scheme, "mrope_section", None) is not None)
 
 
 def t5_offset_bias(scheme: T5Bias) -> jnp.ndarray:
