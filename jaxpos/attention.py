@@ -481,11 +481,12 @@ def _normalize_mask(mask, B, N, Tq, Tk):
     if mask.ndim > 4:
         raise ValueError(f"mask must be broadcastable to [B, N, Tq, Tk] = {[B, N, Tq, Tk]}; "
                          f"got shape {mask.shape}.")
+    given = mask.shape
     mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
     for got, want in zip(mask.shape, (B, N, Tq, Tk)):
         if got not in (1, want):
             raise ValueError(f"mask must be broadcastable to [B, N, Tq, Tk] = {[B, N, Tq, Tk]}; "
-                             f"got shape {mask.shape}.")
+                             f"got shape {given}.")
     return mask
 
 

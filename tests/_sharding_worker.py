@@ -20,18 +20,18 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import functools  # noqa: E402 (XLA_FLAGS must be set first)
-import json  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+import functools
+import json
+import sys
+import time
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxpos import ALiBi, NoPE, RoPE, Shaw, T5Bias, attention  # noqa: E402
+from jaxpos import ALiBi, NoPE, RoPE, Shaw, T5Bias, attention
 
 try:  # JAX >= 0.6 (0.10, 0.11): public jax.shard_map
     from jax import shard_map as _shard_map
@@ -101,7 +101,7 @@ HEAD_SPECS = {"nope": None, "rope": lambda f: P(), "alibi": lambda f: P("model")
 
 def main(argv):
     full = "--full" in argv
-    out_path = [a for a in argv if not a.startswith("--")][0]
+    out_path = next(a for a in argv if not a.startswith("--"))
     devices = jax.devices()
     assert len(devices) == 8, devices
     res = {"num_devices": len(devices)}

@@ -12,7 +12,8 @@ argument's name, the value or shape it received, and usually what was expected.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -148,14 +149,14 @@ CASES = [
       v=_x(B, T, N, H // 2), position=Shaw(_x(5, H), _x(5, H))),
     # ---------------------------------------------------------------- RoPE and apply_rope
     Case("RoPE/neither", RoPE, (), {}, ValueError, ("inv_freq", "rotary_dim"), jit=False),
-    Case("RoPE/rotary_dim-odd", RoPE, (), dict(rotary_dim=7), ValueError, ("rotary_dim", "even", "7"), jit=False),
-    Case("RoPE/rotary_dim-zero", RoPE, (), dict(rotary_dim=0), ValueError, ("rotary_dim", "positive", "0"), jit=False),
-    Case("RoPE/rotary_dim-float", RoPE, (), dict(rotary_dim=8.0), TypeError, ("rotary_dim", "int", "8.0"), jit=False),
-    Case("RoPE/layout-unknown", RoPE, (), dict(rotary_dim=8, layout="gptj"), ValueError,
+    Case("RoPE/rotary_dim-odd", RoPE, (), {"rotary_dim": 7}, ValueError, ("rotary_dim", "even", "7"), jit=False),
+    Case("RoPE/rotary_dim-zero", RoPE, (), {"rotary_dim": 0}, ValueError, ("rotary_dim", "positive", "0"), jit=False),
+    Case("RoPE/rotary_dim-float", RoPE, (), {"rotary_dim": 8.0}, TypeError, ("rotary_dim", "int", "8.0"), jit=False),
+    Case("RoPE/layout-unknown", RoPE, (), {"rotary_dim": 8, "layout": "gptj"}, ValueError,
          ("layout", "'gptj'", "interleaved"), jit=False),
     Case("RoPE/inv_freq-rank2", RoPE, (_x(2, 4),), {}, ValueError, ("inv_freq", "rank 1"), jit=False),
     Case("RoPE/inv_freq-int", RoPE, (np.arange(4),), {}, TypeError, ("inv_freq", "floating"), jit=False),
-    Case("RoPE/inv_freq-vs-rotary_dim", RoPE, (_x(4),), dict(rotary_dim=6), ValueError,
+    Case("RoPE/inv_freq-vs-rotary_dim", RoPE, (_x(4),), {"rotary_dim": 6}, ValueError,
          ("rotary_dim", "6", "inv_freq"), jit=False),
     Case("rope_frequencies/odd", rope_frequencies, (9,), {}, ValueError, ("rotary_dim", "even", "9"), jit=False),
     Case("rope_frequencies/negative", rope_frequencies, (-4,), {}, ValueError, ("rotary_dim", "-4"), jit=False),
@@ -172,11 +173,11 @@ CASES = [
          ("positions", "integer", "float32")),
     Case("apply_rope/positions-batch", apply_rope, (Q, np.zeros((B + 1, T), np.int32), _x(H // 2)), {},
          ValueError, ("positions", f"[{B}, {T}]", "(3, 4)")),
-    Case("apply_rope/layout", apply_rope, (Q, POS, _x(H // 2)), dict(layout="neox"), ValueError,
+    Case("apply_rope/layout", apply_rope, (Q, POS, _x(H // 2)), {"layout": "neox"}, ValueError,
          ("layout", "'neox'")),
     # ---------------------------------------------------------------- ALiBi
     Case("ALiBi/neither", ALiBi, (), {}, ValueError, ("num_heads", "slopes"), jit=False),
-    Case("ALiBi/slopes-rank2", ALiBi, (), dict(slopes=_x(2, 4)), ValueError, ("slopes", "rank 1"), jit=False),
+    Case("ALiBi/slopes-rank2", ALiBi, (), {"slopes": _x(2, 4)}, ValueError, ("slopes", "rank 1"), jit=False),
     Case("ALiBi/num_heads-zero", ALiBi, (0,), {}, ValueError, ("num_heads", "0"), jit=False),
     Case("alibi_slopes/zero", alibi_slopes, (0,), {}, ValueError, ("num_heads", "positive", "0"), jit=False),
     Case("alibi_slopes/float", alibi_slopes, (8.0,), {}, TypeError, ("num_heads", "int", "8.0"), jit=False),
@@ -190,27 +191,27 @@ CASES = [
          _x(N)), {}, ValueError, ("q_positions", "kv_positions", "batch sizes 2 and 3")),
     # ---------------------------------------------------------------- T5
     Case("T5Bias/table-rank1", T5Bias, (_x(32),), {}, ValueError, ("table", "rank 2"), jit=False),
-    Case("T5Bias/num_buckets-vs-table", T5Bias, (TABLE_T5,), dict(num_buckets=16), ValueError,
+    Case("T5Bias/num_buckets-vs-table", T5Bias, (TABLE_T5,), {"num_buckets": 16}, ValueError,
          ("table", "num_buckets=16", "(32, 4)"), jit=False),
     Case("T5Bias/num_buckets-odd", T5Bias, (_x(31, N),), {}, ValueError, ("num_buckets", "even", "31"), jit=False),
-    Case("T5Bias/max_distance-zero", T5Bias, (TABLE_T5,), dict(max_distance=0), ValueError,
+    Case("T5Bias/max_distance-zero", T5Bias, (TABLE_T5,), {"max_distance": 0}, ValueError,
          ("max_distance", "0"), jit=False),
-    Case("T5Bias/max_distance-small", T5Bias, (TABLE_T5,), dict(max_distance=8), ValueError,
+    Case("T5Bias/max_distance-small", T5Bias, (TABLE_T5,), {"max_distance": 8}, ValueError,
          ("max_distance", "8"), jit=False),
-    Case("T5Bias/max_distance-float", T5Bias, (TABLE_T5,), dict(max_distance=128.0), TypeError,
+    Case("T5Bias/max_distance-float", T5Bias, (TABLE_T5,), {"max_distance": 128.0}, TypeError,
          ("max_distance", "128.0"), jit=False),
     Case("t5_bucket/rel-float", t5_bucket, (np.zeros(3, np.float32),), {}, TypeError, ("rel", "float32")),
-    Case("t5_bucket/num_buckets-odd", t5_bucket, (np.zeros(3, np.int32),), dict(num_buckets=33), ValueError,
+    Case("t5_bucket/num_buckets-odd", t5_bucket, (np.zeros(3, np.int32),), {"num_buckets": 33}, ValueError,
          ("num_buckets", "even", "33")),
-    Case("t5_bucket/num_buckets-zero", t5_bucket, (np.zeros(3, np.int32),), dict(num_buckets=0), ValueError,
+    Case("t5_bucket/num_buckets-zero", t5_bucket, (np.zeros(3, np.int32),), {"num_buckets": 0}, ValueError,
          ("num_buckets", "positive", "0")),
-    Case("t5_bucket/num_buckets-float", t5_bucket, (np.zeros(3, np.int32),), dict(num_buckets=32.0), TypeError,
+    Case("t5_bucket/num_buckets-float", t5_bucket, (np.zeros(3, np.int32),), {"num_buckets": 32.0}, TypeError,
          ("num_buckets", "32.0")),
-    Case("t5_bucket/num_buckets-too-few", t5_bucket, (np.zeros(3, np.int32),), dict(num_buckets=2), ValueError,
+    Case("t5_bucket/num_buckets-too-few", t5_bucket, (np.zeros(3, np.int32),), {"num_buckets": 2}, ValueError,
          ("num_buckets", "2")),
-    Case("t5_bucket/max_distance-small", t5_bucket, (np.zeros(3, np.int32),), dict(max_distance=4),
+    Case("t5_bucket/max_distance-small", t5_bucket, (np.zeros(3, np.int32),), {"max_distance": 4},
          ValueError, ("max_distance", "4")),
-    Case("t5_bucket/max_distance-negative", t5_bucket, (np.zeros(3, np.int32),), dict(max_distance=-1),
+    Case("t5_bucket/max_distance-negative", t5_bucket, (np.zeros(3, np.int32),), {"max_distance": -1},
          ValueError, ("max_distance", "-1")),
     Case("t5_bias/table-rows", t5_bias, (POS, POS, _x(16, N)), {}, ValueError, ("table", "num_buckets=32", "(16, 4)")),
     Case("t5_bias/table-rank3", t5_bias, (POS, POS, _x(32, N, 1)), {}, ValueError, ("table", "rank 2")),
@@ -218,7 +219,7 @@ CASES = [
          ("q_positions", "float16")),
     Case("t5_bias/kv_positions-rank3", t5_bias, (POS, np.zeros((1, 1, T), np.int32), TABLE_T5), {}, ValueError,
          ("kv_positions", "rank 1 or 2")),
-    Case("t5_bias/num_buckets-odd", t5_bias, (POS, POS, _x(31, N)), dict(num_buckets=31), ValueError,
+    Case("t5_bias/num_buckets-odd", t5_bias, (POS, POS, _x(31, N)), {"num_buckets": 31}, ValueError,
          ("num_buckets", "31")),
     Case("relative_bias_attention/Q-rank2", relative_bias_attention, (_x(T, H), _x(T, H), _x(T, H), TABLE_T5),
          {}, ValueError, ("Q", "[..., T, N, H]")),
@@ -235,7 +236,7 @@ CASES = [
     Case("shaw_attention/rel_k-width", shaw_attention, (Q, KV, KV, _x(5, H + 1), _x(5, H + 1)), {},
          ValueError, ("rel_k", "(5, 9)")),
     # ---------------------------------------------------------------- learned
-    Case("learned_positions/out_of_range-unknown", learned_positions, (_x(8, H), POS), dict(out_of_range="ignore"),
+    Case("learned_positions/out_of_range-unknown", learned_positions, (_x(8, H), POS), {"out_of_range": "ignore"},
          ValueError, ("out_of_range", "'ignore'", "wrap")),
     Case("learned_positions/table-rank1", learned_positions, (_x(8), POS), {}, ValueError, ("table", "rank 2")),
     Case("learned_positions/positions-float", learned_positions, (_x(8, H), POS.astype(np.float32)), {}, TypeError,
@@ -254,12 +255,12 @@ CASES = [
     Case("sinusoidal_pe/T-negative", sinusoidal_pe, (-1, 8), {}, ValueError, ("T", "-1"), jit=False),
     Case("sinusoidal_pe/d-zero", sinusoidal_pe, (4, 0), {}, ValueError, ("d", "positive", "0"), jit=False),
     Case("sinusoidal_pe/d-float", sinusoidal_pe, (4, 8.0), {}, TypeError, ("d", "int", "8.0"), jit=False),
-    Case("sinusoidal_pe/layout", sinusoidal_pe, (4, 8), dict(layout="split"), ValueError,
+    Case("sinusoidal_pe/layout", sinusoidal_pe, (4, 8), {"layout": "split"}, ValueError,
          ("layout", "'split'", "concat"), jit=False),
     Case("sinusoidal_pe/base-zero", sinusoidal_pe, (4, 8, 0.0), {}, ValueError, ("base", "0.0"), jit=False),
-    Case("sinusoidal_pe/offset-float", sinusoidal_pe, (4, 8), dict(offset=1.5), TypeError,
+    Case("sinusoidal_pe/offset-float", sinusoidal_pe, (4, 8), {"offset": 1.5}, TypeError,
          ("offset", "integer"), jit=False),
-    Case("sinusoidal_pe/offset-rank2", sinusoidal_pe, (4, 8), dict(offset=np.zeros((2, 2), np.int32)),
+    Case("sinusoidal_pe/offset-rank2", sinusoidal_pe, (4, 8), {"offset": np.zeros((2, 2), np.int32)},
          ValueError, ("offset", "(2, 2)"), jit=False),
     Case("shift_matrix/d-odd", shift_matrix, (1, 7), {}, ValueError, ("d", "even", "7"), jit=False),
     Case("shift_matrix/d-zero", shift_matrix, (1, 0), {}, ValueError, ("d", "0"), jit=False),
@@ -285,7 +286,7 @@ def _nnx():
 
 def _decoder(**kw):
     nnx, jn = _nnx()
-    kw = dict(dict(d_model=16, num_layers=1, num_heads=2, rngs=nnx.Rngs(0)), **kw)
+    kw = dict({"d_model": 16, "num_layers": 1, "num_heads": 2, "rngs": nnx.Rngs(0)}, **kw)
     return jn.DecoderLM(32, **kw)
 
 

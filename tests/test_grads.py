@@ -19,23 +19,12 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
+import jaxpos
 from jaxpos import ALiBi, NoPE, Shaw, T5Bias, attention, learned_positions
 
-
-def available_implementations():
-    impls = ["reference", "chunked"]
-    try:
-        from jaxpos import kernels
-    except ImportError:  # pragma: no cover
-        return impls
-    if hasattr(kernels, "attention_via_kernel"):
-        impls.append("pallas")
-    return impls
-
-
-IMPLS = available_implementations()
+IMPLS = list(jaxpos.IMPLEMENTATIONS)  # reference, chunked, pallas (interpret mode on CPU)
 B, T, N, H = 2, 6, 2, 4
-TOL = dict(atol=2e-2, rtol=2e-2, eps=1e-2)
+TOL = {"atol": 2e-2, "rtol": 2e-2, "eps": 1e-2}
 # The default run checks each parameter once through a blocked implementation; every
 # other (parameter, implementation) pair runs with -m slow.
 DEFAULT = {("t5", "pallas"), ("shaw", "chunked"), ("alibi", "chunked"), ("learned", "reference")}

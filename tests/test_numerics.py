@@ -17,19 +17,7 @@ import pytest
 import jaxpos
 from jaxpos import ALiBi, NoPE, RoPE, Shaw, T5Bias, attention
 
-
-def available_implementations():
-    impls = ["reference", "chunked"]
-    try:
-        from jaxpos import kernels
-    except ImportError:  # pragma: no cover
-        return impls
-    if hasattr(kernels, "attention_via_kernel"):
-        impls.append("pallas")
-    return impls
-
-
-IMPLS = available_implementations()
+IMPLS = list(jaxpos.IMPLEMENTATIONS)  # reference, chunked, pallas (interpret mode on CPU)
 OTHERS = [i for i in IMPLS if i != "reference"]  # the default run's focus; -m slow adds "reference"
 FUSED = ("nope", "rope", "alibi", "t5")  # what the Pallas kernel fuses; Shaw and masks raise
 
@@ -53,7 +41,7 @@ def grid(names, values, default, *, skip=lambda combo: None):
 
 def _dt_name(dtype):
     return {jnp.bfloat16: "bf16", jnp.float16: "f16", jnp.float32: "f32"}[dtype]
-BLOCKS = dict(block_q=4, block_k=4)  # several blocks even at tiny T; ignored by "reference"
+BLOCKS = {"block_q": 4, "block_k": 4}  # several blocks even at tiny T; ignored by "reference"
 EPS = {jnp.bfloat16: 2.0 ** -8, jnp.float16: 2.0 ** -11, jnp.float32: 2.0 ** -24}
 LOW = [pytest.param(jnp.bfloat16, id="bf16"), pytest.param(jnp.float16, id="f16")]
 
@@ -126,7 +114,7 @@ def alibi_slopes64(n):
         return [2.0 ** (-8.0 * (i + 1) / m) for i in range(m)]
     if n & (n - 1) == 0:
         return np.array(pow2(n))
-    p = 2 ** int(math.floor(math.log2(n)))
+    p = 2 ** math.floor(math.log2(n))
     return np.array(pow2(p) + pow2(2 * p)[0::2][: n - p])
 
 
@@ -331,10 +319,10 @@ def test_all_padding_sequence_gives_zeros_and_no_nan(impl, scheme_name, how):
     q, k, v = (jnp.asarray(r.normal(size=(B, T, N, H)), jnp.float32) for _ in range(3))
     kv_valid = np.array([[True] * 5 + [False] * 2, [False] * T])  # b=0 left-aligned, 2 pads
     if how == "mask":
-        kw = dict(mask=kv_valid[:, None, None, :])
+        kw = {"mask": kv_valid[:, None, None, :]}
     else:  # queries in segment 1, padding keys in segment 0
-        kw = dict(segment_ids=np.ones((B, T), np.int32),
-                  kv_segment_ids=kv_valid.astype(np.int32))
+        kw = {"segment_ids": np.ones((B, T), np.int32),
+                  "kv_segment_ids": kv_valid.astype(np.int32)}
 
     def f(q, k, v, scheme):
         return attention(q, k, v, position=scheme, causal=True, implementation=impl, **kw,

@@ -16,21 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import jaxpos
 from jaxpos import ALiBi, NoPE, RoPE, Shaw, T5Bias, attention
 
-
-def available_implementations():
-    impls = ["reference", "chunked"]
-    try:
-        from jaxpos import kernels
-    except ImportError:  # pragma: no cover
-        return impls
-    if hasattr(kernels, "attention_via_kernel"):
-        impls.append("pallas")
-    return impls
-
-
-IMPLS = available_implementations()
+IMPLS = list(jaxpos.IMPLEMENTATIONS)  # reference, chunked, pallas (interpret mode on CPU)
 OTHERS = [i for i in IMPLS if i != "reference"]
 SCHEMES = ("nope", "rope", "alibi", "t5", "shaw")
 FAST = settings(max_examples=3, deadline=None, derandomize=True, database=None,
@@ -75,9 +64,9 @@ def problems(draw):
     block_q = draw(st.sampled_from([1, 2, 4, 8, 16]))
     block_k = draw(st.sampled_from([1, 2, 4, 8, 16]))
     seed = draw(st.integers(0, 2 ** 31 - 1))
-    return dict(B=B, Tq=Tq, Tk=Tk, N=N, Nk=Nk, H=H, causal=causal, scheme=scheme,
-                kv_offset=kv_offset, q_offset=q_offset, per_row=per_row, mask_kind=mask_kind,
-                block_q=block_q, block_k=block_k, seed=seed)
+    return {"B": B, "Tq": Tq, "Tk": Tk, "N": N, "Nk": Nk, "H": H, "causal": causal, "scheme": scheme,
+                "kv_offset": kv_offset, "q_offset": q_offset, "per_row": per_row, "mask_kind": mask_kind,
+                "block_q": block_q, "block_k": block_k, "seed": seed}
 
 
 def build(p):
@@ -91,9 +80,9 @@ def build(p):
     if p["per_row"]:
         shift = rng.integers(0, 50, size=(B, 1))
         qpos, kvpos = qpos[None] + shift, kvpos[None] + shift
-    kw = dict(q_positions=qpos.astype(np.int32), kv_positions=kvpos.astype(np.int32),
-              causal=p["causal"], block_q=p["block_q"], block_k=p["block_k"],
-              position=make_scheme(p["scheme"], N, H, rng, causal=p["causal"]))
+    kw = {"q_positions": qpos.astype(np.int32), "kv_positions": kvpos.astype(np.int32),
+              "causal": p["causal"], "block_q": p["block_q"], "block_k": p["block_k"],
+              "position": make_scheme(p["scheme"], N, H, rng, causal=p["causal"])}
     if p["mask_kind"] == "mask":
         kw["mask"] = rng.random((B, 1, Tq, Tk)) < 0.7
     elif p["mask_kind"] == "segments":
@@ -178,7 +167,7 @@ def test_every_implementation_gradient_agrees_with_reference_many(p):
 
 
 # ----------------------------------------------------------------- translation invariance
-_SHIFT_SHAPE = dict(B=1, Tq=7, Tk=7, N=2, Nk=2, H=8, per_row=False, block_q=4, block_k=4)
+_SHIFT_SHAPE = {"B": 1, "Tq": 7, "Tk": 7, "N": 2, "Nk": 2, "H": 8, "per_row": False, "block_q": 4, "block_k": 4}
 
 
 @pytest.mark.parametrize("scheme", ["rope", "t5"] + [pytest.param(s, marks=pytest.mark.slow)
