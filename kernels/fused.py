@@ -534,7 +534,7 @@ def _core_bwd(cfg, res, dout):
         elif name == "slope":
             lane0 = jnp.arange(x.shape[-1]) == 0  # the slope was broadcast over 128 lanes
             dtabs[name] = jnp.where(lane0, dslope[:, None, None], 0.0).astype(x.dtype)
-        else:  # inv_freq: a constant of the kernel (see fused_attention)
+        else:  # inv_freq: constant inside the kernel; its gradient flows around it
             dtabs[name] = jnp.zeros(x.shape, x.dtype)
     return dq, dk, dv.astype(v.dtype), dints, dtabs
 
@@ -572,6 +572,36 @@ def _resolve_mode(interpret):
     return "interpret" if interpret else "compiled"
 
 
+def _inv_freq_gradient_path(x, pos, inv_freq, layout):
+    """A term equal to zero whose derivative carries ``inv_freq``'s gradient past the kernel.
+
+    The kernel rotates ``x`` in-kernel and returns the gradient with respect to the
+    unrotated ``x``; ``inv_freq`` enters it as a constant. For the rotation
+    ``R(theta)``, ``theta = pos * inv_freq``, ``R(theta)^T dR/dtheta = J`` with
+    ``J (x1, x2) = (-x2, x1)`` on each pair, whatever theta is, so the true
+    ``dL/d inv_freq[i] = sum pos * <dL/dx_pair_i, J x_pair_i>`` (the attention factor
+    cancels). This function returns ``P - stop_gradient(P)`` with
+    ``P = pos * inv_freq * J stop_gradient(x)``: exactly 0 in value, with exactly that
+    derivative with respect to ``inv_freq`` and none with respect to ``x``.
+    """
+    half = inv_freq.shape[0]
+    xs = jax.lax.stop_gradient(x).astype(jnp.float32)
+    rd = 2 * half
+    if layout == "half":
+        x1, x2 = xs[..., :half], xs[..., half:rd]
+    else:
+        x1, x2 = xs[..., 0:rd:2], xs[..., 1:rd:2]
+    ang = pos.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B|1, T, 1, half]
+    a, b = -x2 * ang, x1 * ang  # J x scaled by the angle
+    if layout == "half":
+        p = jnp.concatenate([a, b], axis=-1)
+    else:
+        p = jnp.stack([a, b], axis=-1).reshape(a.shape[:-1] + (rd,))
+    ghost = p - jax.lax.stop_gradient(p)
+    ghost = jnp.pad(ghost, [(0, 0)] * (x.ndim - 1) + [(0, x.shape[-1] - rd)])
+    return ghost.astype(x.dtype)
+
+
 def fused_attention(q, k, v, *, q_positions, kv_positions, inv_freq=None, rope_layout="half",
                     attention_factor=1.0, angle_precision="high", alibi_slopes=None,
                     alibi_bidirectional=False, offset_bias=None, causal=False, segment_ids=None, kv_segment_ids=None,
@@ -607,7 +637,9 @@ def fused_attention(q, k, v, *, q_positions, kv_positions, inv_freq=None, rope_l
       k: ``[B, Tk, N_kv, H]``; v: ``[B, Tk, N_kv, H_v]``, q's dtype; ``N % N_kv == 0``.
       q_positions, kv_positions: integer ``[T]``, ``[1, T]`` or ``[B, T]`` (token index).
       inv_freq: float ``[rotary_dim // 2]`` radians per position, or None (no RoPE).
-        Treated as a constant: its gradient is not computed (zero).
+        The kernel uses it as a constant; its gradient is supplied outside the kernel
+        by an exact O(T * H) term (see ``_inv_freq_gradient_path``), so learned
+        frequencies train through this path as through the others.
       rope_layout: ``"half"`` (Llama/NeoX) or ``"interleaved"`` (GPT-J/Meta).
       attention_factor: Python float multiplying cos and sin (YaRN/LongRoPE).
       angle_precision: ``"high"`` (default, as :func:`jaxpos.apply_rope`) or ``"float32"``
@@ -672,7 +704,10 @@ def fused_attention(q, k, v, *, q_positions, kv_positions, inv_freq=None, rope_l
         if not 0 < 2 * half <= H:
             raise ValueError(f"inv_freq must have length in [1, H/2 = {H // 2}]; got {half}.")
         hp = _pow2_at_least(half, _MIN_WIDTH)
-        f = jax.lax.stop_gradient(jnp.asarray(inv_freq, jnp.float32))
+        f = jnp.asarray(inv_freq, jnp.float32)
+        q = q + _inv_freq_gradient_path(q, q_pos, f, rope_layout)
+        k = k + _inv_freq_gradient_path(k, kv_pos, f, rope_layout)
+        f = jax.lax.stop_gradient(f)
         tabs["inv_freq"] = _pad_axis(f, 0, hp)[None, :]
     if alibi_slopes is not None:
         _checks.check_rank("alibi_slopes", alibi_slopes, (1,), "[num_heads]")
