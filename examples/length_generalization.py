@@ -521,7 +521,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per scheme")
     p.add_argument("--train-len", type=int, default=64, help="training sequence length (bytes)")
     p.add_argument("--eval-lens", type=_int_list, default=None,
-                   help="evaluation lengths; default 1,2,4,8,16 x --train-len")
+                   help="comma-separated evaluation lengths in bytes (absolute, not multiples); "
+                        "default: 1, 2, 4, 8 and 16 times --train-len")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)

@@ -83,6 +83,7 @@ def check_nonneg_int(name: str, value: Any) -> int:
 def positions_2d(name: str, positions: Any, batch: int, seq: int) -> jax.Array:
     """Validate ``positions`` ([seq] or [batch, seq], integer) and return int32 [batch|1, seq]."""
     check_integer_positions(name, positions)
+    check_int32_range(name, positions)
     shp = shape_of(positions)
     if len(shp) == 1:
         if shp[0] != seq:
@@ -106,3 +107,17 @@ def positions_2d(name: str, positions: Any, batch: int, seq: int) -> jax.Array:
 def is_concrete(x: Any) -> bool:
     """True when ``x`` holds known values (NumPy, Python, or a non-traced jax.Array)."""
     return not isinstance(x, jax.core.Tracer)
+
+
+def check_int32_range(name: str, x: Any) -> None:
+    """Concrete integer arrays wider than int32 must fit it: positions are int32 inside."""
+    dt = dtype_of(x)
+    if not is_concrete(x) or np.iinfo(dt).bits < 32 or dt == np.int32:
+        return
+    a = np.asarray(x)
+    info = np.iinfo(np.int32)
+    if a.size and (a.min() < info.min or a.max() > info.max):
+        raise ValueError(
+            f"{name} must fit in int32 (positions and offsets are int32 inside); got values "
+            f"from {a.min()} to {a.max()} (dtype {dt})."
+        )

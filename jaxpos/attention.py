@@ -557,6 +557,11 @@ def attention(
       does not fit the heads, unknown implementation, bad masks.
     """
     B, Tq, Tk, N, Nk, H = _check_inputs(q, k, v)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(
+            f"causal must be a Python bool (it selects the computation, so it is static: under "
+            f"jax.jit pass static_argnames=('causal',)); got {type(causal).__name__}.")
+    causal = bool(causal)
     scheme = as_scheme(position)
     scheme.check(N, H)
     if scheme.has_value_term and v.shape[-1] != H:
@@ -584,6 +589,12 @@ def attention(
             _checks.check_positive_int(name, blk)
     if scale is None:
         scale = 1.0 / math.sqrt(H)
+    elif isinstance(scale, (str, bytes)) or (
+            hasattr(scale, "dtype") and not jnp.issubdtype(scale.dtype, jnp.number)):
+        raise TypeError(f"scale must be a real number (default 1/sqrt(head_dim)); got "
+                        f"{type(scale).__name__} {scale!r}.")
+    if Tq == 0 or Tk == 0:  # nothing to attend from, or no visible key: zeros
+        return jnp.zeros((B, Tq, N, v.shape[-1]), q.dtype)
 
     if implementation == "pallas":
         from jaxpos.kernels import attention_via_kernel

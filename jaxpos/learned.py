@@ -74,9 +74,10 @@ def learned_positions(table, positions, *, out_of_range: str = "error") -> jax.A
         if bad.any():
             raise ValueError(
                 f"positions must lie in [0, {max_len}) for a table of {max_len} rows; got "
-                f"values from {p.min()} to {p.max()} ({int(bad.sum())} outside). There is no row "
-                f"for position {max_len}; pass out_of_range='wrap' or 'clip' to choose another "
-                f"policy explicitly."
+                f"values from {p.min()} to {p.max()} ({int(bad.sum())} outside): there is no "
+                f"row for position {p.max() if p.max() >= max_len else p.min()} (rows exist "
+                f"only for 0..{max_len - 1}). Pass out_of_range='wrap' or 'clip' to choose "
+                f"another policy explicitly."
             )
     return _lookup(jnp.asarray(table), jnp.asarray(positions, jnp.int32), out_of_range)
 

@@ -270,6 +270,7 @@ class T5Bias(PositionScheme):
 
     def __init__(self, table, *, bidirectional=True, num_buckets=None, max_distance=128):
         _checks.check_rank("table", table, (2,), "[num_buckets, num_heads]")
+        _checks.check_floating("table", table)
         nb = _checks.shape_of(table)[0] if num_buckets is None else num_buckets
         check_bucket_args(nb, max_distance, bidirectional)
         check_t5_table(table, nb)
@@ -301,6 +302,8 @@ class Shaw(PositionScheme):
 
     def __init__(self, rel_k, rel_v=None):
         K = check_shaw_table("rel_k", rel_k)
+        if rel_v is not None:
+            _checks.check_floating("rel_v", rel_v)
         if rel_v is not None and _checks.shape_of(rel_v) != _checks.shape_of(rel_k):
             raise ValueError(f"rel_v must have rel_k's shape {_checks.shape_of(rel_k)}; got "
                              f"{_checks.shape_of(rel_v)}.")

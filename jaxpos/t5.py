@@ -80,6 +80,7 @@ def t5_bucket(rel, bidirectional: bool = True, num_buckets: int = 32, max_distan
     """
     check_bucket_args(num_buckets, max_distance, bidirectional)
     _checks.check_integer_positions("rel", rel)
+    _checks.check_int32_range("rel", rel)
     if isinstance(rel, jax.Array):
         return _bucket_jax(rel, bool(bidirectional), int(num_buckets), int(max_distance))
     return _bucket(np, rel, bidirectional, num_buckets, max_distance)
