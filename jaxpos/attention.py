@@ -126,13 +126,16 @@ def _reference(scheme, qs, k, v, m: _Masking, causal: bool):
 _SKIP, _FULL, _MASKED = 0, 1, 2
 
 
-def _pad_to(x, axis, size, value=0):
+def _pad_to(x, axis, size, value=0, mode="constant"):
+    """Pad ``axis`` of ``x`` at the end to ``size`` (with ``value``, or ``mode="edge"``)."""
     pad = size - x.shape[axis]
     if pad == 0:
         return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
+    if mode == "constant":
+        return jnp.pad(x, widths, constant_values=value)
+    return jnp.pad(x, widths, mode=mode)
 
 
 def _blocks(x, axis, n):

@@ -44,6 +44,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxpos import _checks
+from jaxpos.attention import _pad_to as _pad_axis  # one padding helper for both paths
 from jaxpos.rope import ANGLE_PRECISIONS, LAYOUTS, rope_angles
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "fused_attention"]
@@ -547,15 +548,6 @@ def _pow2_at_least(n, lo=1):
     return max(lo, 1 << max(0, int(n) - 1).bit_length())
 
 
-def _pad_axis(x, axis, size, mode="constant"):
-    pad = size - x.shape[axis]
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths, mode=mode)
-
-
 def _check_block(name, blk):
     blk = _checks.check_positive_int(name, blk)
     if blk & (blk - 1):
@@ -757,8 +749,8 @@ def fused_attention(q, k, v, *, q_positions, kv_positions, inv_freq=None, rope_l
     parts_k = tuple(width(to_bnth(x, Tk_p)) for x in split(k))
     vv = width(to_bnth(v, Tk_p))
 
-    qp = _pad_axis(q_pos, 1, Tq_p, "edge")
-    kp = _pad_axis(kv_pos, 1, Tk_p, "edge")
+    qp = _pad_axis(q_pos, 1, Tq_p, mode="edge")
+    kp = _pad_axis(kv_pos, 1, Tk_p, mode="edge")
     ints = {"q_pos_col": qp[:, :, None], "kv_pos_row": kp[:, None, :], "kv_pos_col": kp[:, :, None]}
     if segment_ids is not None:
         sq = _checks.positions_2d("segment_ids", segment_ids, B, Tq)
