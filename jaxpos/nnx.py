@@ -267,7 +267,14 @@ def merge_heads(o, kernel, dtype):
 
 
 def rms_norm(x, scale, eps: float = 1e-6):
-    """RMSNorm (Zhang & Sennrich 2019), statistics in float32, cast back to ``x``'s dtype."""
+    """RMSNorm (Zhang & Sennrich 2019), statistics in float32, cast back to ``x``'s dtype.
+
+    ``x``: ``[..., D]``; ``scale``: ``[D]``. Raises ``ValueError`` when the widths differ
+    (the first thing a block does, so a wrong-width input is named here, not as an
+    anonymous broadcasting error)."""
+    if np.shape(x)[-1:] != np.shape(scale)[-1:]:
+        raise ValueError(f"x must have shape [..., d_model={np.shape(scale)[-1]}]; "
+                         f"got {np.shape(x)}.")
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (y * jnp.asarray(scale, jnp.float32)).astype(x.dtype)

@@ -288,7 +288,17 @@ def _dynamic(s: DynamicNTKScaling, dim: int, base: float, seq_len):
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     """YaRN's ``0.1 * mscale * ln(scale) + 1`` (1 for ``scale <= 1``); Peng et al. §3.4,
-    and DeepSeek-V2/V3's softmax-scale correction."""
+    and DeepSeek-V2/V3's softmax-scale correction.
+
+    Raises:
+      TypeError: ``scale`` or ``mscale`` not a real number.
+      ValueError: ``scale`` not positive (a context-extension factor is > 0).
+    """
+    for name, val in (("scale", scale), ("mscale", mscale)):
+        if isinstance(val, bool) or not isinstance(val, (int, float, np.floating, np.integer)):
+            raise TypeError(f"{name} must be a real number; got {type(val).__name__} {val!r}.")
+    if not scale > 0:
+        raise ValueError(f"scale must be a positive context-extension factor; got {scale!r}.")
     if scale <= 1:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0

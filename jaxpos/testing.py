@@ -52,6 +52,11 @@ __all__ = [
 ]
 
 
+def _check_fn(fn):
+    if not callable(fn):
+        raise TypeError(f"fn must be callable; got {type(fn).__name__} {fn!r}.")
+
+
 def _check_tol(atol, rtol):
     for name, val in (("atol", atol), ("rtol", rtol)):
         if isinstance(val, bool) or not isinstance(val, (int, float)) or val < 0:
@@ -85,12 +90,18 @@ def assert_permutation_equivariant(
 
     Raises:
       AssertionError: the property does not hold (with the largest deviation).
-      ValueError: no arrays, arrays that disagree on ``T``, a ``perm`` that is not a
-        permutation of ``range(T)``, negative tolerances.
+      ValueError: no arrays, an ``axis`` outside an argument's rank, arrays that disagree
+        on ``T``, a ``perm`` that is not a permutation of ``range(T)``, negative tolerances.
+      TypeError: ``fn`` not callable.
     """
+    _check_fn(fn)
     _check_tol(atol, rtol)
     if not args:
         raise ValueError("assert_permutation_equivariant needs at least one array argument; got none.")
+    for a in args:
+        if not -np.ndim(a) <= axis < np.ndim(a):
+            raise ValueError(f"axis must index every argument; got axis={axis} for an argument of "
+                             f"shape {np.shape(a)} (rank {np.ndim(a)}).")
     lengths = {np.shape(a)[axis] for a in args}
     if len(lengths) != 1:
         raise ValueError(f"every argument must have the same length along axis {axis}; got "
@@ -140,7 +151,9 @@ def assert_translation_invariant(
       AssertionError: the outputs differ beyond the tolerance.
       TypeError: float positions or a non-integer ``shift``.
       ValueError: negative tolerances.
+      TypeError: ``fn`` not callable.
     """
+    _check_fn(fn)
     _check_tol(atol, rtol)
     _checks.check_integer_positions("q_positions", q_positions)
     _checks.check_integer_positions("kv_positions", kv_positions)
@@ -169,7 +182,10 @@ def assert_equal_under_jit(
 
     Raises:
       AssertionError: the traced and eager results differ (or their structures do).
+      TypeError: ``fn`` not callable.
+      ValueError: negative tolerances.
     """
+    _check_fn(fn)
     _check_tol(atol, rtol)
     eager = fn(*args, **kwargs)
     jitted = jax.jit(lambda *a: fn(*a, **kwargs), static_argnums=static_argnums)(*args)
@@ -198,8 +214,11 @@ def assert_equal_under_vmap(
 
     Raises:
       AssertionError: the batched and per-example results differ.
-      ValueError: the mapped axes disagree in size, or nothing is mapped.
+      ValueError: the mapped axes disagree in size, or nothing is mapped; negative
+        tolerances.
+      TypeError: ``fn`` not callable.
     """
+    _check_fn(fn)
     _check_tol(atol, rtol)
     axes = (in_axes,) * len(args) if isinstance(in_axes, int) or in_axes is None else tuple(in_axes)
     if len(axes) != len(args):

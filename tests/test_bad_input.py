@@ -472,6 +472,80 @@ CASES += [
     L("linen.DecoderLM/position", lambda: _linen_init(position="xpos"), ValueError, ("position", "'xpos'")),
     L("linen.DecoderLM/tokens-float", lambda: _linen_init(tokens=_TOK.astype(np.float32)), TypeError,
       ("tokens", "float32")),
+    # transformer blocks (NNX and Linen): wrong input width named before any norm or matmul
+    L("nnx.TransformerBlock/heads", lambda: _nnx()[1].TransformerBlock(
+        16, 3, rngs=_nnx()[0].Rngs(0)), ValueError, ("num_heads", "(3)", "d_model")),
+    L("nnx.TransformerBlock/mlp_dim", lambda: _nnx()[1].TransformerBlock(
+        16, 2, mlp_dim=0, rngs=_nnx()[0].Rngs(0)), ValueError, ("mlp_dim", "0")),
+    L("nnx.TransformerBlock/x-width", lambda: _nnx()[1].TransformerBlock(
+        16, 2, rngs=_nnx()[0].Rngs(0))(_x(2, 4, 12)), ValueError, ("x", "d_model=16", "(2, 4, 12)")),
+    L("nnx.TransformerBlock/x-rank", lambda: _nnx()[1].TransformerBlock(
+        16, 2, rngs=_nnx()[0].Rngs(0))(_x(4, 16)), ValueError, ("x", "rank 3", "(4, 16)")),
+    L("linen.TransformerBlock/heads", lambda: _linen().TransformerBlock(d_model=16, num_heads=3).init(
+        jax.random.PRNGKey(0), _x(2, 4, 16)), ValueError, ("num_heads", "(3)", "d_model")),
+    L("linen.TransformerBlock/x-width", lambda: _linen().TransformerBlock(d_model=16, num_heads=2).init(
+        jax.random.PRNGKey(0), _x(2, 4, 12)), ValueError, ("x", "d_model=16", "(2, 4, 12)")),
+    # Linen position modules, attention and encoder
+    L("linen.MultiHeadAttention/kv_heads", lambda: _linen().MultiHeadAttention(
+        d_model=16, num_heads=4, num_kv_heads=3).init(jax.random.PRNGKey(0), _x(2, 4, 16)),
+      ValueError, ("num_kv_heads", "(3)")),
+    L("linen.MultiHeadAttention/x-rank", lambda: _linen().MultiHeadAttention(
+        d_model=16, num_heads=2).init(jax.random.PRNGKey(0), _x(4, 16)), ValueError,
+      ("x", "rank 3", "(4, 16)")),
+    L("linen.Encoder/position", lambda: _linen().Encoder(
+        vocab_size=32, d_model=16, num_layers=1, num_heads=2, position="xpos").init(
+        jax.random.PRNGKey(0), _TOK), ValueError, ("position", "'xpos'")),
+    L("linen.Encoder/tokens-float", lambda: _linen().Encoder(
+        vocab_size=32, d_model=16, num_layers=1, num_heads=2).init(
+        jax.random.PRNGKey(0), _TOK.astype(np.float32)), TypeError, ("tokens", "float32")),
+    L("linen.ALiBi/zero-heads", lambda: _linen().ALiBi(num_heads=0).init(
+        jax.random.PRNGKey(0), POS, POS), ValueError, ("num_heads", "0")),
+    L("linen.T5RelativeBias/odd-buckets", lambda: _linen().T5RelativeBias(
+        num_heads=N, num_buckets=31).init(jax.random.PRNGKey(0), POS, POS), ValueError,
+      ("num_buckets", "even", "31")),
+    L("linen.LearnedPositionalEmbedding/max_len", lambda: _linen().LearnedPositionalEmbedding(
+        max_len=0, d_model=8).init(jax.random.PRNGKey(0), POS), ValueError, ("max_len", "0")),
+    L("linen.LearnedPositionalEmbedding/out-of-range", lambda: _linen().LearnedPositionalEmbedding(
+        max_len=2, d_model=8).init(jax.random.PRNGKey(0), POS), ValueError,
+      ("positions", "no row for position 3")),
+    L("linen.ShawRelativePosition/max_distance", lambda: _linen().ShawRelativePosition(
+        head_dim=8, max_distance=0).init(jax.random.PRNGKey(0), POS, POS), ValueError,
+      ("max_distance", "0")),
+    # M-RoPE and axial 2-D RoPE angle builders
+    L("mrope_angles/positions-rows", lambda: _rope().mrope_angles(
+        np.zeros((2, T), np.int32), _x(4), mrope_section=[2, 1, 1]), ValueError,
+      ("positions", "3 rows", "(2, 4)")),
+    L("mrope_angles/positions-float", lambda: _rope().mrope_angles(
+        _x(3, T), _x(4), mrope_section=[2, 1, 1]), TypeError, ("positions", "float32")),
+    L("axial_rope_angles/positions_hw-last-axis", lambda: _rope().axial_rope_angles(
+        np.zeros((T, 3), np.int32), _x(2)), ValueError, ("positions_hw", "axis of 2", "(4, 3)")),
+    L("axial_rope_angles/positions_hw-float", lambda: _rope().axial_rope_angles(
+        _x(T, 2), _x(2)), TypeError, ("positions_hw", "float32")),
+    L("apply_axial_rope/x-rank", lambda: _rope().apply_axial_rope(
+        Q[0], np.zeros((T, 2), np.int32), _x(2)), ValueError, ("x", "rank 4", "(4, 4, 8)")),
+    L("apply_axial_rope/inv_freq-too-long", lambda: _rope().apply_axial_rope(
+        Q, np.zeros((T, 2), np.int32), _x(3)), ValueError, ("rotary_dim", "head_dim=8", "12")),
+    L("apply_axial_rope/positions-length", lambda: _rope().apply_axial_rope(
+        Q, np.zeros((T + 1, 2), np.int32), _x(2)), ValueError, ("(1, 5, 4)", "(2, 4, 4, 8)")),
+    L("apply_axial_rope/layout", lambda: _rope().apply_axial_rope(
+        Q, np.zeros((T, 2), np.int32), _x(2), layout="x"), ValueError, ("layout", "'x'")),
+    # YaRN's mscale helper and the jaxpos.testing assertions
+    L("yarn_get_mscale/negative", lambda: _rs().yarn_get_mscale(-2.0), ValueError, ("scale", "-2.0")),
+    L("yarn_get_mscale/string", lambda: _rs().yarn_get_mscale("2"), TypeError, ("scale", "str", "'2'")),
+    L("testing.assert_permutation_equivariant/fn", lambda: _testing().assert_permutation_equivariant(
+        3, Q), TypeError, ("fn", "callable", "int")),
+    L("testing.assert_permutation_equivariant/axis", lambda: _testing().assert_permutation_equivariant(
+        lambda x: x, Q, axis=7), ValueError, ("axis", "7", "rank 4")),
+    L("testing.assert_translation_invariant/fn", lambda: _testing().assert_translation_invariant(
+        None, POS, POS), TypeError, ("fn", "callable", "NoneType")),
+    L("testing.assert_translation_invariant/shift", lambda: _testing().assert_translation_invariant(
+        lambda a, b: a, POS, POS, shift=1.5), TypeError, ("shift", "1.5")),
+    L("testing.assert_equal_under_jit/fn", lambda: _testing().assert_equal_under_jit("f", Q), TypeError,
+      ("fn", "callable", "str")),
+    L("testing.assert_equal_under_vmap/fn", lambda: _testing().assert_equal_under_vmap(3, Q), TypeError,
+      ("fn", "callable", "int")),
+    L("testing.assert_equal_under_vmap/rtol", lambda: _testing().assert_equal_under_vmap(
+        lambda x: x, Q, rtol=-1.0), ValueError, ("rtol", "-1.0")),
 ]
 
 
