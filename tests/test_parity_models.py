@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 import os
 import pathlib
 import sys
@@ -207,6 +208,57 @@ def test_llama3_scaling_matters_far_from_the_origin(llama_pair, monkeypatch):
     wrong, _ = _jit(model, fresh=True)(jnp.asarray(ids), positions=jnp.asarray(pos, jnp.int32),
                                        implementation="reference")
     assert _max_diff(wrong, ref) > 1e-2
+
+
+@pytest.mark.parametrize("implementation", DECODE_IMPLEMENTATIONS)
+def test_llama_dynamic_ntk_kv_cache_decoding_equals_hf_generation(implementation):
+    """Dynamic NTK (HF ``rope_type="dynamic"``) while decoding with a KV cache.
+
+    The base grows with each call's ``max(position) + 1``; HF rotates each key once, with the
+    frequencies of the call that cached it, and the Llama example does the same when it has a
+    cache and a length-dependent scaling. Every step's logits equal HF's own cached decoding
+    (a fresh HF model, so its grown-frequency state starts clean). Control: a cache-free pass
+    over the same prefix (every key re-rotated with the newest base) misses by far more.
+    """
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128,
+        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 100.0, "factor": 4.0},
+        max_position_embeddings=6,  # prompts of 7 and 10 tokens already exceed it
+        attn_implementation="eager")
+    torch.manual_seed(0)
+    hf = _randomize(transformers.LlamaForCausalLM(cfg), seed=4)
+    model = llama.from_hf(hf.state_dict(), cfg)
+    prompt_len, steps = 10, 4
+    ids, mask = _left_padded_batch(np.random.RandomState(5), [7 + steps, 10 + steps],
+                                   prompt_len + steps)
+    pos = _hf_positions(mask)
+    tt = torch.tensor
+    # transformers 5.2x renamed ``past_key_values`` to ``cache`` (the old name is deprecated)
+    new_api = "cache" in inspect.signature(hf.forward).parameters
+    cache_kw = "cache" if new_api else "past_key_values"
+    with torch.no_grad():  # HF generation: prefill, then one token at a time
+        out = hf(tt(ids[:, :prompt_len]), attention_mask=tt(mask[:, :prompt_len]),
+                 position_ids=tt(pos[:, :prompt_len]), use_cache=True)
+        hf_steps, hf_cache = [out.logits.numpy()], getattr(out, cache_kw)
+        for t in range(prompt_len, ids.shape[1]):
+            out = hf(tt(ids[:, t:t + 1]), attention_mask=tt(mask[:, :t + 1]),
+                     position_ids=tt(pos[:, t:t + 1]), use_cache=True, **{cache_kw: hf_cache})
+            hf_steps.append(out.logits.numpy()[:, 0])
+            hf_cache = getattr(out, cache_kw)
+        recomputed = hf(tt(ids), attention_mask=tt(mask), position_ids=tt(pos)).logits.numpy()
+    run = _jit(model)
+    kw = dict(implementation=implementation, **BLOCKS)
+    cache = model.init_cache(batch=ids.shape[0], max_len=ids.shape[1])
+    logits, cache = run(jnp.asarray(ids[:, :prompt_len]),
+                        attention_mask=jnp.asarray(mask[:, :prompt_len]), cache=cache, **kw)
+    assert _max_diff(logits, hf_steps[0], mask[:, :prompt_len]) <= TOL
+    for i, t in enumerate(range(prompt_len, ids.shape[1])):
+        step, cache = run(jnp.asarray(ids[:, t:t + 1]), cache=cache, **kw)
+        assert _max_diff(step[:, 0], hf_steps[i + 1]) <= TOL, t
+    # Control: the last step recomputed without a cache (same length, so the same newest
+    # base, but every key re-rotated with it) is a different answer.
+    assert _max_diff(step[:, 0], recomputed[:, -1]) > 1e-2
 
 
 # ----------------------------------------------------------------------------- BLOOM
