@@ -53,6 +53,7 @@ from jaxpos.nnx import (
     project_heads,
     rms_norm,
     rope_scheme,
+    rotate_at_write,
     shaw_table_init,
     sinusoidal_embedding,
     t5_table_init,
@@ -388,9 +389,10 @@ class MultiHeadAttention(nn.Module):
         if positions is None:
             positions = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)
         pos = _checks.positions_2d("positions", positions, B, T)
-        cache, seg, kv_seg, overflow = update_kv_cache(cache, k, v, pos)
         if scheme is None:
             scheme = _scheme_of(self._pos, rope_scaling)
+        q, k, scheme = rotate_at_write(scheme, q, k, pos)
+        cache, seg, kv_seg, overflow = update_kv_cache(cache, k, v, pos)
         o = attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), position=scheme,
                       q_positions=pos, kv_positions=cache.positions, causal=self.causal,
                       segment_ids=seg, kv_segment_ids=kv_seg, scale=self.scale,

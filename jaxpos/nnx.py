@@ -78,6 +78,7 @@ __all__ = [
     "SinusoidalEmbedding",
     "T5RelativeBias",
     "TransformerBlock",
+    "rotate_at_write",
 ]
 
 #: Position names accepted by the stacks.
@@ -511,6 +512,23 @@ def _make_attention_position(position, *, num_heads, head_dim, causal, rotary_di
                                 param_dtype=param_dtype, rngs=rngs)
 
 
+def rotate_at_write(scheme, q, k, positions):
+    """``(q, k, scheme)`` for a KV-cache write: RoPE with a length-dependent scaling
+    (dynamic NTK, LongRoPE) rotates ``q`` and ``k`` here, with the frequencies of this call
+    (``max(positions) + 1``), and returns :class:`jaxpos.NoPE` for the attention call, so
+    each cached key keeps the rotation of the call that wrote it. That is Hugging Face's
+    decoding (its cache holds rotated keys; ``dynamic_rope_update``), which jaxpos's Llama
+    port matches step by step. Any other scheme is returned unchanged, to be applied inside
+    attention (and inside the fused kernel) from the cached positions.
+    """
+    if isinstance(scheme, _schemes.RoPE) and scheme.scaling is not None:
+        from jaxpos import rope_scaling as _rs
+
+        if _rs.depends_on_length(scheme.scaling):
+            return scheme.rotate(q, positions), scheme.rotate(k, positions), _schemes.NoPE()
+    return q, k, scheme
+
+
 def position_scheme(module, rope_scaling=None):
     """The scheme object of an attention-position module (``None`` -> :class:`jaxpos.NoPE`)."""
     if module is None:
@@ -611,7 +629,9 @@ class MultiHeadAttention(nnx.Module):
                implementation=None):
         """Attend from ``x [B, T, D]`` (new tokens) to the cache plus themselves.
 
-        ``positions`` default to each row's fill count ``+ arange(T)``. Returns
+        ``positions`` default to each row's fill count ``+ arange(T)``. Keys are cached
+        before rotation and the scheme is applied inside attention, except for RoPE with a
+        length-dependent scaling (dynamic NTK, LongRoPE): see :func:`rotate_at_write`. Returns
         ``(y [B, T, D], cache)``. Raises ``ValueError`` when concrete fill counts would
         overflow the cache; traced overflow gives NaN for the rows concerned.
         """
@@ -620,9 +640,10 @@ class MultiHeadAttention(nnx.Module):
         if positions is None:
             positions = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)
         pos = _checks.positions_2d("positions", positions, B, T)
-        cache, seg, kv_seg, overflow = update_kv_cache(cache, k, v, pos)
         if scheme is None:
             scheme = position_scheme(self.position_module, rope_scaling)
+        q, k, scheme = rotate_at_write(scheme, q, k, pos)
+        cache, seg, kv_seg, overflow = update_kv_cache(cache, k, v, pos)
         o = attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), position=scheme,
                       q_positions=pos, kv_positions=cache.positions, causal=self.causal,
                       segment_ids=seg, kv_segment_ids=kv_seg, scale=self.scale,

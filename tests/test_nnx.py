@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 
+import jaxpos
 from jaxpos import nnx as jn
 
 V, D, N, H, F = 50, 16, 2, 8, 64
@@ -302,6 +303,42 @@ def test_rope_scaling_applies_to_one_call_only():
     np.testing.assert_allclose(scaled, plain, rtol=1e-5, atol=1e-5)
     # Control: without the scaling (and after the scaled call), positions 2t differ.
     assert np.abs(model(tokens, positions=2 * np.arange(6)) - plain).max() > 1e-3
+
+
+@pytest.mark.parametrize("implementation", ["reference", "chunked"])
+def test_dynamic_ntk_decode_keeps_each_key_rotated_as_written(implementation):
+    """With dynamic NTK (a base that grows with each call's max(position) + 1), decode
+    caches keys rotated with the frequencies of the call that wrote them, as HF's cache
+    does (the Llama port checks this against HF in tests/test_parity_models.py). Here the
+    reference is built by hand from the public pure functions: keys 0..P-1 rotated with
+    the frequencies for length P, key and query P with those for length P + 1."""
+    from jaxpos.rope_scaling import DynamicNTKScaling
+
+    scaling = DynamicNTKScaling(factor=4.0, original_max_position_embeddings=3)
+    mha = jn.MultiHeadAttention(D, N, position="rope", causal=True, rngs=nnx.Rngs(3))
+    P = 5
+    x = jax.random.normal(jax.random.key(4), (2, P + 1, D))
+    cache = mha.init_cache(2, P + 1)
+    _, cache = mha.decode(x[:, :P], cache, rope_scaling=scaling, implementation=implementation)
+    y, cache = mha.decode(x[:, P:], cache, rope_scaling=scaling, implementation=implementation)
+
+    q, k, v = mha._qkv(x)
+    rd, base = mha.position_module.rotary_dim, mha.position_module.base
+    f_prefill, _ = jaxpos.rope_frequencies(rd, base, scaling=scaling, seq_len=P)
+    f_step, _ = jaxpos.rope_frequencies(rd, base, scaling=scaling, seq_len=P + 1)
+    pos = np.arange(P + 1)
+    k_rot = jnp.concatenate([jaxpos.apply_rope(k[:, :P], pos[:P], f_prefill),
+                             jaxpos.apply_rope(k[:, P:], pos[P:], f_step)], axis=1)
+    q_rot = jaxpos.apply_rope(q[:, P:], pos[P:], f_step)
+    o = jaxpos.attention(q_rot, k_rot, v, q_positions=pos[P:], kv_positions=pos, causal=True,
+                         implementation="reference")
+    want = jn.merge_heads(o, mha.o_proj.kernel[...], jnp.float32)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    # Control: re-rotating the cached keys with the newest frequencies is a different answer.
+    k_new = jaxpos.apply_rope(k, pos, f_step)
+    o_new = jaxpos.attention(q_rot, k_new, v, q_positions=pos[P:], kv_positions=pos, causal=True,
+                             implementation="reference")
+    assert np.abs(jn.merge_heads(o_new, mha.o_proj.kernel[...], jnp.float32) - y).max() > 1e-3
 
 
 # ------------------------------------------------------------ bad input

@@ -12,8 +12,9 @@ decoding are just positions.
 One exception, for HF parity: a length-dependent scaling (dynamic NTK, LongRoPE) changes the
 frequencies from one call to the next. HF rotates each key once, with the frequencies of the
 call that wrote it into the cache, so with a cache and such a scaling this model does the
-same: it rotates q and k itself (``RoPE.rotate``, this call's ``max(position) + 1``), caches
-the rotated keys and calls :func:`jaxpos.attention` with no position scheme. Without a
+same through :func:`jaxpos.nnx.rotate_at_write` (q and k rotated with this call's
+``max(position) + 1``, rotated keys cached, attention called with ``NoPE``), as
+``jaxpos.nnx``'s own KV cache does. Without a
 cache, or with a fixed scaling, jaxpos rotates inside attention (and inside the fused kernel).
 
 Example::
@@ -38,7 +39,7 @@ from flax import nnx
 
 import jaxpos
 import jaxpos.hf
-import jaxpos.rope_scaling
+import jaxpos.nnx
 from examples.models import common
 
 __all__ = ["LlamaConfig", "LlamaForCausalLM", "from_hf", "rope_from_config"]
@@ -136,13 +137,9 @@ class LlamaAttention(nnx.Module):
         k = self.k_proj(x).reshape(B, T, self.kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(B, T, self.kv_heads, self.head_dim)
         kv_positions = positions
-        if cache is not None and rope.scaling is not None and \
-                jaxpos.rope_scaling.depends_on_length(rope.scaling):
-            # Rotate at write time, as HF does: cached keys keep the frequencies of the call
-            # that wrote them (see the module docstring).
-            q, k = rope.rotate(q, positions), rope.rotate(k, positions)
-            rope = None
         if cache is not None:  # attend over every cache slot; unwritten ones have segment 0
+            # Dynamic NTK / LongRoPE: rotate at write time, as HF does (module docstring).
+            q, k, rope = jaxpos.nnx.rotate_at_write(rope, q, k, positions)
             k, v = cache.write(layer, k, v)
             kv_positions = jax.lax.dynamic_update_slice(cache.positions, positions,
                                                         (0, cache.index))
