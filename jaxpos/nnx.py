@@ -520,7 +520,13 @@ def rotate_at_write(scheme, q, k, positions):
     decoding (its cache holds rotated keys; ``dynamic_rope_update``), which jaxpos's Llama
     port matches step by step. Any other scheme is returned unchanged, to be applied inside
     attention (and inside the fused kernel) from the cached positions.
+
+    Raises:
+      TypeError: ``scheme`` is not a :class:`jaxpos.PositionScheme`.
     """
+    if not isinstance(scheme, _schemes.PositionScheme):
+        raise TypeError(f"scheme must be a jaxpos PositionScheme; got {type(scheme).__name__} "
+                        f"{scheme!r}.")
     if isinstance(scheme, _schemes.RoPE) and scheme.scaling is not None:
         from jaxpos import rope_scaling as _rs
 

@@ -336,7 +336,19 @@ def rotate(x, cos, sin, *, layout: str, attention_factor=1.0):
 
     Per pair ``(x1, x2)``: ``(x1 c - x2 s, x2 c + x1 s)``, the order of HF's
     ``q * cos + rotate_half(q) * sin``. Features past ``2 * half`` pass through.
+
+    Raises:
+      ValueError: ``x`` not rank 4; ``cos`` and ``sin`` not the same ``[B|1, T, half]``
+        shape matching ``x``; ``2 * half > H``; an unknown ``layout``.
     """
+    _checks.check_rank("x", x, (4,), "[B, T, N, H]")
+    _checks.check_choice("layout", layout, LAYOUTS)
+    B, T, _, H = x.shape
+    if np.shape(cos) != np.shape(sin) or len(np.shape(cos)) != 3 or \
+            np.shape(cos)[0] not in (1, B) or np.shape(cos)[1] != T or 2 * np.shape(cos)[2] > H:
+        raise ValueError(f"cos and sin must both have shape [1 or {B}, {T}, half] with "
+                         f"2 * half <= head_dim={H} to match x {tuple(x.shape)}; got "
+                         f"{np.shape(cos)} and {np.shape(sin)}.")
     dtype = x.dtype
     half = cos.shape[-1]
     r = 2 * half

@@ -420,7 +420,14 @@ def scaled_frequencies(rotary_dim: int, base: float, scaling, *, seq_len=None):
 
 
 def depends_on_length(scaling) -> bool:
-    """True for the methods whose frequencies change with the sequence length."""
+    """True for the methods whose frequencies change with the sequence length (dynamic
+    NTK, LongRoPE); False for ``None`` and the fixed ones.
+
+    Raises:
+      TypeError: ``scaling`` is neither ``None`` nor a scaling dataclass.
+    """
+    if scaling is not None:
+        _check_scaling(scaling)
     return isinstance(scaling, (DynamicNTKScaling, LongRoPEScaling))
 
 
@@ -438,9 +445,18 @@ def frequencies_for_length(rotary_dim: int, base: float, scaling, seq_len):
       ``(jax.Array float32 [rotary_dim // 2], float)``.
 
     Raises:
-      The errors of :func:`scaled_frequencies`.
+      The errors of :func:`scaled_frequencies`; ``TypeError`` for a ``seq_len`` that is
+      not an integer (a Python int or an integer array).
     """
+    if isinstance(seq_len, bool) or not (
+            isinstance(seq_len, (int, np.integer))
+            or (hasattr(seq_len, "dtype") and jnp.issubdtype(seq_len.dtype, jnp.integer))):
+        raise TypeError(f"seq_len must be an integer (max(position) + 1); got "
+                        f"{type(seq_len).__name__} {seq_len!r}.")
     if scaling is None:
+        check_rotary_dim(rotary_dim)
+        if not float(base) > 0:
+            raise ValueError(f"base must be > 0; got {base!r}.")
         return jnp.asarray(default_inv_freq(rotary_dim, base)), 1.0
     short, af = scaled_frequencies(rotary_dim, base, scaling, seq_len=None)
     if not depends_on_length(scaling):

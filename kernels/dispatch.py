@@ -24,7 +24,15 @@ def supports_scheme(scheme: PositionScheme) -> bool:
     """True for the schemes the kernel fuses: :class:`NoPE`, :class:`RoPE` (without
     M-RoPE sections), :class:`ALiBi`, :class:`T5Bias` (and their subclasses). False for
     :class:`Shaw` and anything else, so the default implementation falls back to
-    ``"chunked"`` for them."""
+    ``"chunked"`` for them.
+
+    Raises:
+      TypeError: ``scheme`` is not a :class:`jaxpos.PositionScheme` (pass a string or
+        ``None`` through :func:`jaxpos.as_scheme` first).
+    """
+    if not isinstance(scheme, PositionScheme):
+        raise TypeError(f"scheme must be a jaxpos PositionScheme (NoPE, RoPE, ALiBi, T5Bias, "
+                        f"Shaw); got {type(scheme).__name__} {scheme!r}.")
     if not isinstance(scheme, _FUSED):
         return False
     return not (isinstance(scheme, RoPE) and getattr(scheme, "mrope_section", None) is not None)

@@ -544,6 +544,33 @@ CASES += [
       ("fn", "callable", "str")),
     L("testing.assert_equal_under_vmap/fn", lambda: _testing().assert_equal_under_vmap(3, Q), TypeError,
       ("fn", "callable", "int")),
+    # length-dependent RoPE frequencies, HF settings reader, kernel predicate, low-level rotate
+    L("depends_on_length/dict", lambda: _rs().depends_on_length({"factor": 2.0}), TypeError,
+      ("scaling", "dict")),
+    L("frequencies_for_length/rotary_dim-odd", lambda: _rs().frequencies_for_length(
+        7, 10000.0, None, 5), ValueError, ("rotary_dim", "even", "7")),
+    L("frequencies_for_length/seq_len-float", lambda: _rs().frequencies_for_length(
+        8, 10000.0, _rs().DynamicNTKScaling(factor=2.0, original_max_position_embeddings=4), 5.5),
+      TypeError, ("seq_len", "5.5")),
+    L("frequencies_for_length/scaling-str", lambda: _rs().frequencies_for_length(
+        8, 10000.0, "dynamic", 5), TypeError, ("scaling", "'dynamic'")),
+    L("scaled_frequencies/base", lambda: _rs().scaled_frequencies(8, -1.0, _rs().LinearScaling(
+        factor=2.0)), ValueError, ("base", "-1.0")),
+    L("hf_rope_settings/config-type", lambda: _hf().hf_rope_settings(3), TypeError, ("config", "int")),
+    L("hf_rope_settings/no-head-width", lambda: _hf().hf_rope_settings({}), ValueError,
+      ("head_dim", "hidden_size", "num_attention_heads")),
+    L("kernels.supports_scheme/string", lambda: _kernels().supports_scheme("rope"), TypeError,
+      ("scheme", "PositionScheme", "'rope'")),
+    L("rope.rotate/x-rank", lambda: _rope().rotate(Q[0], _x(1, T, 4), _x(1, T, 4), layout="half"),
+      ValueError, ("x", "rank 4", "(4, 4, 8)")),
+    L("rope.rotate/cos-shape", lambda: _rope().rotate(Q, _x(T, 4), _x(T, 4), layout="half"),
+      ValueError, ("cos", "(4, 4)", "half")),
+    L("rope.rotate/half-too-wide", lambda: _rope().rotate(Q, _x(1, T, 5), _x(1, T, 5), layout="half"),
+      ValueError, ("head_dim=8", "(1, 4, 5)")),
+    L("rope.rotate/layout", lambda: _rope().rotate(Q, _x(1, T, 4), _x(1, T, 4), layout="gptj"),
+      ValueError, ("layout", "'gptj'")),
+    L("nnx.rotate_at_write/scheme", lambda: _nnx()[1].rotate_at_write("rope", Q, KV, POS), TypeError,
+      ("scheme", "PositionScheme", "'rope'")),
     L("testing.assert_equal_under_vmap/rtol", lambda: _testing().assert_equal_under_vmap(
         lambda x: x, Q, rtol=-1.0), ValueError, ("rtol", "-1.0")),
 ]
