@@ -35,6 +35,7 @@ Design choices that keep one body legal for both compilers:
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import NamedTuple
 
@@ -44,6 +45,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxpos import _checks
+from jaxpos.attention import _match_vma, _varying_axes  # shard_map's varying-axis types
 from jaxpos.attention import _pad_to as _pad_axis  # one padding helper for both paths
 from jaxpos.rope import ANGLE_PRECISIONS, LAYOUTS, rope_angles
 
@@ -364,8 +366,49 @@ def _dkv_kernel(*refs, cfg, n_parts):
 POISON_OUTPUTS = False
 
 
+def _cast_varying(x, axes):
+    """``x`` marked as varying over ``axes`` too (``lax.pcast(..., to="varying")``; older
+    JAX: ``lax.pvary``). A no-op on the values: each device keeps its own."""
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, tuple(sorted(axes)), to="varying")
+    return jax.lax.pvary(x, tuple(sorted(axes)))
+
+
+def _match_manual_axes(args, out_shape):
+    """Make a ``pallas_call`` valid inside ``shard_map`` with ``check_vma=True`` (its
+    default): ``pallas_call`` needs every input to vary over the same manual mesh axes and
+    each output's ``ShapeDtypeStruct`` to say which axes it varies over. The kernel mixes
+    sharded arrays (q, k, v) with replicated ones (positions, slopes), so inputs are cast to
+    the union of their axes and the outputs declared to vary over it. Outside ``shard_map``
+    (or with ``check_vma=False``) the union is empty and nothing changes."""
+    vary = [_varying_axes(a) for a in args]
+    axes = frozenset().union(*vary)
+    if not axes:
+        return args, out_shape
+    args = tuple(a if v == axes else _cast_varying(a, axes - v) for a, v in zip(args, vary))
+    params = inspect.signature(jax.ShapeDtypeStruct).parameters
+    if "manual_axis_type" in params:  # JAX >= 0.10
+        mat = jax.typeof(args[0]).manual_axis_type
+        declare = {"manual_axis_type": mat.update(varying=axes)}
+    elif "vma" in params:
+        declare = {"vma": axes}
+    else:
+        return args, out_shape
+    out_shape = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, **declare) for o in out_shape)
+    return args, out_shape
+
+
 def _pallas(kernel, cfg, grid, in_specs, out_specs, out_shape, args, name):
     """Run ``kernel`` in interpret mode, or compiled by Triton (CUDA/ROCm) / Mosaic (TPU)."""
+    args, out_shape = _match_manual_axes(tuple(args), tuple(out_shape))
+    under_vma = any(_varying_axes(a) for a in args)
+    if under_vma and (cfg.mode == "interpret"
+                      or (cfg.mode == "auto" and jax.default_backend() == "cpu")):
+        raise ValueError(
+            "implementation='pallas' in interpret mode (the CPU path) cannot run inside "
+            "shard_map with check_vma=True: JAX's Pallas interpreter does not track varying "
+            "mesh axes. Pass check_vma=False to shard_map, or use implementation='chunked' "
+            "(the CPU default). Compiled kernels (GPU, TPU) need neither.")
     if POISON_OUTPUTS:
         n_in, n_out = len(args), len(out_shape)
         poison = tuple(jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape)
@@ -395,7 +438,7 @@ def _pallas(kernel, cfg, grid, in_specs, out_specs, out_shape, args, name):
     warps = 8 if cfg.bq * cfg.bk >= 128 * 128 else 4
     triton = build(False, pltriton.CompilerParams(num_warps=warps, num_stages=2))
     compiled = {"cuda": triton, "rocm": triton, "tpu": build(False)}
-    if cfg.mode == "auto":
+    if cfg.mode == "auto" and not under_vma:  # (the interpreter cannot lower under vma)
         compiled["cpu"] = build(True)
     return jax.lax.platform_dependent(*args, **compiled)
 
@@ -525,8 +568,12 @@ def _core_fwd(cfg, parts_q, parts_k, v, ints, tabs):
 def _core_bwd(cfg, res, dout):
     parts_q, parts_k, v, ints, tabs, out, lse = res
     dq, dk, dv, dvec, dslope = _backward(cfg, parts_q, parts_k, v, ints, tabs, out, lse, dout)
-    dq = tuple(d.astype(x.dtype) for d, x in zip(dq, parts_q))
-    dk = tuple(d.astype(x.dtype) for d, x in zip(dk, parts_k))
+    # Under shard_map, a cotangent varies over every axis the kernel's inputs did; a primal
+    # that was replicated over some of them (slopes, offset vector, all-gathered keys) gets
+    # the sum of the per-shard gradients (_match_vma), as in the chunked path.
+    dq = tuple(_match_vma(d.astype(x.dtype), x) for d, x in zip(dq, parts_q))
+    dk = tuple(_match_vma(d.astype(x.dtype), x) for d, x in zip(dk, parts_k))
+    dv = _match_vma(dv.astype(v.dtype), v)
     dints = jax.tree_util.tree_map(lambda x: np.zeros(x.shape, jax.dtypes.float0), ints)
     dtabs = {}
     for name, x in tabs.items():
@@ -537,7 +584,8 @@ def _core_bwd(cfg, res, dout):
             dtabs[name] = jnp.where(lane0, dslope[:, None, None], 0.0).astype(x.dtype)
         else:  # inv_freq: constant inside the kernel; its gradient flows around it
             dtabs[name] = jnp.zeros(x.shape, x.dtype)
-    return dq, dk, dv.astype(v.dtype), dints, dtabs
+        dtabs[name] = _match_vma(dtabs[name], x)
+    return dq, dk, dv, dints, dtabs
 
 
 _core.defvjp(_core_fwd, _core_bwd)

@@ -44,9 +44,10 @@ def shard_map(f, *, mesh, in_specs, out_specs, checks=True):
     with its default checks on (``check_vma`` / ``check_rep``) unless ``checks=False`` or
     ``JAXPOS_SHARD_MAP_CHECKS=0``: users run with the defaults, so the tests do too.
 
-    The Pallas kernel is the exception: its ``pallas_call`` output types carry no varying
-    mesh axes, which ``check_vma`` rejects, so it runs with the checks off (README,
-    "Sharding and context parallelism")."""
+    The Pallas kernel is the exception here: on CPU it runs in JAX's Pallas interpreter,
+    which cannot lower under varying-axis checks (the compiled kernel can; its lowering
+    inside ``shard_map`` is tested in tests/test_kernel_export.py), so it runs with the
+    checks off (README, "Sharding and context parallelism")."""
     kw = {}
     if not checks or os.environ.get("JAXPOS_SHARD_MAP_CHECKS", "1") == "0":
         import inspect

@@ -86,3 +86,57 @@ def test_export_rope_high_precision_angles_cuda():
     assert _kernel_calls(_export(bwd, args, "cuda"), "cuda") >= 3
 
 
+
+
+# ----------------------------------------------------------- inside shard_map, check_vma=True
+def _sharded(fn, n_args):
+    """``fn`` under ``shard_map`` over a one-device mesh axis "b" with the default
+    ``check_vma=True``: the batch axis is sharded, every other argument replicated. One
+    device suffices: the varying-axis types are checked whatever the axis size."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("b",))
+    specs = (P("b"), P("b"), P("b"), P(), P("b")) + (P(),) * (n_args - 5)
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P("b")), mesh
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_export_inside_shard_map_with_check_vma(platform):
+    """Sharded q/k/v/segments with replicated positions, slopes and offset bias: the kernel
+    casts its inputs to one set of varying axes, declares its outputs' axes, and sums the
+    gradients of replicated inputs over the axes they do not vary over (the chunked path's
+    rule), so forward and backward lower without ``check_vma=False``."""
+    fwd, _, args = _functions("high", dtype=jnp.bfloat16)
+    sharded, mesh = _sharded(fwd, len(args))
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    args = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
+        mesh, P("b") if i in (0, 1, 2, 4) else P())) for i, a in enumerate(args))
+    bwd = jax.grad(lambda *a: jnp.sum(sharded(*a).astype(jnp.float32)), argnums=(0, 1, 2, 6, 7))
+    assert _kernel_calls(_export(sharded, args, platform), platform) >= 1
+    assert _kernel_calls(_export(bwd, args, platform), platform) >= 3
+
+
+def test_interpret_mode_inside_shard_map_with_check_vma_raises_clearly():
+    """JAX's Pallas interpreter (the CPU path) cannot lower under varying-axis checks: the
+    error says so and names both ways out, instead of an interpreter scan-carry error."""
+    import numpy as np
+
+    import jaxpos
+
+    q = jnp.asarray(np.random.default_rng(0).normal(size=(1, 8, 2, 8)), jnp.float32)
+
+    def f(q, k, v, pos, seg):
+        return jaxpos.attention(q, k, v, position=jaxpos.ALiBi(2), q_positions=pos,
+                                kv_positions=pos, causal=True, implementation="pallas")
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sharded, mesh = _sharded(f, 5)
+    q = jax.device_put(q, NamedSharding(mesh, P("b")))
+    pos = jax.device_put(jnp.arange(8, dtype=jnp.int32), NamedSharding(mesh, P()))
+    seg = jax.device_put(jnp.zeros((1, 8), jnp.int32), NamedSharding(mesh, P("b")))
+    with pytest.raises(ValueError, match="check_vma=False.*implementation='chunked'"):
+        jax.jit(sharded)(q, q, q, pos, seg)
