@@ -387,8 +387,9 @@ def _match_manual_axes(args, out_shape):
         return args, out_shape
     args = tuple(a if v == axes else _cast_varying(a, axes - v) for a, v in zip(args, vary))
     params = inspect.signature(jax.ShapeDtypeStruct).parameters
-    if "manual_axis_type" in params:  # JAX >= 0.10
-        mat = jax.typeof(args[0]).manual_axis_type
+    aval = jax.typeof(args[0])
+    mat = getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
+    if "manual_axis_type" in params and hasattr(mat, "update"):  # JAX 0.10
         declare = {"manual_axis_type": mat.update(varying=axes)}
     elif "vma" in params:
         declare = {"vma": axes}
