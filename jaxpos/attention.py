@@ -326,7 +326,9 @@ def _chunked_forward(scheme, b, cfg: _Cfg):
                 jnp.zeros((B, N, cfg.block_q, H), jnp.float32) + z)
         xs = (jnp.arange(cfg.nk), b["k"], b["v"], b["kv_pos"], b["kv_valid"], b["seg_kv"])
         (mx, l, acc), _ = jax.lax.scan(k_step, init, xs)
-        nonempty = l > 0
+        # l is exactly 0 for a row with no visible key; NaN (a NaN/inf input) must pass
+        # through as NaN, as in the reference, never be mistaken for an empty row.
+        nonempty = l != 0
         out = jnp.where(nonempty[..., None], acc / jnp.where(nonempty, l, 1.0)[..., None], 0.0)
         lse = jnp.where(nonempty, mx + jnp.log(jnp.where(nonempty, l, 1.0)), _NEG_INF)
         return out, lse

@@ -39,6 +39,8 @@ from jaxpos.nnx import (
     POSITIONS,
     KVCache,
     attention_dims,
+    attention_inputs,
+    check_attention_input,
     check_learned_length,
     check_position_name,
     check_tokens,
@@ -140,6 +142,21 @@ class _Kernel(nn.Module):
 
 def _linear(in_features, out_features, param_dtype, name):
     return _Kernel((in_features, out_features), param_dtype, "kernel", name=name)
+
+
+class _Dense(nn.Module):
+    """``kernel [in, out]`` and, with ``use_bias``, ``bias [out]`` (zeros), as
+    :class:`flax.nnx.Linear` names them."""
+    in_features: int
+    out_features: int
+    use_bias: bool = False
+    param_dtype: Dtype = jnp.float32
+
+    def setup(self):
+        self.kernel = self.param("kernel", nn.initializers.lecun_normal(),
+                                 (self.in_features, self.out_features), self.param_dtype)
+        self.bias = (self.param("bias", nn.initializers.zeros, (self.out_features,),
+                                self.param_dtype) if self.use_bias else None)
 
 
 def _norm(features, param_dtype, name):
@@ -290,20 +307,21 @@ def _scheme_of(module, rope_scaling):
 # ================================================================== attention
 
 class MultiHeadAttention(nn.Module):
-    """Linen twin of :class:`jaxpos.nnx.MultiHeadAttention`: grouped-query self-attention
-    with any position scheme over :func:`jaxpos.attention`.
+    """Linen twin of :class:`jaxpos.nnx.MultiHeadAttention`: grouped-query self- or
+    cross-attention with any position scheme over :func:`jaxpos.attention`.
 
     Fields as the NNX arguments (``d_model``, ``num_heads``, ``num_kv_heads``, ``head_dim``,
     ``position`` (a name, or a Linen position module, shared if defined in a parent),
     ``causal``, ``rotary_dim``, ``rope_base``, ``num_buckets``, ``max_distance``,
-    ``scale``, ``implementation``, ``dtype``, ``param_dtype``). Parameters
-    ``q_proj/k_proj/v_proj/o_proj.kernel`` and ``position_module/...`` for a position given
-    by name. A position module passed in lives where it was defined: once in the parent
+    ``scale``, ``implementation``, ``use_bias``, ``dtype``, ``param_dtype``). Parameters
+    ``q_proj/k_proj/v_proj/o_proj.kernel`` (and ``.bias`` with ``use_bias``) and
+    ``position_module/...`` for a position given by name. A position module passed in lives where it was defined: once in the parent
     that defined it in ``setup`` (shared by every layer it was passed to, like a stack's T5
     table), or under ``position/...`` when it was created unbound for this layer.
 
-    Call: ``x [B, T, D]`` -> ``[B, T, D]`` (keywords ``positions``, ``mask``,
-    ``segment_ids``, ``scheme``, ``rope_scaling``, ``implementation``);
+    Call: ``x [B, T, D]`` -> ``[B, T, D]`` (keywords ``context``, ``positions``,
+    ``kv_positions``, ``mask``, ``segment_ids``, ``kv_segment_ids``, ``scheme``,
+    ``rope_scaling``, ``implementation``, as the NNX twin);
     ``decode(x, cache, ...)`` -> ``(y, cache)``; ``init_cache(batch, max_len)`` needs no
     parameters. Raises as the NNX twin.
     """
@@ -320,6 +338,7 @@ class MultiHeadAttention(nn.Module):
     max_distance: int | None = None
     scale: float | None = None
     implementation: str | None = None
+    use_bias: bool = False
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -328,10 +347,14 @@ class MultiHeadAttention(nn.Module):
 
     def setup(self):
         D, N, Nk, H = self._dims()
-        self.q_proj = _linear(D, N * H, self.param_dtype, "q_proj")
-        self.k_proj = _linear(D, Nk * H, self.param_dtype, "k_proj")
-        self.v_proj = _linear(D, Nk * H, self.param_dtype, "v_proj")
-        self.o_proj = _linear(N * H, D, self.param_dtype, "o_proj")
+        if not isinstance(self.use_bias, bool):
+            raise TypeError(f"use_bias must be a bool; got {type(self.use_bias).__name__} "
+                            f"{self.use_bias!r}.")
+        dense = lambda i, o, name: _Dense(i, o, self.use_bias, self.param_dtype, name=name)
+        self.q_proj = dense(D, N * H, "q_proj")
+        self.k_proj = dense(D, Nk * H, "k_proj")
+        self.v_proj = dense(D, Nk * H, "v_proj")
+        self.o_proj = dense(N * H, D, "o_proj")
         pos = self.position
         if isinstance(pos, _POSITION_MODULES) or pos is None:
             self._pos = pos
@@ -355,25 +378,33 @@ class MultiHeadAttention(nn.Module):
                 H, max_distance=16 if self.max_distance is None else self.max_distance,
                 param_dtype=self.param_dtype, name="position_module")
 
-    def _qkv(self, x):
-        D, N, Nk, H = self._dims()
-        _checks.check_rank("x", x, (3,), "[batch, seq, d_model]")
-        if x.shape[-1] != D:
-            raise ValueError(f"x must have shape [B, T, d_model={D}]; got {x.shape}.")
-        return (project_heads(x, self.q_proj.value, N, H, self.dtype),
-                project_heads(x, self.k_proj.value, Nk, H, self.dtype),
-                project_heads(x, self.v_proj.value, Nk, H, self.dtype))
+    def _proj(self, layer, x, heads):
+        _, _, _, H = self._dims()
+        return project_heads(x, layer.kernel, heads, H, self.dtype, layer.bias)
 
-    def __call__(self, x, *, positions=None, mask=None, segment_ids=None, scheme=None,
-                 rope_scaling=None, implementation=None) -> jax.Array:
-        q, k, v = self._qkv(x)
-        pos = default_positions(x.shape[:2], positions)
+    def _out(self, o):
+        return merge_heads(o, self.o_proj.kernel, self.dtype, self.o_proj.bias)
+
+    def _qkv(self, x, context=None):
+        D, N, Nk, _ = self._dims()
+        check_attention_input("x", x, D)
+        src = x if context is None else context
+        return (self._proj(self.q_proj, x, N), self._proj(self.k_proj, src, Nk),
+                self._proj(self.v_proj, src, Nk))
+
+    def __call__(self, x, *, context=None, positions=None, kv_positions=None, mask=None,
+                 segment_ids=None, kv_segment_ids=None, scheme=None, rope_scaling=None,
+                 implementation=None) -> jax.Array:
+        pos, kv_pos = attention_inputs(x, context, positions, kv_positions, kv_segment_ids,
+                                       self._dims()[0])
+        q, k, v = self._qkv(x, context)
         if scheme is None:
             scheme = _scheme_of(self._pos, rope_scaling)
-        o = attention(q, k, v, position=scheme, q_positions=pos, kv_positions=pos,
-                      causal=self.causal, mask=mask, segment_ids=segment_ids, scale=self.scale,
+        o = attention(q, k, v, position=scheme, q_positions=pos, kv_positions=kv_pos,
+                      causal=self.causal, mask=mask, segment_ids=segment_ids,
+                      kv_segment_ids=kv_segment_ids, scale=self.scale,
                       implementation=implementation or self.implementation)
-        return merge_heads(o, self.o_proj.value, self.dtype)
+        return self._out(o)
 
     @nn.nowrap
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
@@ -397,7 +428,7 @@ class MultiHeadAttention(nn.Module):
                       q_positions=pos, kv_positions=cache.positions, causal=self.causal,
                       segment_ids=seg, kv_segment_ids=kv_seg, scale=self.scale,
                       implementation=implementation or self.implementation)
-        return poison_rows(merge_heads(o, self.o_proj.value, self.dtype), overflow), cache
+        return poison_rows(self._out(o), overflow), cache
 
 
 # ================================================================== blocks and stacks

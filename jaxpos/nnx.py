@@ -157,12 +157,13 @@ def sinusoidal_embedding(positions, d_model: int, base: float, layout: str, dtyp
     return rows.reshape(pos.shape + (d_model,))
 
 
-def default_positions(tokens_shape, positions) -> jax.Array:
-    """``positions`` validated to int32 ``[B|1, T]`` (``arange(T)`` when ``None``)."""
+def default_positions(tokens_shape, positions, name: str = "positions") -> jax.Array:
+    """``positions`` validated to int32 ``[B|1, T]`` (``arange(T)`` when ``None``); errors
+    name the argument ``name``."""
     B, T = tokens_shape
     if positions is None:
         positions = jnp.arange(T, dtype=jnp.int32)
-    return _checks.positions_2d("positions", positions, B, T)
+    return _checks.positions_2d(name, positions, B, T)
 
 
 def check_learned_length(position: str, max_len, T: int, positions) -> None:
@@ -255,16 +256,46 @@ def poison_rows(x, overflow):
     return jnp.where(overflow.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.array(jnp.nan, x.dtype), x)
 
 
-def project_heads(x, kernel, num_heads: int, head_dim: int, dtype):
-    """``x [B, T, D] @ kernel [D, num_heads * head_dim]`` -> ``[B, T, num_heads, head_dim]``."""
+def project_heads(x, kernel, num_heads: int, head_dim: int, dtype, bias=None):
+    """``x [B, T, D] @ kernel [D, num_heads * head_dim] (+ bias)`` ->
+    ``[B, T, num_heads, head_dim]``."""
     y = jnp.einsum("btd,de->bte", x.astype(dtype), jnp.asarray(kernel, dtype))
+    if bias is not None:
+        y = y + jnp.asarray(bias, dtype)
     return y.reshape(x.shape[:2] + (num_heads, head_dim))
 
 
-def merge_heads(o, kernel, dtype):
-    """``o [B, T, N, H]`` -> ``[B, T, N * H] @ kernel [N * H, D]``."""
-    return jnp.einsum("bte,ed->btd", o.reshape(o.shape[:2] + (-1,)).astype(dtype),
-                      jnp.asarray(kernel, dtype))
+def merge_heads(o, kernel, dtype, bias=None):
+    """``o [B, T, N, H]`` -> ``[B, T, N * H] @ kernel [N * H, D] (+ bias)``."""
+    y = jnp.einsum("bte,ed->btd", o.reshape(o.shape[:2] + (-1,)).astype(dtype),
+                   jnp.asarray(kernel, dtype))
+    return y if bias is None else y + jnp.asarray(bias, dtype)
+
+
+def check_attention_input(name: str, x, d_model: int, batch: int | None = None) -> None:
+    """``x`` must be ``[B, T, d_model]`` (and have ``batch`` rows when given)."""
+    _checks.check_rank(name, x, (3,), "[batch, seq, d_model]")
+    if x.shape[-1] != d_model:
+        raise ValueError(f"{name} must have shape [B, T, d_model={d_model}]; got {x.shape}.")
+    if batch is not None and x.shape[0] != batch:
+        raise ValueError(f"{name} must have the batch size of x ({batch}); got {x.shape}.")
+
+
+def attention_inputs(x, context, positions, kv_positions, kv_segment_ids, d_model: int):
+    """Validate a self- or cross-attention call; returns ``(q_pos, kv_pos)``, int32
+    ``[B|1, T]``. Self-attention (``context is None``) takes no ``kv_positions`` or
+    ``kv_segment_ids``: the keys are ``x`` at ``positions``."""
+    check_attention_input("x", x, d_model)
+    pos = default_positions(x.shape[:2], positions)
+    if context is None:
+        for name, val in (("kv_positions", kv_positions), ("kv_segment_ids", kv_segment_ids)):
+            if val is not None:
+                raise ValueError(f"{name} applies to cross-attention (context=...) only; got "
+                                 f"{name} without a context. Self-attention keys share the "
+                                 f"queries' positions and segment_ids.")
+        return pos, pos
+    check_attention_input("context", context, d_model, batch=x.shape[0])
+    return pos, default_positions(context.shape[:2], kv_positions, "kv_positions")
 
 
 def rms_norm(x, scale, eps: float = 1e-6):
@@ -550,7 +581,7 @@ def position_scheme(module, rope_scaling=None):
 # ================================================================== attention
 
 class MultiHeadAttention(nnx.Module):
-    """Multi-head (grouped-query) self-attention with any position scheme, over
+    """Multi-head (grouped-query) self- or cross-attention with any position scheme, over
     :func:`jaxpos.attention`.
 
     Args:
@@ -568,14 +599,19 @@ class MultiHeadAttention(nnx.Module):
       num_buckets, max_distance: T5 options (32, 128), or ``max_distance`` = Shaw's K (16).
       scale: score scale, default ``1/sqrt(head_dim)``.
       implementation: default backend of :func:`jaxpos.attention` (``None`` = best).
+      use_bias: add biases to the four projections (GPT-2, BLOOM, BERT); default False
+        (Llama, T5).
       dtype: compute dtype; param_dtype: parameter dtype. rngs: :class:`flax.nnx.Rngs`.
 
     Parameters: ``q_proj.kernel [D, N*H]``, ``k_proj.kernel``/``v_proj.kernel [D, N_kv*H]``,
-    ``o_proj.kernel [N*H, D]`` (no biases), plus those of the position module
-    (attribute ``position_module``, e.g. ``position_module.rel_k`` for Shaw).
+    ``o_proj.kernel [N*H, D]`` (and ``*.bias`` with ``use_bias``), plus those of the
+    position module (attribute ``position_module``, e.g. ``position_module.rel_k`` for Shaw).
 
     Call: ``x [B, T, D]`` -> ``[B, T, D]``, keyword ``positions`` (int ``[T]``/``[B, T]``,
-    default ``arange``), ``mask``/``segment_ids`` as in :func:`jaxpos.attention`,
+    default ``arange``), ``context`` (``[B, Tk, D]``: cross-attention, keys and values
+    from ``context`` at ``kv_positions``, default ``arange(Tk)``, with ``kv_segment_ids``;
+    T5's decoder uses ``position="nope"`` there), ``mask``/``segment_ids`` as in
+    :func:`jaxpos.attention`,
     ``scheme`` (a scheme object that replaces this layer's own, e.g. a stack's shared T5
     bias), ``rope_scaling`` (this call only; ``ValueError`` for a non-RoPE layer),
     ``implementation``. ``decode(x, cache, ...)`` appends to a :class:`KVCache` from
@@ -589,15 +625,17 @@ class MultiHeadAttention(nnx.Module):
                  head_dim: int | None = None, position: Any = "nope", causal: bool = False,
                  rotary_dim: int | None = None, rope_base: float = 10000.0,
                  num_buckets: int = 32, max_distance: int | None = None, scale: float | None = None,
-                 implementation: str | None = None, dtype=jnp.float32, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 implementation: str | None = None, use_bias: bool = False, dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
         d_model, num_heads, num_kv_heads, head_dim = attention_dims(d_model, num_heads,
                                                                     num_kv_heads, head_dim)
+        if not isinstance(use_bias, bool):
+            raise TypeError(f"use_bias must be a bool; got {type(use_bias).__name__} {use_bias!r}.")
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = (
             d_model, num_heads, num_kv_heads, head_dim)
         self.causal, self.scale, self.implementation, self.dtype = (
             bool(causal), scale, implementation, dtype)
-        lin = lambda i, o: nnx.Linear(i, o, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+        lin = lambda i, o: nnx.Linear(i, o, use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
         self.q_proj = lin(d_model, num_heads * head_dim)
         self.k_proj = lin(d_model, num_kv_heads * head_dim)
         self.v_proj = lin(d_model, num_kv_heads * head_dim)
@@ -607,25 +645,34 @@ class MultiHeadAttention(nnx.Module):
             rotary_dim=rotary_dim, rope_base=rope_base, num_buckets=num_buckets,
             max_distance=max_distance, d_model=d_model, param_dtype=param_dtype, rngs=rngs)
 
-    def _qkv(self, x):
-        _checks.check_rank("x", x, (3,), "[batch, seq, d_model]")
-        if x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have shape [B, T, d_model={self.d_model}]; got {x.shape}.")
-        q = project_heads(x, self.q_proj.kernel[...], self.num_heads, self.head_dim, self.dtype)
-        k = project_heads(x, self.k_proj.kernel[...], self.num_kv_heads, self.head_dim, self.dtype)
-        v = project_heads(x, self.v_proj.kernel[...], self.num_kv_heads, self.head_dim, self.dtype)
-        return q, k, v
+    def _proj(self, layer, x, heads):
+        bias = None if layer.bias is None else layer.bias[...]
+        return project_heads(x, layer.kernel[...], heads, self.head_dim, self.dtype, bias)
 
-    def __call__(self, x, *, positions=None, mask=None, segment_ids=None, scheme=None,
-                 rope_scaling=None, implementation=None) -> jax.Array:
-        q, k, v = self._qkv(x)
-        pos = default_positions(x.shape[:2], positions)
+    def _out(self, o):
+        bias = None if self.o_proj.bias is None else self.o_proj.bias[...]
+        return merge_heads(o, self.o_proj.kernel[...], self.dtype, bias)
+
+    def _qkv(self, x, context=None):
+        check_attention_input("x", x, self.d_model)
+        src = x if context is None else context
+        return (self._proj(self.q_proj, x, self.num_heads),
+                self._proj(self.k_proj, src, self.num_kv_heads),
+                self._proj(self.v_proj, src, self.num_kv_heads))
+
+    def __call__(self, x, *, context=None, positions=None, kv_positions=None, mask=None,
+                 segment_ids=None, kv_segment_ids=None, scheme=None, rope_scaling=None,
+                 implementation=None) -> jax.Array:
+        pos, kv_pos = attention_inputs(x, context, positions, kv_positions, kv_segment_ids,
+                                       self.d_model)
+        q, k, v = self._qkv(x, context)
         if scheme is None:
             scheme = position_scheme(self.position_module, rope_scaling)
-        o = attention(q, k, v, position=scheme, q_positions=pos, kv_positions=pos,
-                      causal=self.causal, mask=mask, segment_ids=segment_ids, scale=self.scale,
+        o = attention(q, k, v, position=scheme, q_positions=pos, kv_positions=kv_pos,
+                      causal=self.causal, mask=mask, segment_ids=segment_ids,
+                      kv_segment_ids=kv_segment_ids, scale=self.scale,
                       implementation=implementation or self.implementation)
-        return merge_heads(o, self.o_proj.kernel[...], self.dtype)
+        return self._out(o)
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """An empty :class:`KVCache` of ``max_len`` slots for ``batch`` rows."""
@@ -654,7 +701,7 @@ class MultiHeadAttention(nnx.Module):
                       q_positions=pos, kv_positions=cache.positions, causal=self.causal,
                       segment_ids=seg, kv_segment_ids=kv_seg, scale=self.scale,
                       implementation=implementation or self.implementation)
-        return poison_rows(merge_heads(o, self.o_proj.kernel[...], self.dtype), overflow), cache
+        return poison_rows(self._out(o), overflow), cache
 
 
 # ================================================================== blocks and stacks
@@ -874,7 +921,9 @@ class DecoderLM(_Stack):
         ``positions`` default to each row's fill count ``+ arange(T)``; give them to put
         rows at different offsets. Returns ``(logits float32 [B, T, vocab_size], cache)``.
         Decoding a sequence token by token gives the logits of the full forward pass with
-        the same positions. Raises as :meth:`__call__`, and ``ValueError`` on concrete
+        the same positions, except with a length-dependent ``rope_scaling`` (dynamic NTK,
+        LongRoPE): cached keys keep the rotation of the call that wrote them, as in Hugging
+        Face's decoding (:func:`rotate_at_write`). Raises as :meth:`__call__`, and ``ValueError`` on concrete
         cache overflow (traced overflow gives NaN rows).
         """
         if not isinstance(cache, (tuple, list)) or len(cache) != self.num_layers:

@@ -239,7 +239,7 @@ def _fwd_kernel(*refs, cfg, n_parts):
     init = (jnp.full((bq, 1), -jnp.inf, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
             jnp.zeros((bq, hv), jnp.float32))
     m, l, acc = jax.lax.fori_loop(0, cfg.nk, body, init)
-    nonempty = l > 0.0
+    nonempty = l != 0.0  # exactly 0 only when no key is visible; NaN stays NaN
     l_safe = jnp.where(nonempty, l, 1.0)
     o_ref[...] = jnp.where(nonempty, acc / l_safe, 0.0).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(nonempty, m + jnp.log(l_safe), -jnp.inf)

@@ -293,6 +293,11 @@ def _decoder(**kw):
 _TOK = np.zeros((2, 4), np.int32)
 
 
+def _mha():
+    nnx, jn = _nnx()
+    return jn.MultiHeadAttention(16, 2, rngs=nnx.Rngs(0))
+
+
 def _linen_init(position="rope", tokens=_TOK, **kw):
     from jaxpos import linen as jl
     model = jl.DecoderLM(vocab_size=32, d_model=16, num_layers=1, num_heads=2,
@@ -544,6 +549,21 @@ CASES += [
       ("fn", "callable", "str")),
     L("testing.assert_equal_under_vmap/fn", lambda: _testing().assert_equal_under_vmap(3, Q), TypeError,
       ("fn", "callable", "int")),
+    # cross-attention and biases in nnx.MultiHeadAttention
+    L("nnx.MultiHeadAttention/context-width", lambda: _mha()(_x(2, 4, 16), context=_x(2, 6, 8)),
+      ValueError, ("context", "d_model=16", "(2, 6, 8)")),
+    L("nnx.MultiHeadAttention/context-batch", lambda: _mha()(_x(2, 4, 16), context=_x(1, 6, 16)),
+      ValueError, ("context", "batch size of x (2)", "(1, 6, 16)")),
+    L("nnx.MultiHeadAttention/kv_positions-without-context", lambda: _mha()(
+        _x(2, 4, 16), kv_positions=POS), ValueError, ("kv_positions", "cross-attention", "context")),
+    L("nnx.MultiHeadAttention/kv_positions-float", lambda: _mha()(
+        _x(2, 4, 16), context=_x(2, 6, 16), kv_positions=np.arange(6.0)), TypeError,
+      ("kv_positions", "float")),
+    L("nnx.MultiHeadAttention/use_bias", lambda: _nnx()[1].MultiHeadAttention(
+        16, 2, use_bias="yes", rngs=_nnx()[0].Rngs(0)), TypeError, ("use_bias", "bool", "'yes'")),
+    L("linen.MultiHeadAttention/context-width", lambda: _linen().MultiHeadAttention(
+        d_model=16, num_heads=2).init(jax.random.PRNGKey(0), _x(2, 4, 16), context=_x(2, 6, 8)),
+      ValueError, ("context", "d_model=16", "(2, 6, 8)")),
     # length-dependent RoPE frequencies, HF settings reader, kernel predicate, low-level rotate
     L("depends_on_length/dict", lambda: _rs().depends_on_length({"factor": 2.0}), TypeError,
       ("scaling", "dict")),

@@ -55,3 +55,24 @@ def test_traced_scale_is_accepted():
 def test_integer_tables_are_rejected(make, name):
     with pytest.raises(TypeError, match=rf"{name} must be a floating-point array.*int32"):
         make()
+
+
+@pytest.mark.parametrize("impl", jaxpos.IMPLEMENTATIONS)
+def test_nan_and_inf_inputs_propagate_as_nan_never_as_zero_rows(impl):
+    """A NaN in one query, or an inf in one key, makes NaN outputs as in the reference
+    (a diverged run must show NaN); it must not look like a row with no visible key, which
+    is the only case that returns zeros. The empty row in the same call still gives zeros."""
+    q = jax.random.normal(jax.random.key(0), (1, 8, 2, 8))
+    k = jax.random.normal(jax.random.key(1), (1, 8, 2, 8))
+    seg = jnp.array([[0, 0, 0, 0, 0, 0, 0, 1]])      # query 7's segment has no key
+    kseg = jnp.array([[0, 0, 0, 0, 0, 0, 0, 0]])
+    kw = dict(implementation=impl, segment_ids=seg, kv_segment_ids=kseg, block_q=4, block_k=4)
+    out = jaxpos.attention(q.at[0, 3, 0, 0].set(jnp.nan), k, k, **kw)
+    assert np.isnan(np.asarray(out[0, 3, 0])).all()            # the NaN query's row
+    assert np.isfinite(np.asarray(out[0, :3])).all()           # other rows unaffected
+    np.testing.assert_array_equal(out[0, 7], 0.0)              # the empty row: zeros
+    out = jaxpos.attention(q, k.at[0, 2, 1, 0].set(jnp.inf), k, **kw)
+    assert np.isnan(np.asarray(out[0, :7, 1])).any()           # head 1 sees the inf key
+    assert not (np.asarray(out[0, :7]) == 0).all(-1).any()     # no row silently zeroed
+    out = jaxpos.attention(q, k, k, scale=float("nan"), **kw)
+    assert np.isnan(np.asarray(out[0, :7])).all()
