@@ -7,6 +7,7 @@ got and what was expected.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -69,6 +70,23 @@ def check_positive_int(name: str, value: Any) -> int:
     if value <= 0:
         raise ValueError(f"{name} must be a positive integer (>= 1); got {value}.")
     return int(value)
+
+
+def check_positive_float(name: str, value: Any) -> float:
+    """Return ``value`` as a float; ``TypeError`` if not a real number (a string, a bool,
+    an array with more than one element), ``ValueError`` if not finite or ``<= 0``. Used for
+    ``base`` (``rope_theta``, the sinusoid's 10000) and scaling factors."""
+    if isinstance(value, (bool, str, bytes)) or not isinstance(
+            value, (int, float, np.integer, np.floating)) and np.ndim(value) != 0:
+        raise TypeError(f"{name} must be a real number; got {type(value).__name__} {value!r}.")
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a real number; got {type(value).__name__} "
+                        f"{value!r}.") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise ValueError(f"{name} must be a finite number > 0; got {value!r}.")
+    return v
 
 
 def check_nonneg_int(name: str, value: Any) -> int:

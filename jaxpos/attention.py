@@ -598,6 +598,9 @@ def attention(
             hasattr(scale, "dtype") and not jnp.issubdtype(scale.dtype, jnp.number)):
         raise TypeError(f"scale must be a real number (default 1/sqrt(head_dim)); got "
                         f"{type(scale).__name__} {scale!r}.")
+    elif np.ndim(scale) != 0:
+        raise ValueError(f"scale must be a scalar (one factor for every score); got shape "
+                         f"{np.shape(scale)}.")
     if Tq == 0 or Tk == 0:  # nothing to attend from, or no visible key: zeros
         return jnp.zeros((B, Tq, N, v.shape[-1]), q.dtype)
 

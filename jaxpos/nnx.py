@@ -59,7 +59,7 @@ from flax import nnx
 from jaxpos import _checks
 from jaxpos import schemes as _schemes
 from jaxpos.alibi import alibi_bias
-from jaxpos.attention import attention
+from jaxpos.attention import IMPLEMENTATIONS, attention
 from jaxpos.learned import learned_positions
 from jaxpos.rope import apply_rope, check_rotary_dim
 from jaxpos.sinusoidal import sinusoidal_pe
@@ -272,6 +272,13 @@ def merge_heads(o, kernel, dtype, bias=None):
     return y if bias is None else y + jnp.asarray(bias, dtype)
 
 
+def check_implementation(implementation) -> None:
+    """``None`` or one of :data:`jaxpos.IMPLEMENTATIONS`, checked when a layer is built
+    (not only at its first call)."""
+    if implementation is not None:
+        _checks.check_choice("implementation", implementation, IMPLEMENTATIONS)
+
+
 def check_attention_input(name: str, x, d_model: int, batch: int | None = None) -> None:
     """``x`` must be ``[B, T, d_model]`` (and have ``batch`` rows when given)."""
     _checks.check_rank(name, x, (3,), "[batch, seq, d_model]")
@@ -412,8 +419,7 @@ class RotaryEmbedding(nnx.Module):
                  scaling=None):
         self.rotary_dim = check_rotary_dim(rotary_dim)
         _checks.check_choice("layout", layout, ("half", "interleaved"))
-        if not float(base) > 0:
-            raise ValueError(f"base must be > 0; got {base!r}.")
+        _checks.check_positive_float("base", base)
         self.base, self.layout, self.scaling = float(base), layout, scaling
 
     def scheme(self, scaling=None) -> _schemes.RoPE:
@@ -631,6 +637,7 @@ class MultiHeadAttention(nnx.Module):
                                                                     num_kv_heads, head_dim)
         if not isinstance(use_bias, bool):
             raise TypeError(f"use_bias must be a bool; got {type(use_bias).__name__} {use_bias!r}.")
+        check_implementation(implementation)
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = (
             d_model, num_heads, num_kv_heads, head_dim)
         self.causal, self.scale, self.implementation, self.dtype = (

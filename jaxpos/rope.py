@@ -91,8 +91,7 @@ def rope_frequencies(rotary_dim: int, base: float = 10000.0, *, scaling=None, se
       TypeError: ``rotary_dim`` not an int.
     """
     check_rotary_dim(rotary_dim)
-    if not float(base) > 0:
-        raise ValueError(f"base must be > 0; got {base!r}.")
+    _checks.check_positive_float("base", base)
     if scaling is not None:
         from jaxpos import rope_scaling  # the registry of context-extension methods
 
@@ -142,8 +141,7 @@ def p_rope_frequencies(head_dim: int, base: float = 10000.0, *, p: float) -> jax
     p = float(p)
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"p must be in [0, 1] (the fraction of frequencies that rotate); got {p}.")
-    if not float(base) > 0:
-        raise ValueError(f"base must be > 0; got {base!r}.")
+    _checks.check_positive_float("base", base)
     n_rot = int(p * head_dim // 2)
     exps = np.arange(0, 2 * n_rot, 2).astype(np.float32) / np.float32(head_dim)
     rot = (np.float32(1.0) / (np.float32(base) ** exps)).astype(np.float32)
@@ -510,8 +508,7 @@ def axial_rope_frequencies(head_dim: int, base: float = 10000.0) -> jax.Array:
     if h % 4:
         raise ValueError(f"head_dim must be a multiple of 4 for 2-D axial RoPE (pairs split "
                          f"between height and width); got {h}.")
-    if not float(base) > 0:
-        raise ValueError(f"base must be > 0; got {base!r}.")
+    _checks.check_positive_float("base", base)
     return jnp.asarray(default_inv_freq(h // 2, base))
 
 

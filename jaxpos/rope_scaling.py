@@ -73,10 +73,7 @@ _f32 = np.float32
 
 
 def _positive(name, value, *, cls):
-    v = float(value)
-    if not (v > 0 and math.isfinite(v)):
-        raise ValueError(f"{cls}.{name} must be a finite number > 0; got {value!r}.")
-    return v
+    return _checks.check_positive_float(f"{cls}.{name}", value)
 
 
 def _positive_int(name, value, *, cls):
@@ -276,8 +273,15 @@ def _linear(s: LinearScaling, dim: int, base: float, seq_len):
     return (default_inv_freq(dim, base) / _f32(s.factor)).astype(_f32), 1.0
 
 
+def _check_dynamic_dim(dim: int) -> None:
+    if dim < 4:  # the base is raised to dim / (dim - 2)
+        raise ValueError(f"DynamicNTKScaling needs rotary_dim >= 4 (its base grows as "
+                         f"(...) ** (rotary_dim / (rotary_dim - 2))); got rotary_dim={dim}.")
+
+
 @_register(DynamicNTKScaling)
 def _dynamic(s: DynamicNTKScaling, dim: int, base: float, seq_len):
+    _check_dynamic_dim(dim)
     L = s.original_max_position_embeddings
     if seq_len is None or seq_len <= L:
         return default_inv_freq(dim, base), 1.0
@@ -410,8 +414,7 @@ def scaled_frequencies(rotary_dim: int, base: float, scaling, *, seq_len=None):
       ValueError: bad ``rotary_dim`` or ``base``; LongRoPE factors of the wrong length.
     """
     check_rotary_dim(rotary_dim)
-    if not float(base) > 0:
-        raise ValueError(f"base must be > 0; got {base!r}.")
+    _checks.check_positive_float("base", base)
     _check_scaling(scaling)
     if seq_len is not None:
         seq_len = _checks.check_positive_int("seq_len", seq_len)
@@ -455,8 +458,7 @@ def frequencies_for_length(rotary_dim: int, base: float, scaling, seq_len):
                         f"{type(seq_len).__name__} {seq_len!r}.")
     if scaling is None:
         check_rotary_dim(rotary_dim)
-        if not float(base) > 0:
-            raise ValueError(f"base must be > 0; got {base!r}.")
+        _checks.check_positive_float("base", base)
         return jnp.asarray(default_inv_freq(rotary_dim, base)), 1.0
     short, af = scaled_frequencies(rotary_dim, base, scaling, seq_len=None)
     if not depends_on_length(scaling):
@@ -467,6 +469,7 @@ def frequencies_for_length(rotary_dim: int, base: float, scaling, seq_len):
         long = jnp.asarray(_longrope_inv_freq(scaling, rotary_dim, float(base), True))
         return jnp.where(seq_len > L, long, short), af
     # Dynamic NTK, op for op as HF's _compute_dynamic_ntk_parameters with a tensor seq_len.
+    _check_dynamic_dim(rotary_dim)
     f32 = jnp.float32
     sl = jnp.maximum(seq_len, L).astype(f32)
     t = (f32(scaling.factor) * sl) / f32(L) - f32(scaling.factor - 1)

@@ -39,8 +39,7 @@ def sinusoidal_frequencies(d: int, base: float = 10000.0) -> np.ndarray:
       TypeError: ``d`` not an int. ValueError: ``d < 1`` or ``base <= 0``.
     """
     d = _checks.check_positive_int("d", d)
-    if not base > 0:
-        raise ValueError(f"base must be a positive float; got {base!r}.")
+    _checks.check_positive_float("base", base)
     i = np.arange((d + 1) // 2, dtype=np.float64)
     return np.power(float(base), -2.0 * i / d)
 
@@ -73,13 +72,20 @@ def sinusoidal_pe(
       ``[T, d]`` (or ``[B, T, d]`` with a ``[B]`` offset) array of ``dtype``.
 
     Raises:
-      ValueError: ``T < 0``, ``d < 1``, ``base <= 0`` or an unknown ``layout``.
+      ValueError: ``T < 0``, ``d < 1``, ``base <= 0``, an unknown ``layout``, or a
+        concrete ``offset`` whose positions ``offset .. offset + T - 1`` leave int32.
       TypeError: ``T`` or ``d`` not an int, or a float ``offset``.
     """
     T = _checks.check_nonneg_int("T", T)
     d = _checks.check_positive_int("d", d)
     _checks.check_choice("layout", layout, ("interleaved", "concat"))
     omega = jnp.asarray(sinusoidal_frequencies(d, base), jnp.float32)
+    if _checks.is_concrete(offset) and np.issubdtype(np.asarray(offset).dtype, np.integer):
+        a = np.asarray(offset).astype(np.int64)  # before JAX's int32 cast can wrap it
+        info = np.iinfo(np.int32)
+        if a.size and (a.min() < info.min or a.max() + max(T - 1, 0) > info.max):
+            raise ValueError(f"offset + T - 1 must fit in int32 (positions are int32 inside); "
+                             f"got offset from {a.min()} to {a.max()} with T={T}.")
     off = jnp.asarray(offset)
     if not jnp.issubdtype(off.dtype, jnp.integer):
         raise TypeError(f"offset must be an integer (scalar or [B]); got dtype {off.dtype}.")

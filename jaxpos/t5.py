@@ -28,7 +28,8 @@ def check_bucket_args(num_buckets, max_distance, bidirectional) -> None:
     """Validate T5 bucket hyperparameters (Raffel et al. 2020, §2.1).
 
     Raises:
-      TypeError: ``num_buckets`` or ``max_distance`` not a Python int.
+      TypeError: ``num_buckets`` or ``max_distance`` not a Python int; ``bidirectional``
+        not a bool.
       ValueError: a non-positive value, an odd ``num_buckets`` when ``bidirectional``
         (half the buckets per direction), fewer than 2 buckets per direction, or
         ``max_distance`` not above the exact range ``num_buckets_per_direction // 2``
@@ -36,6 +37,9 @@ def check_bucket_args(num_buckets, max_distance, bidirectional) -> None:
     """
     _checks.check_positive_int("num_buckets", num_buckets)
     _checks.check_positive_int("max_distance", max_distance)
+    if not isinstance(bidirectional, (bool, np.bool_)):
+        raise TypeError(f"bidirectional must be a bool; got {type(bidirectional).__name__} "
+                        f"{bidirectional!r}.")
     if bidirectional and num_buckets % 2:
         raise ValueError(
             f"num_buckets must be even when bidirectional=True (half per direction); "

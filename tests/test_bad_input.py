@@ -564,6 +564,25 @@ CASES += [
     L("linen.MultiHeadAttention/context-width", lambda: _linen().MultiHeadAttention(
         d_model=16, num_heads=2).init(jax.random.PRNGKey(0), _x(2, 4, 16), context=_x(2, 6, 8)),
       ValueError, ("context", "d_model=16", "(2, 6, 8)")),
+    # found by a fresh-user review
+    A("attention/scale-array", ValueError, ("scale", "scalar", "(4,)"), scale=np.ones(4, np.float32)),
+    L("RoPE/base-string", lambda: RoPE(rotary_dim=8, base="10000"), TypeError, ("base", "str", "'10000'")),
+    L("RoPE/base-inf", lambda: RoPE(rotary_dim=8, base=float("inf")), ValueError, ("base", "inf")),
+    L("RoPE/dynamic-rotary_dim-2", lambda: attention(Q[..., :2], KV[..., :2], KV[..., :2], position=RoPE(
+        rotary_dim=2, scaling=_rs().DynamicNTKScaling(factor=2.0, original_max_position_embeddings=2))),
+      ValueError, ("DynamicNTKScaling", "rotary_dim >= 4", "rotary_dim=2")),
+    L("LinearScaling/factor-string", lambda: _rs().LinearScaling("2"), TypeError,
+      ("LinearScaling.factor", "str", "'2'")),
+    L("t5_bucket/bidirectional-string", lambda: t5_bucket(np.arange(4), bidirectional="no"), TypeError,
+      ("bidirectional", "bool", "'no'")),
+    L("sinusoidal_pe/offset-past-int32", lambda: sinusoidal_pe(3, 4, offset=np.int64(2 ** 32 + 5)),
+      ValueError, ("offset", "int32", "4294967301")),
+    L("sinusoidal_pe/base-string", lambda: sinusoidal_pe(4, 8, base="1e4"), TypeError, ("base", "'1e4'")),
+    L("nnx.DecoderLM/implementation-at-construction", lambda: _decoder(implementation="fast"),
+      ValueError, ("implementation", "'fast'", "chunked")),
+    L("linen.MultiHeadAttention/implementation", lambda: _linen().MultiHeadAttention(
+        d_model=16, num_heads=2, implementation="fast").init(jax.random.PRNGKey(0), _x(2, 4, 16)),
+      ValueError, ("implementation", "'fast'")),
     # length-dependent RoPE frequencies, HF settings reader, kernel predicate, low-level rotate
     L("depends_on_length/dict", lambda: _rs().depends_on_length({"factor": 2.0}), TypeError,
       ("scaling", "dict")),
