@@ -24,7 +24,10 @@ Angle precision (``angle_precision``):
 * ``"float32"``: ``float32(pos) * inv_freq`` rounded once, exactly as Hugging Face
   transformers computes it. Its error grows with the position: about ``pos * 6e-8`` rad
   for ``inv_freq = 1`` (0.008 rad at 131,072; 0.06 rad at 1,000,000), far above bfloat16
-  rounding at long positions. Use it to reproduce HF's numbers to the last digit.
+  rounding at long positions. Use it to reproduce HF's numbers to the last digit, given
+  the same ``inv_freq``: dynamic NTK's recomputed frequencies can differ from HF's by one
+  float32 ulp (a ``pow`` rounding), which this mode multiplies by the position (cos/sin
+  differ by ~5e-4 at position 5,000, ~4e-3 at 200,000).
 
 Either way cos, sin and the rotation are computed in float32 and cast back once
 (Hugging Face instead casts cos/sin to the input dtype and rotates in it).
