@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpos import _checks
 from jaxpos.alibi import relative_offsets
@@ -60,9 +61,25 @@ def shaw_clipped_index(q_positions, kv_positions, max_distance: int) -> jax.Arra
     Returns:
       int32 ``[Tq, Tk]`` or ``[B, Tq, Tk]`` in ``[0, 2K]``; the clip is explicit, so
       no gather ever relies on JAX's index clamping (or NumPy's negative wrap).
+
+    Raises:
+      TypeError: float positions, or ``max_distance`` not an int.
+      ValueError: a negative ``max_distance``.
     """
+    max_distance = _checks.check_nonneg_int("max_distance", max_distance)
+    _checks.check_integer_positions("q_positions", q_positions)
+    _checks.check_integer_positions("kv_positions", kv_positions)
     rel = relative_offsets(q_positions, kv_positions)
     return jnp.clip(rel, -max_distance, max_distance) + max_distance
+
+
+def _check_shaw_operands(xname, x, idx, tname, table, width):
+    _checks.check_rank(xname, x, (4,), "[B, N, Tq, H]" if xname == "q" else "[B, N, Tq, Tk]")
+    _checks.check_rank("idx", idx, (3,), "[B|1, Tq, Tk] from shaw_clipped_index")
+    _checks.check_rank(tname, table, (2,), "[2K + 1, H]")
+    if width is not None and np.shape(table)[-1] != width:
+        raise ValueError(f"{tname} must have q's head size {width} as its width; got "
+                         f"{tname} {np.shape(table)}, q {np.shape(x)}.")
 
 
 def shaw_logits(q, idx, rel_k) -> jax.Array:
@@ -75,7 +92,11 @@ def shaw_logits(q, idx, rel_k) -> jax.Array:
 
     Returns:
       float32 ``[B, N, Tq, Tk]``.
+
+    Raises:
+      ValueError: wrong ranks, or ``rel_k``'s width not ``q``'s head size.
     """
+    _check_shaw_operands("q", q, idx, "rel_k", rel_k, q.shape[-1] if np.ndim(q) == 4 else None)
     qa = jnp.einsum("bnqh,rh->bnqr", q.astype(jnp.float32), rel_k.astype(jnp.float32))
     B, N, Tq, _ = qa.shape
     ix = jnp.broadcast_to(idx[:, None], (B, N, Tq, idx.shape[-1]))
@@ -88,7 +109,14 @@ def shaw_values(p, idx, rel_v) -> jax.Array:
     ``p``: weights ``[B, N, Tq, Tk]`` (need not be normalised: the term is linear in p).
     The weights are summed per offset bucket (``[B, N, Tq, 2K+1]``) before touching
     the value vectors, so no ``[Tq, Tk, H]`` tensor is formed.
+
+    Raises:
+      ValueError: wrong ranks, or ``idx``'s key length not ``p``'s.
     """
+    _check_shaw_operands("p", p, idx, "rel_v", rel_v, None)
+    if np.shape(idx)[-1] != np.shape(p)[-1]:
+        raise ValueError(f"idx must have p's key length {np.shape(p)[-1]} on its last axis; "
+                         f"got idx {np.shape(idx)}, p {np.shape(p)}.")
     R = rel_v.shape[0]
     onehot = jax.nn.one_hot(idx, R, dtype=jnp.float32)  # [B|1, Tq, Tk, R]
     w = jnp.einsum("bnqk,bqkr->bnqr", p.astype(jnp.float32), onehot)

@@ -293,6 +293,11 @@ def _decoder(**kw):
 _TOK = np.zeros((2, 4), np.int32)
 
 
+def _shaw():
+    import sys
+    return sys.modules["jaxpos.shaw"]
+
+
 def _mha():
     nnx, jn = _nnx()
     return jn.MultiHeadAttention(16, 2, rngs=nnx.Rngs(0))
@@ -564,6 +569,21 @@ CASES += [
     L("linen.MultiHeadAttention/context-width", lambda: _linen().MultiHeadAttention(
         d_model=16, num_heads=2).init(jax.random.PRNGKey(0), _x(2, 4, 16), context=_x(2, 6, 8)),
       ValueError, ("context", "d_model=16", "(2, 6, 8)")),
+    # Shaw building blocks (jaxpos.shaw)
+    L("shaw_clipped_index/max_distance", lambda: _shaw().shaw_clipped_index(POS, POS, -1), ValueError,
+      ("max_distance", "-1")),
+    L("shaw_clipped_index/positions-float", lambda: _shaw().shaw_clipped_index(
+        POS.astype(np.float32), POS, 2), TypeError, ("q_positions", "float32")),
+    L("shaw_logits/rel_k-width", lambda: _shaw().shaw_logits(
+        Q, np.zeros((1, T, T), np.int32), _x(5, 6)), ValueError, ("rel_k", "head size 8", "(5, 6)")),
+    L("shaw_logits/idx-rank", lambda: _shaw().shaw_logits(Q, np.zeros((T, T), np.int32), SHAW),
+      ValueError, ("idx", "rank 3", "(4, 4)")),
+    L("shaw_values/p-rank", lambda: _shaw().shaw_values(_x(T, T), np.zeros((1, T, T), np.int32), SHAW),
+      ValueError, ("p", "rank 4", "(4, 4)")),
+    L("shaw_values/idx-length", lambda: _shaw().shaw_values(
+        _x(B, N, T, T), np.zeros((1, T, T + 1), np.int32), SHAW), ValueError, ("idx", "key length 4")),
+    L("check_shaw_table/even-rows", lambda: _shaw().check_shaw_table("rel_k", _x(4, H)), ValueError,
+      ("rel_k", "odd number of rows", "(4, 8)")),
     # found by a fresh-user review
     A("attention/scale-array", ValueError, ("scale", "scalar", "(4,)"), scale=np.ones(4, np.float32)),
     L("RoPE/base-string", lambda: RoPE(rotary_dim=8, base="10000"), TypeError, ("base", "str", "'10000'")),
