@@ -281,3 +281,29 @@ def test_bad_input(argument, error, call, got):
     msg = str(info.value)
     assert msg.startswith(argument + " "), msg  # names the argument
     assert "got" in msg and got in msg, msg  # and what it got
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "concat"])
+def test_high_angle_precision_at_long_offsets_matches_float64(layout):
+    """``angle_precision="high"`` reduces ``pos * omega`` exactly (jaxpos.rope.rope_angles):
+    at offsets near 1e6 and 1e8 it matches a float64 table to ~1e-6, while the default
+    float32 product is off by more than 1e-2 at 1e6 (and the default is unchanged)."""
+    d, T = 64, 8
+    omega = np.asarray(sinusoidal_frequencies(d), np.float32).astype(np.float64)
+    for offset in (1_000_000, 100_000_000):
+        pos = np.arange(T, dtype=np.float64) + offset
+        ang = pos[:, None] * omega[None]  # float64, the float32 omega taken as exact
+        if layout == "interleaved":
+            want = np.stack([np.sin(ang), np.cos(ang)], -1).reshape(T, d)
+        else:
+            want = np.concatenate([np.sin(ang), np.cos(ang)], -1)
+        high = np.asarray(sinusoidal_pe(T, d, offset=offset, layout=layout,
+                                               angle_precision="high"))
+        np.testing.assert_allclose(high, want, atol=2e-6, rtol=0)
+        if offset == 1_000_000:
+            plain = np.asarray(sinusoidal_pe(T, d, offset=offset, layout=layout))
+            assert np.abs(plain - want).max() > 1e-2
+    np.testing.assert_array_equal(sinusoidal_pe(T, d, offset=5, angle_precision="float32"),
+                                  sinusoidal_pe(T, d, offset=5))
+    with pytest.raises(ValueError, match="angle_precision"):
+        sinusoidal_pe(T, d, angle_precision="f64")
