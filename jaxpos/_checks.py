@@ -72,18 +72,24 @@ def check_positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
-def check_positive_float(name: str, value: Any) -> float:
+def check_real(name: str, value: Any) -> float:
     """Return ``value`` as a float; ``TypeError`` if not a real number (a string, a bool,
-    an array with more than one element), ``ValueError`` if not finite or ``<= 0``. Used for
-    ``base`` (``rope_theta``, the sinusoid's 10000) and scaling factors."""
+    an array with more than one element)."""
     if isinstance(value, (bool, str, bytes)) or not isinstance(
             value, (int, float, np.integer, np.floating)) and np.ndim(value) != 0:
         raise TypeError(f"{name} must be a real number; got {type(value).__name__} {value!r}.")
     try:
-        v = float(value)
+        return float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{name} must be a real number; got {type(value).__name__} "
                         f"{value!r}.") from None
+
+
+def check_positive_float(name: str, value: Any) -> float:
+    """Return ``value`` as a float; ``TypeError`` if not a real number (:func:`check_real`),
+    ``ValueError`` if not finite or ``<= 0``. Used for ``base`` (``rope_theta``, the
+    sinusoid's 10000) and scaling factors."""
+    v = check_real(name, value)
     if not (v > 0 and math.isfinite(v)):
         raise ValueError(f"{name} must be a finite number > 0; got {value!r}.")
     return v
@@ -127,15 +133,17 @@ def is_concrete(x: Any) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def check_int32_range(name: str, x: Any) -> None:
-    """Concrete integer arrays wider than int32 must fit it: positions are int32 inside."""
+def check_int32_range(name: str, x: Any, span: int = 0) -> None:
+    """Concrete integer arrays must fit int32 (positions are int32 inside), and so must
+    ``x + span`` (an offset followed by ``span`` more positions)."""
     dt = dtype_of(x)
-    if not is_concrete(x) or np.iinfo(dt).bits < 32 or dt == np.int32:
+    if not is_concrete(x) or np.iinfo(dt).bits < 32 or (dt == np.int32 and span == 0):
         return
     a = np.asarray(x)
     info = np.iinfo(np.int32)
-    if a.size and (a.min() < info.min or a.max() > info.max):
+    if a.size and (int(a.min()) < info.min or int(a.max()) + span > info.max):
+        extent = f" + {span} more positions" if span else ""
         raise ValueError(
-            f"{name} must fit in int32 (positions and offsets are int32 inside); got values "
-            f"from {a.min()} to {a.max()} (dtype {dt})."
+            f"{name}{extent} must fit in int32 (positions and offsets are int32 inside); got "
+            f"values from {a.min()} to {a.max()} (dtype {dt})."
         )

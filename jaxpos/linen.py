@@ -41,7 +41,7 @@ from jaxpos.nnx import (
     attention_dims,
     attention_inputs,
     check_attention_input,
-    check_implementation,
+    check_attention_options,
     check_learned_length,
     check_position_name,
     check_tokens,
@@ -348,10 +348,7 @@ class MultiHeadAttention(nn.Module):
 
     def setup(self):
         D, N, Nk, H = self._dims()
-        if not isinstance(self.use_bias, bool):
-            raise TypeError(f"use_bias must be a bool; got {type(self.use_bias).__name__} "
-                            f"{self.use_bias!r}.")
-        check_implementation(self.implementation)
+        check_attention_options(self.implementation, self.use_bias)
         dense = lambda i, o, name: _Dense(i, o, self.use_bias, self.param_dtype, name=name)
         self.q_proj = dense(D, N * H, "q_proj")
         self.k_proj = dense(D, Nk * H, "k_proj")

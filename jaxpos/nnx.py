@@ -272,11 +272,13 @@ def merge_heads(o, kernel, dtype, bias=None):
     return y if bias is None else y + jnp.asarray(bias, dtype)
 
 
-def check_implementation(implementation) -> None:
-    """``None`` or one of :data:`jaxpos.IMPLEMENTATIONS`, checked when a layer is built
-    (not only at its first call)."""
+def check_attention_options(implementation, use_bias) -> None:
+    """An attention layer's options, checked when it is built (not only at its first call):
+    ``implementation`` ``None`` or one of :data:`jaxpos.IMPLEMENTATIONS`, ``use_bias`` a bool."""
     if implementation is not None:
         _checks.check_choice("implementation", implementation, IMPLEMENTATIONS)
+    if not isinstance(use_bias, bool):
+        raise TypeError(f"use_bias must be a bool; got {type(use_bias).__name__} {use_bias!r}.")
 
 
 def check_attention_input(name: str, x, d_model: int, batch: int | None = None) -> None:
@@ -635,9 +637,7 @@ class MultiHeadAttention(nnx.Module):
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         d_model, num_heads, num_kv_heads, head_dim = attention_dims(d_model, num_heads,
                                                                     num_kv_heads, head_dim)
-        if not isinstance(use_bias, bool):
-            raise TypeError(f"use_bias must be a bool; got {type(use_bias).__name__} {use_bias!r}.")
-        check_implementation(implementation)
+        check_attention_options(implementation, use_bias)
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = (
             d_model, num_heads, num_kv_heads, head_dim)
         self.causal, self.scale, self.implementation, self.dtype = (

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
-from jaxpos.rope import check_rotary_dim, default_inv_freq
+from jaxpos.rope import check_rotary_dim, default_inv_freq, rope_frequencies
 
 __all__ = [
     "ROPE_TYPES",
@@ -296,13 +296,10 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
 
     Raises:
       TypeError: ``scale`` or ``mscale`` not a real number.
-      ValueError: ``scale`` not positive (a context-extension factor is > 0).
+      ValueError: ``scale`` not a finite number > 0 (a context-extension factor).
     """
-    for name, val in (("scale", scale), ("mscale", mscale)):
-        if isinstance(val, bool) or not isinstance(val, (int, float, np.floating, np.integer)):
-            raise TypeError(f"{name} must be a real number; got {type(val).__name__} {val!r}.")
-    if not scale > 0:
-        raise ValueError(f"scale must be a positive context-extension factor; got {scale!r}.")
+    scale = _checks.check_positive_float("scale", scale)
+    mscale = _checks.check_real("mscale", mscale)
     if scale <= 1:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0
@@ -457,9 +454,7 @@ def frequencies_for_length(rotary_dim: int, base: float, scaling, seq_len):
         raise TypeError(f"seq_len must be an integer (max(position) + 1); got "
                         f"{type(seq_len).__name__} {seq_len!r}.")
     if scaling is None:
-        check_rotary_dim(rotary_dim)
-        _checks.check_positive_float("base", base)
-        return jnp.asarray(default_inv_freq(rotary_dim, base)), 1.0
+        return rope_frequencies(rotary_dim, base)
     short, af = scaled_frequencies(rotary_dim, base, scaling, seq_len=None)
     if not depends_on_length(scaling):
         return short, af

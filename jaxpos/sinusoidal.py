@@ -88,12 +88,8 @@ def sinusoidal_pe(
     _checks.check_choice("layout", layout, ("interleaved", "concat"))
     _checks.check_choice("angle_precision", angle_precision, ("float32", "high"))
     omega = jnp.asarray(sinusoidal_frequencies(d, base), jnp.float32)
-    if _checks.is_concrete(offset) and np.issubdtype(np.asarray(offset).dtype, np.integer):
-        a = np.asarray(offset).astype(np.int64)  # before JAX's int32 cast can wrap it
-        info = np.iinfo(np.int32)
-        if a.size and (a.min() < info.min or a.max() + max(T - 1, 0) > info.max):
-            raise ValueError(f"offset + T - 1 must fit in int32 (positions are int32 inside); "
-                             f"got offset from {a.min()} to {a.max()} with T={T}.")
+    if np.issubdtype(_checks.dtype_of(offset), np.integer):  # before JAX's int32 cast wraps it
+        _checks.check_int32_range("offset", offset, span=max(T - 1, 0))
     off = jnp.asarray(offset)
     if not jnp.issubdtype(off.dtype, jnp.integer):
         raise TypeError(f"offset must be an integer (scalar or [B]); got dtype {off.dtype}.")

@@ -380,11 +380,12 @@ def _match_manual_axes(args, out_shape):
     each output's ``ShapeDtypeStruct`` to say which axes it varies over. The kernel mixes
     sharded arrays (q, k, v) with replicated ones (positions, slopes), so inputs are cast to
     the union of their axes and the outputs declared to vary over it. Outside ``shard_map``
-    (or with ``check_vma=False``) the union is empty and nothing changes."""
+    (or with ``check_vma=False``) the union is empty and nothing changes. Returns
+    ``(args, out_shape, axes)``."""
     vary = [_varying_axes(a) for a in args]
     axes = frozenset().union(*vary)
     if not axes:
-        return args, out_shape
+        return args, out_shape, axes
     args = tuple(a if v == axes else _cast_varying(a, axes - v) for a, v in zip(args, vary))
     params = inspect.signature(jax.ShapeDtypeStruct).parameters
     aval = jax.typeof(args[0])
@@ -394,15 +395,15 @@ def _match_manual_axes(args, out_shape):
     elif "vma" in params:
         declare = {"vma": axes}
     else:
-        return args, out_shape
+        return args, out_shape, axes
     out_shape = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, **declare) for o in out_shape)
-    return args, out_shape
+    return args, out_shape, axes
 
 
 def _pallas(kernel, cfg, grid, in_specs, out_specs, out_shape, args, name):
     """Run ``kernel`` in interpret mode, or compiled by Triton (CUDA/ROCm) / Mosaic (TPU)."""
-    args, out_shape = _match_manual_axes(tuple(args), tuple(out_shape))
-    under_vma = any(_varying_axes(a) for a in args)
+    args, out_shape, manual_axes = _match_manual_axes(tuple(args), tuple(out_shape))
+    under_vma = bool(manual_axes)
     if under_vma and (cfg.mode == "interpret"
                       or (cfg.mode == "auto" and jax.default_backend() == "cpu")):
         raise ValueError(
