@@ -558,7 +558,18 @@ def rotate_at_write(scheme, q, k, positions):
     each cached key keeps the rotation of the call that wrote it. That is Hugging Face's
     decoding (its cache holds rotated keys; ``dynamic_rope_update``), which jaxpos's Llama
     port matches step by step. Any other scheme is returned unchanged, to be applied inside
-    attention (and inside the fused kernel) from the cached positions.
+    attention (and inside the fused kernel) from the cached positions. Dynamic NTK: bloc97
+    2023 / HF ``_compute_dynamic_ntk_parameters``; LongRoPE: Ding et al. 2024, §3.
+
+    Args:
+      scheme: a :class:`jaxpos.PositionScheme`.
+      q: ``[B, T, N, H]``; k: ``[B, T, N_kv, H]``, the new tokens only (any float dtype;
+        rotated in float32 and cast back).
+      positions: int ``[B|1, T]``, the new tokens' positions.
+
+    Returns:
+      ``(q, k, scheme)``: rotated ``q`` and ``k`` with :class:`jaxpos.NoPE`, or the inputs
+      unchanged.
 
     Raises:
       TypeError: ``scheme`` is not a :class:`jaxpos.PositionScheme`.
