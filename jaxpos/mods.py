@@ -1,0 +1,342 @@
+"""Programmable attention: ``score_mod`` and ``mask_mod`` functions, and block masks.
+
+A **score_mod** rewrites one tile of scaled scores from positions, in the spirit of
+PyTorch's FlexAttention (Dong et al. 2024, "Flex Attention: A Programming Model for
+Generating Optimized Attention Kernels")::
+
+    score_mod(score, batch, head, q_pos, kv_pos) -> score
+
+* ``score``: float32 ``[tq, tk]``, the scaled score ``scale * q . k`` (plus the terms of
+  any score_mod applied before it);
+* ``batch``, ``head``: int32 scalars, the batch row and the *query* head;
+* ``q_pos``: int32 ``[tq, 1]`` and ``kv_pos``: int32 ``[1, tk]``, the global positions
+  of the tile's queries and keys (broadcast ``kv_pos - q_pos`` for the offsets).
+
+It must be elementwise in ``score`` (each output entry depends on the matching input
+entry and on positions), written with ``jax.numpy``. It may capture arrays (bias
+tables, MLP weights, per-token gates) and index them with ``batch``, ``head`` and
+positions; gradients reach every captured array in every implementation.
+
+A **mask_mod** decides visibility the same way and returns bool ``[tq, tk]``
+(broadcastable)::
+
+    mask_mod(batch, head, q_pos, kv_pos) -> bool
+
+Every implementation calls the functions on tiles of its own size (the reference on the
+whole ``[Tq, Tk]`` score matrix), so they must not depend on the tile shape.
+
+:func:`create_block_mask` classifies the tiles of a mask_mod once (empty / full /
+partial), so implementations skip empty tiles and evaluate the mask on partial tiles
+only.
+
+Functions are traced into a jaxpr at the tile shape and their captured arrays hoisted
+out as explicit arguments (:func:`convert_mod`): that is how the chunked path's custom
+gradient and the Pallas kernel receive them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex
+
+from jaxpos import _checks
+
+__all__ = ["BlockMask", "ConvertedMod", "EMPTY", "FULL", "PARTIAL", "apply_mod", "compose_score_mods",
+           "convert_mod", "create_block_mask"]
+
+# Tile kinds of a block mask.
+EMPTY, FULL, PARTIAL = 0, 1, 2
+
+
+class ConvertedMod:
+    """A score_mod or mask_mod traced at one tile shape with its captured arrays hoisted.
+
+    A pytree: ``consts`` (the captured arrays, traced and differentiable) are children;
+    the jaxpr and the kind (``"score"`` / ``"mask"``) are static. Call it with the
+    mod's own arguments: ``converted(score, batch, head, q_pos, kv_pos)``.
+    """
+
+    def __init__(self, jaxpr, consts, kind: str, name: str):
+        self.jaxpr = jaxpr
+        self.consts = tuple(consts)
+        self.kind = kind
+        self.name = name
+
+    def __call__(self, *args):
+        closed = jex.ClosedJaxpr(self.jaxpr, list(self.consts))
+        return jex.jaxpr_as_fun(closed)(*args)[0]
+
+    def with_consts(self, consts) -> ConvertedMod:
+        """The same function with other values for the captured arrays (e.g. loaded from
+        kernel refs)."""
+        return ConvertedMod(self.jaxpr, consts, self.kind, self.name)
+
+    def __repr__(self):
+        shapes = [tuple(np.shape(c)) for c in self.consts]
+        return f"ConvertedMod({self.kind}_mod {self.name}, captured arrays {shapes})"
+
+
+jax.tree_util.register_pytree_node(
+    ConvertedMod,
+    lambda m: (m.consts, (m.jaxpr, m.kind, m.name)),
+    lambda aux, consts: ConvertedMod(aux[0], consts, aux[1], aux[2]),
+)
+
+
+def _mod_name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def convert_mod(fn: Callable, kind: str, tq: int, tk: int) -> ConvertedMod:
+    """Trace ``fn`` (a score_mod if ``kind == "score"``, else a mask_mod) on a
+    ``[tq, tk]`` tile and hoist every captured array.
+
+    Checks, at trace time, that a score_mod returns a float32 array of the score's
+    shape and a mask_mod a bool array broadcastable to ``[tq, tk]``.
+
+    Raises:
+      TypeError: ``fn`` is not callable; it returns the wrong dtype.
+      ValueError: it returns the wrong shape.
+    """
+    argname = f"{kind}_mod"
+    if not callable(fn):
+        raise TypeError(f"{argname} must be a function; got {type(fn).__name__} {fn!r}.")
+    i32 = jnp.int32
+    pos = (jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((), i32),
+           jax.ShapeDtypeStruct((tq, 1), i32), jax.ShapeDtypeStruct((1, tk), i32))
+    if kind == "score":
+        args = (jax.ShapeDtypeStruct((tq, tk), jnp.float32),) + pos
+        sig = "(score, batch, head, q_pos, kv_pos)"
+    else:
+        args = pos
+        sig = "(batch, head, q_pos, kv_pos)"
+    try:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    except TypeError as e:
+        if "positional argument" in str(e) or "argument" in str(e) and "takes" in str(e):
+            raise TypeError(f"{argname} must take {sig}; calling {_mod_name(fn)} failed: {e}") from e
+        raise
+    if not isinstance(out_shape, jax.ShapeDtypeStruct):
+        raise TypeError(f"{argname} must return one array; {_mod_name(fn)} returned "
+                        f"{jax.tree_util.tree_structure(out_shape)}.")
+    if kind == "score":
+        if out_shape.dtype != jnp.float32:
+            raise TypeError(f"score_mod must return float32 scores (the dtype of its score "
+                            f"argument); {_mod_name(fn)} returned {out_shape.dtype}.")
+        if out_shape.shape != (tq, tk):
+            raise ValueError(f"score_mod must return the score's shape [tq, tk] = {[tq, tk]} "
+                             f"(elementwise in score); {_mod_name(fn)} returned shape "
+                             f"{list(out_shape.shape)}.")
+    else:
+        if out_shape.dtype != jnp.bool_:
+            raise TypeError(f"mask_mod must return a bool array (True = may attend); "
+                            f"{_mod_name(fn)} returned dtype {out_shape.dtype}.")
+        try:
+            np.broadcast_shapes(out_shape.shape, (tq, tk))
+            ok = len(out_shape.shape) <= 2 and np.broadcast_shapes(out_shape.shape, (tq, tk)) == (tq, tk)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"mask_mod must return a bool array broadcastable to [tq, tk] = "
+                             f"{[tq, tk]}; {_mod_name(fn)} returned shape {list(out_shape.shape)}.")
+    return ConvertedMod(closed.jaxpr, closed.consts, kind, _mod_name(fn))
+
+
+def compose_score_mods(*mods: Callable | None) -> Callable | None:
+    """One score_mod applying each non-None mod in turn (left first); None if none."""
+    mods = tuple(m for m in mods if m is not None)
+    if not mods:
+        return None
+    if len(mods) == 1:
+        return mods[0]
+
+    def composed(score, batch, head, q_pos, kv_pos):
+        for m in mods:
+            score = m(score, batch, head, q_pos, kv_pos)
+        return score
+
+    composed.__qualname__ = " then ".join(_mod_name(m) for m in mods)
+    return composed
+
+
+def apply_mod(mod: ConvertedMod | None, q_pos, kv_pos, score=None, batch_index=None):
+    """Apply a converted mod to a ``[B, N, tq, tk]`` block (vmapped over batch and head).
+
+    ``q_pos``: int32 ``[B|1, tq]``; ``kv_pos``: int32 ``[B|1, tk]``; ``score``: float32
+    ``[B, N, tq, tk]`` for a score_mod, or None for a mask_mod, which then needs
+    ``batch_index`` = (B, N). Returns ``[B, N, tq, tk]`` (scores, or bool).
+    """
+    if mod is None:
+        return score
+    if score is not None:
+        B, N = score.shape[:2]
+    else:
+        B, N = batch_index
+
+    def per_bh(s, b, h, qp, kp):
+        qp, kp = qp[:, None], kp[None, :]
+        if s is None:
+            return jnp.broadcast_to(mod(b, h, qp, kp), (qp.shape[0], kp.shape[1]))
+        return mod(s, b, h, qp, kp)
+
+    qa = 0 if q_pos.shape[0] > 1 else None
+    ka = 0 if kv_pos.shape[0] > 1 else None
+    qp = q_pos if qa == 0 else q_pos[0]
+    kp = kv_pos if ka == 0 else kv_pos[0]
+    sa = None if score is None else 0
+    heads = jax.vmap(per_bh, in_axes=(sa, None, 0, None, None))
+    batch = jax.vmap(heads, in_axes=(sa, 0, None, qa, ka))
+    return batch(score, jnp.arange(B, dtype=jnp.int32), jnp.arange(N, dtype=jnp.int32), qp, kp)
+
+
+# ------------------------------------------------------------------------- block masks
+class BlockMask:
+    """Tiles of a mask_mod classified once: ``EMPTY`` (skipped), ``FULL`` (computed with
+    no masking) or ``PARTIAL`` (the mask_mod is evaluated on the tile).
+
+    A pytree (arrays are children, so it passes through ``jit``); build it with
+    :func:`create_block_mask`. Fields:
+
+    * ``kinds``: int32 ``[B|1, N|1, nq, nk]`` tile kinds;
+    * ``kv_num_blocks``: int32 ``[B|1, N|1, nq]``, non-empty key tiles per query tile;
+    * ``kv_indices``: int32 ``[B|1, N|1, nq, nk]``, their indices first (ascending), the
+      rest filled with the last one (so every entry is a valid tile);
+    * ``q_num_blocks``, ``q_indices``: the same per key tile over query tiles
+      ``[B|1, N|1, nk]``, ``[B|1, N|1, nk, nq]`` (for the backward pass);
+    * static: ``mask_mod``, ``block_q``, ``block_k``, ``q_len``, ``kv_len``.
+    """
+
+    _children = ("kinds", "kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices")
+    _static = ("mask_mod", "block_q", "block_k", "q_len", "kv_len")
+
+    def __init__(self, **fields):
+        for n in self._children + self._static:
+            object.__setattr__(self, n, fields[n])
+
+    def __setattr__(self, name, value):
+        raise AttributeError("BlockMask is immutable")
+
+    @property
+    def shape(self):
+        """``(B|1, N|1, nq, nk)``."""
+        return tuple(self.kinds.shape)
+
+    def sparsity(self) -> float:
+        """Fraction of tiles that are empty (a concrete float)."""
+        return float(np.mean(np.asarray(self.kinds) == EMPTY))
+
+    def check(self, B: int, N: int, Tq: int, Tk: int, block_q: int | None, block_k: int | None):
+        """Raise ``ValueError`` unless the mask was built for these lengths and blocks."""
+        if (self.q_len, self.kv_len) != (Tq, Tk):
+            raise ValueError(f"block_mask was built for lengths (Tq, Tk) = ({self.q_len}, "
+                             f"{self.kv_len}); the attention call has ({Tq}, {Tk}). Build it "
+                             f"with the call's positions.")
+        for name, got, own in (("block_q", block_q, self.block_q), ("block_k", block_k, self.block_k)):
+            if got is not None and got != own:
+                raise ValueError(f"{name}={got} differs from the block mask's {name}={own}; "
+                                 f"omit {name} (the block mask's tiles are used) or rebuild the "
+                                 f"block mask with {name}={got}.")
+        b, n = self.kinds.shape[:2]
+        if b not in (1, B) or n not in (1, N):
+            raise ValueError(f"block_mask was built for batch_size={b}, num_heads={n}; the call "
+                             f"has B={B}, N={N} (a mask built with 1 broadcasts).")
+
+    def __repr__(self):
+        return (f"BlockMask(shape={self.shape}, block_q={self.block_q}, block_k={self.block_k}, "
+                f"q_len={self.q_len}, kv_len={self.kv_len}, mask_mod={_mod_name(self.mask_mod)})")
+
+
+jax.tree_util.register_pytree_node(
+    BlockMask,
+    lambda m: (tuple(getattr(m, n) for n in BlockMask._children),
+               tuple(getattr(m, n) for n in BlockMask._static)),
+    lambda aux, ch: BlockMask(**dict(zip(BlockMask._children, ch)),
+                              **dict(zip(BlockMask._static, aux))),
+)
+
+
+def _sorted_live(kinds):
+    """Indices of non-empty tiles first (ascending), padded with the last live one."""
+    n = kinds.shape[-1]
+    live = kinds != EMPTY
+    count = jnp.sum(live, axis=-1).astype(jnp.int32)
+    order = jnp.argsort(jnp.where(live, 0, 1) * n + jnp.arange(n), axis=-1).astype(jnp.int32)
+    last = jnp.take_along_axis(order, jnp.maximum(count - 1, 0)[..., None], axis=-1)
+    pos = jnp.arange(n)
+    idx = jnp.where(pos < jnp.maximum(count, 1)[..., None], order, last)
+    return count, idx
+
+
+def create_block_mask(mask_mod: Callable, *, q_positions, kv_positions, block_q: int = 128,
+                      block_k: int = 128, batch_size: int | None = None,
+                      num_heads: int | None = None) -> BlockMask:
+    """Classify every ``block_q x block_k`` tile of ``mask_mod`` as empty, full or partial.
+
+    Evaluates ``mask_mod(batch, head, q_pos, kv_pos)`` once on every tile (one query
+    block of ``[B, N, block_q, Tk]`` at a time, so memory stays ``O(T * block)``). Pass
+    the same ``block_q``/``block_k`` to nothing else: :func:`jaxpos.attention` takes the
+    tiles from the block mask.
+
+    Args:
+      mask_mod: ``(batch, head, q_pos, kv_pos) -> bool`` (see :mod:`jaxpos.mods`).
+      q_positions, kv_positions: integer ``[T]`` or ``[B, T]``, the positions the
+        attention call will use.
+      block_q, block_k: tile sizes (positive ints; the Pallas kernel needs powers of two).
+      batch_size, num_heads: evaluate per batch row / head; default 1 each, i.e. the
+        mask_mod is called with ``batch = 0`` / ``head = 0`` and the result broadcasts.
+
+    Returns:
+      A :class:`BlockMask`.
+
+    Raises:
+      TypeError: ``mask_mod`` not callable or not returning bool; float positions.
+      ValueError: bad block sizes, ranks, or a return shape that is not ``[tq, tk]``.
+    """
+    block_q = _checks.check_positive_int("block_q", block_q)
+    block_k = _checks.check_positive_int("block_k", block_k)
+    B = 1 if batch_size is None else _checks.check_positive_int("batch_size", batch_size)
+    N = 1 if num_heads is None else _checks.check_positive_int("num_heads", num_heads)
+    for name, p in (("q_positions", q_positions), ("kv_positions", kv_positions)):
+        _checks.check_rank(name, p, (1, 2), "[T] or [B, T]")
+        _checks.check_integer_positions(name, p)
+    Tq, Tk = _checks.shape_of(q_positions)[-1], _checks.shape_of(kv_positions)[-1]
+    qb = _checks.shape_of(q_positions)[0] if np.ndim(q_positions) == 2 else 1
+    kb = _checks.shape_of(kv_positions)[0] if np.ndim(kv_positions) == 2 else 1
+    Bp = max(qb, kb)
+    qp = _checks.positions_2d("q_positions", q_positions, Bp, Tq)
+    kp = _checks.positions_2d("kv_positions", kv_positions, Bp, Tk)
+    if Bp > 1 and batch_size is None:
+        B = Bp
+    elif Bp > 1 and Bp != B:
+        raise ValueError(f"batch_size={B} but the positions have batch {Bp}.")
+    bq, bk = block_q, block_k
+    nq, nk = -(-Tq // bq), -(-Tk // bk)
+    conv = convert_mod(mask_mod, "mask", bq, Tk)
+    Tq_p, Tk_p = nq * bq, nk * bk
+    qp = jnp.pad(qp, ((0, 0), (0, Tq_p - Tq)), mode="edge")
+    q_real = jnp.arange(Tq_p) < Tq
+    k_real = jnp.arange(Tk_p) < Tk
+
+    def one_q_block(i):
+        qpi = jax.lax.dynamic_slice_in_dim(qp, i * bq, bq, axis=1)  # [Bp, bq]
+        vis = apply_mod(conv, qpi, kp, batch_index=(B, N))  # [B, N, bq, Tk]
+        vis = jnp.pad(vis, ((0, 0), (0, 0), (0, 0), (0, Tk_p - Tk)))
+        qr = jax.lax.dynamic_slice_in_dim(q_real, i * bq, bq)[:, None]
+        vis_live = vis & qr & k_real[None, :]
+        vis_full = vis | ~qr | ~k_real[None, :]
+        live = jnp.any(vis_live.reshape(B, N, bq, nk, bk), axis=(2, 4))
+        full = jnp.all(vis_full.reshape(B, N, bq, nk, bk), axis=(2, 4))
+        return jnp.where(live, jnp.where(full, FULL, PARTIAL), EMPTY).astype(jnp.int32)
+
+    kinds = jax.lax.map(one_q_block, jnp.arange(nq))  # [nq, B, N, nk]
+    kinds = jnp.moveaxis(kinds, 0, 2)
+    kv_num, kv_idx = _sorted_live(kinds)
+    q_num, q_idx = _sorted_live(jnp.swapaxes(kinds, 2, 3))
+    return BlockMask(kinds=kinds, kv_num_blocks=kv_num, kv_indices=kv_idx, q_num_blocks=q_num,
+                     q_indices=q_idx, mask_mod=mask_mod, block_q=bq, block_k=bk, q_len=Tq,
+                     kv_len=Tk)
