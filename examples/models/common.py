@@ -11,6 +11,7 @@ are ``cumsum(attention_mask) - 1`` (what ``generate`` passes for left padding).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -23,6 +24,7 @@ from jaxpos import _checks
 
 __all__ = [
     "KVCache",
+    "SlidingWindowMask",
     "embed_tokens",
     "key_segments",
     "linear_kernel",
@@ -98,6 +100,35 @@ def key_segments(attention_mask, batch: int, seq: int) -> jax.Array:
     if attention_mask is None:
         return jnp.ones((batch, seq), jnp.int32)
     return (jnp.asarray(attention_mask) > 0).astype(jnp.int32)
+
+
+# ------------------------------------------------------------------------------ masks
+@dataclasses.dataclass(frozen=True)
+class SlidingWindowMask:
+    """The mask_mod of a causal sliding window of ``window`` tokens: a query at position
+    ``p`` sees keys at positions ``p - window < kv_pos`` (with ``causal=True``, also
+    ``kv_pos <= p``: the query and the ``window - 1`` tokens before it).
+
+    Hugging Face's ``sliding_window_overlay`` (``masking_utils.py``): ``kv_idx > q_idx -
+    sliding_window``, the layers marked ``"sliding_attention"`` in ``layer_types`` (Mistral,
+    Gemma 2/3, GPT-OSS; Beltagy et al. 2020, "Longformer", §3.1 for the pattern). Use it as
+    ``jaxpos.attention(..., causal=True, mask_mod=SlidingWindowMask(w))``; with global
+    positions it holds for left padding and KV-cache decoding alike. A frozen dataclass, so
+    equal windows compare and hash equal (one trace per window under ``jit``).
+
+    Call: ``(batch, head, q_pos [tq, 1], kv_pos [1, tk]) -> bool [tq, tk]``.
+
+    Raises:
+      ValueError / TypeError: ``window`` not an int >= 1 (named ``sliding_window``).
+    """
+
+    window: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "window", _checks.check_positive_int("sliding_window", self.window))
+
+    def __call__(self, batch, head, q_pos, kv_pos):
+        return q_pos - kv_pos < self.window
 
 
 # ------------------------------------------------------------------------------ cache
