@@ -6,11 +6,12 @@ objects that plug into :func:`jaxpos.attention`, and Flax modules in :mod:`jaxpo
 and :mod:`jaxpos.linen`.
 """
 
-from jaxpos.alibi import alibi_bias, alibi_slopes
+from jaxpos.alibi import ALiBi, alibi_bias, alibi_slopes
 from jaxpos.attention import IMPLEMENTATIONS, attention, default_implementation
 from jaxpos.hf import rope_from_hf_config
 from jaxpos.learned import learned_positions
-from jaxpos.rope import apply_rope, half_to_interleaved, interleaved_to_half, rope_frequencies
+from jaxpos.mods import BlockMask, create_block_mask
+from jaxpos.rope import RoPE, apply_rope, half_to_interleaved, interleaved_to_half, rope_frequencies
 from jaxpos.rope_scaling import (
                                  DynamicNTKScaling,
                                  LinearScaling,
@@ -19,16 +20,18 @@ from jaxpos.rope_scaling import (
                                  ProportionalScaling,
                                  YaRNScaling,
 )
-from jaxpos.schemes import ALiBi, NoPE, PositionScheme, RoPE, Shaw, T5Bias, as_scheme
-from jaxpos.shaw import shaw_attention
+from jaxpos.scheme import REGISTRY, NoPE, PositionScheme, as_scheme, get_scheme
+from jaxpos.shaw import Shaw, shaw_attention
 from jaxpos.sinusoidal import relative_head_W, shift_matrix, sinusoidal_pe
-from jaxpos.t5 import relative_bias_attention, t5_bias, t5_bucket
+from jaxpos.t5 import T5Bias, relative_bias_attention, t5_bias, t5_bucket
 
 __version__ = "0.1.0"
 
 __all__ = [
                                  "IMPLEMENTATIONS",
                                  "ALiBi",
+                                 "BlockMask",
+                                 "REGISTRY",
                                  "DynamicNTKScaling",
                                  "LinearScaling",
                                  "Llama3Scaling",
@@ -45,7 +48,9 @@ __all__ = [
                                  "apply_rope",
                                  "as_scheme",
                                  "attention",
+                                 "create_block_mask",
                                  "default_implementation",
+                                 "get_scheme",
                                  "half_to_interleaved",
                                  "interleaved_to_half",
                                  "learned_positions",
@@ -59,3 +64,32 @@ __all__ = [
                                  "t5_bias",
                                  "t5_bucket",
 ]
+
+# Subpackages imported on first use, so that ``import jaxpos`` stays light (no Flax, no
+# Pallas) while ``jaxpos.nnx.DecoderLM`` and ``jaxpos.linen.params_from_nnx`` work after
+# a plain ``import jaxpos`` (PEP 562, module ``__getattr__``).
+_LAZY_SUBMODULES = ("kernels", "linen", "mods", "nnx", "parallel", "testing")
+
+
+def __getattr__(name: str):
+    """Import the subpackages of ``_LAZY_SUBMODULES`` on first attribute access.
+
+    Raises:
+      AttributeError: ``name`` is neither an attribute nor one of those subpackages.
+    """
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":  # a missing dependency, not a missing module
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    import importlib.util
+
+    present = [m for m in _LAZY_SUBMODULES if importlib.util.find_spec(f"{__name__}.{m}")]
+    return sorted(set(globals()) | set(present))

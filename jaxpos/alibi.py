@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
+from jaxpos.scheme import PositionScheme, register
 
-__all__ = ["alibi_bias", "alibi_slopes"]
+__all__ = ["ALiBi", "alibi_bias", "alibi_slopes"]
 
 
 def _power_of_two_slopes(n: int) -> list[float]:
@@ -123,3 +124,41 @@ def alibi_bias_from_offsets(rel, slopes, *, bidirectional: bool = False) -> jax.
         r = -jnp.abs(r)
     m = jnp.asarray(slopes, jnp.float32)
     return m[:, None, None] * r[..., None, :, :]
+
+
+@register("alibi")
+class ALiBi(PositionScheme):
+    """ALiBi (Press et al. 2022, §3): ``slopes[h] * (kv_pos - q_pos)`` added to the scores
+    (``-slopes[h] * |kv_pos - q_pos|`` when ``bidirectional``).
+
+    Args:
+      num_heads: compute the paper's slopes with :func:`jaxpos.alibi_slopes`; or
+      slopes: float ``[N]`` (may be a learnable parameter).
+    """
+
+    _children = ("slopes",)
+    _static = ("bidirectional",)
+
+    def __init__(self, num_heads=None, *, slopes=None, bidirectional=False):
+        if slopes is None:
+            if num_heads is None:
+                raise ValueError("ALiBi needs num_heads or slopes; got neither.")
+            slopes = alibi_slopes(num_heads)
+        _checks.check_rank("slopes", slopes, (1,), "[num_heads]")
+        self._set(slopes=jnp.asarray(slopes, jnp.float32), bidirectional=bool(bidirectional))
+
+    def check(self, num_heads, head_dim):
+        if _checks.shape_of(self.slopes)[0] != num_heads:
+            raise ValueError(f"ALiBi slopes must have shape [{num_heads}] (one per query head); "
+                             f"got {_checks.shape_of(self.slopes)}.")
+
+    def score_mod(self):
+        """``score + slopes[head] * (kv_pos - q_pos)`` (``- slopes[head] * |kv_pos - q_pos|``
+        when bidirectional), computed in float32 from the positions of each tile."""
+        slopes, bidirectional = self.slopes, self.bidirectional
+
+        def alibi(score, batch, head, q_pos, kv_pos):
+            rel = (kv_pos - q_pos).astype(jnp.float32)
+            return score + slopes[head] * (-jnp.abs(rel) if bidirectional else rel)
+
+        return alibi

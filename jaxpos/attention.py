@@ -9,8 +9,10 @@ block from the position arrays, so no ``[Tq, Tk]`` array exists in the forward o
 backward pass, and causal blocks that are fully masked are skipped.
 ``"pallas"`` is the fused kernel in :mod:`jaxpos.kernels`.
 
-All implementations call the same scheme methods (:mod:`jaxpos.schemes`) and the same
-:func:`_scores` and :func:`_visible` helpers, so a scheme is written once.
+All implementations ask a scheme the same questions (the protocol of
+:mod:`jaxpos.scheme`): its per-token transform of q and k, applied once per call, and its
+score term as a score_mod (:mod:`jaxpos.mods`), which the paths apply tile by tile with
+the user's own ``score_mod`` and ``mask_mod``. Nothing here names a scheme.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
-from jaxpos.schemes import PositionScheme, T5Bias, as_scheme
+from jaxpos.mods import EMPTY, FULL, BlockMask, ConvertedMod, apply_mod, compose_score_mods, convert_mod
+from jaxpos.scheme import NoPE, PositionScheme, as_scheme
 
 __all__ = ["IMPLEMENTATIONS", "attention", "default_implementation"]
 
@@ -45,13 +48,8 @@ def default_implementation(position: PositionScheme | None = None) -> str:
     """
     scheme = as_scheme(position)
     backend = jax.default_backend()
-    if backend in ("gpu", "cuda", "rocm", "tpu"):
-        try:
-            from jaxpos.kernels import supports_scheme
-        except ImportError:  # kernel not available in this build
-            return "chunked"
-        if supports_scheme(scheme):
-            return "pallas"
+    if backend in ("gpu", "cuda", "rocm", "tpu") and scheme.fusable:
+        return "pallas"
     return "chunked"
 
 
@@ -66,8 +64,27 @@ class _Masking(NamedTuple):
     seg_kv: jax.Array | None  # int32 [B, Tk]
 
 
-def _visible(causal: bool, q_pos, kv_pos, kv_valid, mask, seg_q, seg_kv):
-    """bool ``[B|1, N|1, tq, tk]`` (or None when everything is visible)."""
+class _Terms(NamedTuple):
+    """What a tile adds to ``scale * q . k``: the scheme (for a content bias and a value
+    term, Shaw's), the converted score_mod (the scheme's composed with the user's) and
+    the converted mask_mod. A pytree: the mods' captured arrays are its leaves."""
+
+    scheme: PositionScheme
+    score: ConvertedMod | None
+    mask: ConvertedMod | None
+
+
+def _make_terms(scheme: PositionScheme, score_mod, mask_mod, tq: int, tk: int) -> _Terms:
+    """The terms of a call, with the mods traced at a ``[tq, tk]`` tile."""
+    conv = lambda fn, kind: None if fn is None else convert_mod(fn, kind, tq, tk)
+    return _Terms(scheme, conv(score_mod, "score"), conv(mask_mod, "mask"))
+
+
+def _visible(causal: bool, q_pos, kv_pos, kv_valid, mask, seg_q, seg_kv, mask_mod=None,
+             heads=None):
+    """bool ``[B|1, N|1, tq, tk]`` (or None when everything is visible).
+
+    ``mask_mod``: a converted mask_mod evaluated on the tile for ``heads = (B, N)``."""
     vis = None
 
     def conj(a, b):
@@ -81,48 +98,63 @@ def _visible(causal: bool, q_pos, kv_pos, kv_valid, mask, seg_q, seg_kv):
         vis = conj(vis, (seg_q[:, :, None] == seg_kv[:, None, :])[:, None])
     if mask is not None:
         vis = conj(vis, mask)
+    if mask_mod is not None:
+        vis = conj(vis, apply_mod(mask_mod, q_pos, kv_pos, batch_index=heads))
     return vis
 
 
-def _scores(scheme: PositionScheme, qs, k, q_pos, kv_pos):
-    """Scaled scores plus the scheme's bias: float32 ``[B, N, tq, tk]``.
-
-    ``qs``: scaled queries ``[B, N, tq, H]``; ``k``: ``[B, N, tk, H]`` (float32).
+def _scores(terms: _Terms, qs, k, q_pos, kv_pos):
+    """Scaled scores, then the score_mod, then the scheme's content bias: float32
+    ``[B, N, tq, tk]``. ``qs``: scaled queries ``[B, N, tq, H]``; ``k``: ``[B, N, tk, H]``
+    (float32); positions int32 ``[B|1, t]``.
     """
     s = jnp.einsum("bnqh,bnkh->bnqk", qs, k, preferred_element_type=jnp.float32)
-    b = scheme.bias(qs, q_pos, kv_pos)
+    if terms.score is not None:
+        s = apply_mod(terms.score, q_pos, kv_pos, score=s)
+    b = terms.scheme.content_bias(qs, q_pos, kv_pos)
     if b is not None:
         s = s + b
     return s
 
 
-def _output(scheme: PositionScheme, p, v, q_pos, kv_pos):
+def _output(terms: _Terms, p, v, q_pos, kv_pos):
     """``p @ v`` plus the scheme's value term: float32 ``[B, N, tq, H]``."""
     o = jnp.einsum("bnqk,bnkh->bnqh", p, v, preferred_element_type=jnp.float32)
-    t = scheme.value_term(p, q_pos, kv_pos)
+    t = terms.scheme.value_term(p, q_pos, kv_pos)
     if t is not None:
         o = o + t
     return o
 
 
+def _sink_column(sinks, s):
+    """The per-head sink logit as one more score column ``[B, N, tq, 1]`` (float32)."""
+    col = jnp.asarray(sinks, jnp.float32)[None, :, None, None]
+    return jnp.broadcast_to(col, s.shape[:3] + (1,))
+
+
 # --------------------------------------------------------------------------- reference
-def _reference(scheme, qs, k, v, m: _Masking, causal: bool):
-    s = _scores(scheme, qs, k, m.q_pos, m.kv_pos)
-    vis = _visible(causal, m.q_pos, m.kv_pos, m.kv_valid, m.mask, m.seg_q, m.seg_kv)
-    if vis is None:
-        p = jax.nn.softmax(s, axis=-1)
-    else:
+def _reference(terms: _Terms, qs, k, v, m: _Masking, causal: bool, sinks):
+    s = _scores(terms, qs, k, m.q_pos, m.kv_pos)
+    vis = _visible(causal, m.q_pos, m.kv_pos, m.kv_valid, m.mask, m.seg_q, m.seg_kv,
+                   terms.mask, s.shape[:2])
+    if vis is not None:
         vis = jnp.broadcast_to(vis, s.shape)
         # A finite fill keeps fully masked rows NaN-free in both passes; they are zeroed.
         s = jnp.where(vis, s, jnp.finfo(jnp.float32).min)
-        p = jnp.where(vis, jax.nn.softmax(s, axis=-1), 0.0)
-    return _output(scheme, p, v, m.q_pos, m.kv_pos)
+    if sinks is not None:  # the sink takes part in the normalisation only
+        p = jax.nn.softmax(jnp.concatenate([s, _sink_column(sinks, s)], axis=-1), axis=-1)
+        p = p[..., :-1]
+    else:
+        p = jax.nn.softmax(s, axis=-1)
+    if vis is not None:
+        p = jnp.where(vis, p, 0.0)
+    return _output(terms, p, v, m.q_pos, m.kv_pos)
 
 
 # ----------------------------------------------------------------------------- chunked
 # Tile kinds, decided per (query block, key block) at run time from the position,
-# padding and segment arrays: a tile is skipped when nothing in it is visible, computed
-# without any masking when everything is, and masked otherwise.
+# padding and segment arrays and the block mask: a tile is skipped when nothing in it is
+# visible, computed without any masking when everything is, and masked otherwise.
 _SKIP, _FULL, _MASKED = 0, 1, 2
 
 
@@ -154,13 +186,15 @@ def _unblocks(x, axis):
     return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
 
 
-def _tile_kind(causal: bool, has_mask: bool, qp, kp, kval, sq, skv):
+def _tile_kind(causal: bool, always_mask: bool, qp, kp, kval, sq, skv, bm_kind):
     """int32 scalar: ``_SKIP``, ``_FULL`` or ``_MASKED`` for one tile.
 
     Conservative: a tile is only skipped when no pair in it can be visible, and only
     called full when every pair is. ``qp`` ``[B|1, tq]`` (padded query rows may make a
     tile look partly visible, never the reverse), ``kp``/``kval`` ``[B|1, tk]``,
-    ``sq``/``skv`` ``[B, tq]``/``[B, tk]`` or None.
+    ``sq``/``skv`` ``[B, tq]``/``[B, tk]`` or None; ``bm_kind``: the block mask's kinds of
+    this tile ``[B|1, N|1]`` or None; ``always_mask``: a mask array or a mask_mod without
+    a block mask (every tile must be masked).
     """
     imax, imin = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
     live = jnp.any(kval, axis=-1)  # per batch row
@@ -177,7 +211,10 @@ def _tile_kind(causal: bool, has_mask: bool, qp, kp, kval, sq, skv):
         live = live & (kv_smin <= q_smax) & (q_smin <= kv_smax)  # id ranges overlap
         full = full & (q_smin == q_smax) & (kv_smin == kv_smax) & (q_smin == kv_smin)
     live, full = jnp.any(live), jnp.all(full)
-    if has_mask:
+    if bm_kind is not None:
+        live = live & jnp.any(bm_kind != EMPTY)
+        full = full & jnp.all(bm_kind == FULL)
+    if always_mask:
         full = jnp.zeros((), bool)
     return jnp.where(live, jnp.where(full, _FULL, _MASKED), _SKIP).astype(jnp.int32)
 
@@ -188,49 +225,22 @@ class _Cfg(NamedTuple):
     nk: int
     block_q: int
     block_k: int
+    float_mask: tuple  # which leaves of the terms are floating (differentiable)
+    terms_def: object  # treedef of the terms
 
 
-class _OffsetBias(PositionScheme):
-    """A score bias that depends on the clipped offset only: ``offset_bias[h, clip(kv - q,
-    -R, R) + R]``, float32 ``[N, 2R + 1]``.
-
-    The chunked path's form of :class:`T5Bias` (the Pallas kernel's offset-bias contract,
-    DESIGN.md "The kernel idea"): the vector is computed once per call by the scheme's
-    own ``bias`` method on the offsets ``-R .. R`` (so the bucket code is still written
-    once), and each tile gathers from it instead of recomputing buckets (a logarithm)
-    and gathering from the table for every pair. Exact: past ``max_distance`` every
-    offset of a direction falls in that direction's last bucket (Raffel et al. 2020,
-    §2.1), so clipping to ``±R`` changes no value. Gradients reach the T5 table through
-    the vector by ordinary autodiff.
-    """
-
-    _children = ("offset_bias",)
-    _static = ("max_distance",)
-    has_bias = True
-
-    def __init__(self, offset_bias, max_distance: int):
-        self._set(offset_bias=offset_bias, max_distance=int(max_distance))
-
-    @classmethod
-    def from_t5(cls, scheme: T5Bias) -> _OffsetBias:
-        R = scheme.max_distance
-        rel = jnp.arange(-R, R + 1, dtype=jnp.int32)[None, :]
-        vec = scheme.bias(None, jnp.zeros((1, 1), jnp.int32), rel)  # [1, N, 1, 2R + 1]
-        return cls(vec[0, :, 0, :], R)
-
-    def bias(self, qs, q_positions, kv_positions):
-        R = self.max_distance
-        idx = jnp.clip(kv_positions[:, None, :] - q_positions[:, :, None], -R, R) + R
-        # In range by the clip; the default "fill" gather is slower on CPU.
-        b = self.offset_bias.at[:, idx].get(mode="promise_in_bounds")  # [N, B|1, tq, tk]
-        return jnp.moveaxis(b, 0, 1)
+def _split_terms(terms: _Terms):
+    """Floating leaves (differentiable) and the rest (integer tables of a mod, ...)."""
+    leaves, treedef = jax.tree_util.tree_flatten(terms)
+    is_f = tuple(bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact)) for x in leaves)
+    return ([x for x, f in zip(leaves, is_f) if f], [x for x, f in zip(leaves, is_f) if not f],
+            is_f, treedef)
 
 
-def _tile_scheme(scheme: PositionScheme) -> PositionScheme:
-    """The form of ``scheme`` the chunked tiles use: T5's offset vector, else itself."""
-    if type(scheme) is T5Bias:  # subclasses may override bias(); keep them general
-        return _OffsetBias.from_t5(scheme)
-    return scheme
+def _merge_terms(cfg: _Cfg, fl, il) -> _Terms:
+    fl, il = iter(fl), iter(il)
+    leaves = [next(fl) if f else next(il) for f in cfg.float_mask]
+    return jax.tree_util.tree_unflatten(cfg.terms_def, leaves)
 
 
 def _chunk_inputs(qs, k, v, m: _Masking, block_q: int, block_k: int):
@@ -267,17 +277,25 @@ def _mask_block(mask, i, j, block_q, block_k):
     return mask
 
 
-def _tile(scheme, qs_i, k_j, qp_i, kp_j, vis):
-    """Scores of one tile, ``-inf`` where ``vis`` is False. Differentiable in qs, k, scheme."""
-    s = _scores(scheme, qs_i, k_j, qp_i, kp_j)
+def _tile(terms: _Terms, qs_i, k_j, qp_i, kp_j, vis):
+    """Scores of one tile, ``-inf`` where ``vis`` is False. Differentiable in qs, k, terms."""
+    s = _scores(terms, qs_i, k_j, qp_i, kp_j)
     return s if vis is None else jnp.where(vis, s, _NEG_INF)
 
 
-def _tile_visibility(cfg: _Cfg, b, i, j, qp_i, kp_j, kval_j, sq_i, skv_j, masked: bool):
+def _tile_visibility(cfg: _Cfg, terms: _Terms, b, i, j, qp_i, kp_j, kval_j, sq_i, skv_j,
+                     masked: bool):
     if not masked:
         return None
+    heads = b["qs"].shape[1:3]
     return _visible(cfg.causal, qp_i, kp_j, kval_j,
-                    _mask_block(b["mask"], i, j, cfg.block_q, cfg.block_k), sq_i, skv_j)
+                    _mask_block(b["mask"], i, j, cfg.block_q, cfg.block_k), sq_i, skv_j,
+                    terms.mask, heads)
+
+
+def _block_kind(b, i, j):
+    bm = b.get("bm_kinds")
+    return None if bm is None else bm[:, :, i, j]
 
 
 def _varying_zero(*trees):
@@ -291,11 +309,16 @@ def _varying_zero(*trees):
     return z
 
 
-def _chunked_forward(scheme, b, cfg: _Cfg):
-    """Returns out ``[nq, B, N, bq, H]`` and lse ``[nq, B, N, bq]`` (``-inf`` on empty rows)."""
+def _always_mask(b, terms: _Terms) -> bool:
+    return b["mask"] is not None or (terms.mask is not None and b.get("bm_kinds") is None)
+
+
+def _chunked_forward(terms: _Terms, sinks, b, cfg: _Cfg):
+    """Returns out ``[nq, B, N, bq, H]`` and lse ``[nq, B, N, bq]`` (``-inf`` on empty rows
+    without sinks; the sink is part of the normaliser)."""
     B, N = b["qs"].shape[1], b["qs"].shape[2]
     H = b["v"].shape[-1]
-    has_mask = b["mask"] is not None
+    always = _always_mask(b, terms)
 
     def q_block(args):
         i, qs_i, qp_i, sq_i = args
@@ -305,25 +328,31 @@ def _chunked_forward(scheme, b, cfg: _Cfg):
 
             def compute(carry, masked):
                 mx, l, acc = carry
-                vis = _tile_visibility(cfg, b, i, j, qp_i, kp_j, kval_j, sq_i, skv_j, masked)
-                s = _tile(scheme, qs_i, k_j, qp_i, kp_j, vis)
+                vis = _tile_visibility(cfg, terms, b, i, j, qp_i, kp_j, kval_j, sq_i, skv_j,
+                                       masked)
+                s = _tile(terms, qs_i, k_j, qp_i, kp_j, vis)
                 m_new = jnp.maximum(mx, jnp.max(s, axis=-1))
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
                 p = jnp.exp(s - m_safe[..., None])
                 corr = jnp.exp(mx - m_safe)
                 l = l * corr + jnp.sum(p, axis=-1)
-                acc = acc * corr[..., None] + _output(scheme, p, v_j, qp_i, kp_j)
+                acc = acc * corr[..., None] + _output(terms, p, v_j, qp_i, kp_j)
                 return m_new, l, acc
 
-            kind = _tile_kind(cfg.causal, has_mask, qp_i, kp_j, kval_j, sq_i, skv_j)
+            kind = _tile_kind(cfg.causal, always, qp_i, kp_j, kval_j, sq_i, skv_j,
+                              _block_kind(b, i, j))
             branches = (lambda c: c, functools.partial(compute, masked=False),
                         functools.partial(compute, masked=True))
             return jax.lax.switch(kind, branches, carry), None
 
-        z = _varying_zero(b, scheme, qs_i, qp_i, sq_i)
-        init = (jnp.full((B, N, cfg.block_q), _NEG_INF, jnp.float32) + z,
-                jnp.zeros((B, N, cfg.block_q), jnp.float32) + z,
-                jnp.zeros((B, N, cfg.block_q, H), jnp.float32) + z)
+        z = _varying_zero(b, terms, sinks, qs_i, qp_i, sq_i)
+        if sinks is None:
+            m0 = jnp.full((B, N, cfg.block_q), _NEG_INF, jnp.float32)
+            l0 = jnp.zeros((B, N, cfg.block_q), jnp.float32)
+        else:  # the sink is a key every row sees: the softmax starts from it
+            m0 = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], (B, N, cfg.block_q))
+            l0 = jnp.ones((B, N, cfg.block_q), jnp.float32)
+        init = (m0 + z, l0 + z, jnp.zeros((B, N, cfg.block_q, H), jnp.float32) + z)
         xs = (jnp.arange(cfg.nk), b["k"], b["v"], b["kv_pos"], b["kv_valid"], b["seg_kv"])
         (mx, l, acc), _ = jax.lax.scan(k_step, init, xs)
         # l is exactly 0 for a row with no visible key; NaN (a NaN/inf input) must pass
@@ -336,27 +365,28 @@ def _chunked_forward(scheme, b, cfg: _Cfg):
     return jax.lax.map(q_block, (jnp.arange(cfg.nq), b["qs"], b["q_pos"], b["seg_q"]))
 
 
-def _float_leaves_zeros(tree):
-    return jax.tree_util.tree_map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), tree)
+def _chunked_backward(cfg: _Cfg, fl, il, b, out, lse, dout):
+    """FlashAttention-2 style recomputing backward (Dao 2023, Alg. 2), tile by tile.
 
-
-def _chunked_backward(scheme, b, out, lse, dout, cfg: _Cfg):
-    """FlashAttention-2 style recomputing backward (Dao 2023, Alg. 2), tile by tile."""
-    has_mask = b["mask"] is not None
+    Returns ``dq, dk, dv`` (blocked) and the gradients of the floating leaves ``fl`` of
+    the terms."""
+    terms0 = _merge_terms(cfg, fl, il)
+    always = _always_mask(b, terms0)
     delta = jnp.sum(dout * out, axis=-1)  # [nq, B, N, bq]
-    z = _varying_zero(b, scheme, lse, dout)
+    z = _varying_zero(b, fl, lse, dout)
     # Under shard_map, differentiate w.r.t. copies that vary over every axis, so the tile
     # VJPs below never psum inside the (per-device) skip/compute switch; the one sum over
     # the axes a primal does not vary over happens in _chunked_core_bwd (_match_vma).
     vary = lambda x: x + z.astype(x.dtype)
-    scheme = jax.tree_util.tree_map(vary, scheme)
+    fl = [vary(x) for x in fl]
     b = dict(b, qs=vary(b["qs"]), k=vary(b["k"]), v=vary(b["v"]))
     dk0 = jnp.zeros(b["k"].shape, jnp.float32) + z
     dv0 = jnp.zeros(b["v"].shape, jnp.float32) + z
-    dsch0 = jax.tree_util.tree_map(lambda x: x + z, _float_leaves_zeros(scheme))
+    dfl0 = [jnp.zeros(jnp.shape(x), jnp.float32) + z for x in fl]
+    terms = _merge_terms(cfg, fl, il)
 
     def q_step(carry, xs):
-        dk_all, dv_all, dsch = carry
+        dk_all, dv_all, dfl = carry
         i, qs_i, qp_i, sq_i, lse_i, do_i, dl_i = xs
         lse_safe = jnp.where(jnp.isfinite(lse_i), lse_i, 0.0)
 
@@ -364,42 +394,39 @@ def _chunked_backward(scheme, b, out, lse, dout, cfg: _Cfg):
             j, k_j, v_j, kp_j, kval_j, skv_j = ys
 
             def compute(carry, masked):
-                dq_i, dsch = carry
-                vis = _tile_visibility(cfg, b, i, j, qp_i, kp_j, kval_j, sq_i, skv_j, masked)
-                tile = lambda qs_, k_, sch: _tile(sch, qs_, k_, qp_i, kp_j, vis)
-                s, tile_vjp = jax.vjp(tile, qs_i, k_j, scheme)
+                dq_i, dfl = carry
+                vis = _tile_visibility(cfg, terms, b, i, j, qp_i, kp_j, kval_j, sq_i, skv_j,
+                                       masked)
+                tile = lambda qs_, k_, fl_: _tile(_merge_terms(cfg, fl_, il), qs_, k_, qp_i,
+                                                   kp_j, vis)
+                s, tile_vjp = jax.vjp(tile, qs_i, k_j, fl)
                 p = jnp.exp(s - lse_safe[..., None])  # 0 where hidden (s = -inf)
-                outf = lambda p_, v_, sch: _output(sch, p_, v_, qp_i, kp_j)
-                _, out_vjp = jax.vjp(outf, p, v_j, scheme)
-                dp, dv_j, dsch_v = out_vjp(do_i)
+                outf = lambda p_, v_, fl_: _output(_merge_terms(cfg, fl_, il), p_, v_, qp_i, kp_j)
+                _, out_vjp = jax.vjp(outf, p, v_j, fl)
+                dp, dv_j, dfl_v = out_vjp(do_i)
                 ds = p * (dp - dl_i[..., None])
-                dq_t, dk_j, dsch_s = tile_vjp(ds)
-                dsch = jax.tree_util.tree_map(lambda a, x, y: a + x + y, dsch, dsch_v, dsch_s)
-                return (dq_i + dq_t, dsch), (dk_j, dv_j)
+                dq_t, dk_j, dfl_s = tile_vjp(ds)
+                dfl = [a + x + y for a, x, y in zip(dfl, dfl_v, dfl_s)]
+                return (dq_i + dq_t, dfl), (dk_j, dv_j)
 
             def skip(carry):
                 return carry, (jnp.zeros(k_j.shape, jnp.float32) + z,
                                jnp.zeros(v_j.shape, jnp.float32) + z)
 
-            kind = _tile_kind(cfg.causal, has_mask, qp_i, kp_j, kval_j, sq_i, skv_j)
+            kind = _tile_kind(cfg.causal, always, qp_i, kp_j, kval_j, sq_i, skv_j,
+                              _block_kind(b, i, j))
             branches = (skip, functools.partial(compute, masked=False),
                         functools.partial(compute, masked=True))
             return jax.lax.switch(kind, branches, carry)
 
         ys = (jnp.arange(cfg.nk), b["k"], b["v"], b["kv_pos"], b["kv_valid"], b["seg_kv"])
-        (dq_i, dsch), (dk_i, dv_i) = jax.lax.scan(
-            k_step, (jnp.zeros(qs_i.shape, jnp.float32) + z, dsch), ys)
-        return (dk_all + dk_i, dv_all + dv_i, dsch), dq_i
+        (dq_i, dfl), (dk_i, dv_i) = jax.lax.scan(
+            k_step, (jnp.zeros(qs_i.shape, jnp.float32) + z, dfl), ys)
+        return (dk_all + dk_i, dv_all + dv_i, dfl), dq_i
 
     xs = (jnp.arange(cfg.nq), b["qs"], b["q_pos"], b["seg_q"], lse, dout, delta)
-    (dk, dv, dsch), dq = jax.lax.scan(q_step, (dk0, dv0, dsch0), xs)
-    return dq, dk, dv, dsch
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked_core(cfg, scheme, qs, k, v, ints):
-    out, _ = _chunked_forward(scheme, _assemble(qs, k, v, ints), cfg)
-    return out
+    (dk, dv, dfl), dq = jax.lax.scan(q_step, (dk0, dv0, dfl0), xs)
+    return dq, dk, dv, dfl
 
 
 def _assemble(qs, k, v, ints):
@@ -408,9 +435,15 @@ def _assemble(qs, k, v, ints):
     return b
 
 
-def _chunked_core_fwd(cfg, scheme, qs, k, v, ints):
-    out, lse = _chunked_forward(scheme, _assemble(qs, k, v, ints), cfg)
-    return out, (scheme, qs, k, v, ints, out, lse)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked_core(cfg, fl, il, sinks, qs, k, v, ints):
+    out, _ = _chunked_forward(_merge_terms(cfg, fl, il), sinks, _assemble(qs, k, v, ints), cfg)
+    return out
+
+
+def _chunked_core_fwd(cfg, fl, il, sinks, qs, k, v, ints):
+    out, lse = _chunked_forward(_merge_terms(cfg, fl, il), sinks, _assemble(qs, k, v, ints), cfg)
+    return out, (fl, il, sinks, qs, k, v, ints, out, lse)
 
 
 def _match_vma(g, x):
@@ -432,28 +465,58 @@ def _varying_axes(x) -> frozenset:
     return frozenset(vma or ())
 
 
+def _zero_cotangent(x):
+    """The zero cotangent of a non-differentiable input (float0 for integers and bools)."""
+    if x is None:
+        return None
+    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+        return jnp.zeros(jnp.shape(x), jnp.result_type(x))
+    return np.zeros(jnp.shape(x), jax.dtypes.float0)
+
+
+def sink_gradient(sinks, lse, delta, head_axis: int):
+    """``d sink_h = -sum exp(sink_h - lse) * delta``, summed over every axis but
+    ``head_axis`` of ``lse`` and ``delta`` (``rowsum(dout * out)``): the sink's softmax
+    weight times ``delta`` is the whole gradient of a logit that carries no value vector.
+    ``lse`` includes the sink. Returns float32 ``[N]``."""
+    flat = lambda x: jnp.moveaxis(x, head_axis, 0).reshape(x.shape[head_axis], -1)
+    w = jnp.exp(sinks.astype(jnp.float32)[:, None] - flat(lse))
+    return -jnp.sum(jnp.where(jnp.isfinite(w), w, 0.0) * flat(delta), axis=1)
+
+
 def _chunked_core_bwd(cfg, res, dout):
-    scheme, qs, k, v, ints, out, lse = res
-    dq, dk, dv, dsch = _chunked_backward(scheme, _assemble(qs, k, v, ints), out, lse, dout, cfg)
-    dsch = jax.tree_util.tree_map(lambda g, x: _match_vma(g.astype(jnp.result_type(x)), x),
-                                  dsch, scheme)
+    fl, il, sinks, qs, k, v, ints, out, lse = res
+    dq, dk, dv, dfl = _chunked_backward(cfg, fl, il, _assemble(qs, k, v, ints), out, lse, dout)
+    dfl = [_match_vma(g.astype(jnp.result_type(x)), x) for g, x in zip(dfl, fl)]
     dq, dk, dv = _match_vma(dq, qs), _match_vma(dk, k), _match_vma(dv, v)
-    dints = jax.tree_util.tree_map(
-        lambda x: np.zeros(x.shape, jax.dtypes.float0) if x is not None else None, ints)
-    return dsch, dq, dk, dv, dints
+    dsinks = None
+    if sinks is not None:  # lse/out: [nq, B, N, bq(, H)]; padded rows have dout = 0
+        delta = jnp.sum(dout * out, axis=-1)
+        dsinks = _match_vma(sink_gradient(sinks, lse, delta, 2).astype(sinks.dtype), sinks)
+    dil = [_zero_cotangent(x) for x in il]
+    dints = jax.tree_util.tree_map(_zero_cotangent, ints)
+    return dfl, dil, dsinks, dq, dk, dv, dints
 
 
 _chunked_core.defvjp(_chunked_core_fwd, _chunked_core_bwd)
 
 
-def _chunked(scheme, qs, k, v, m: _Masking, causal: bool, block_q: int, block_k: int):
+def _chunked(terms_fn, qs, k, v, m: _Masking, causal: bool, block_q: int, block_k: int, sinks,
+             block_mask: BlockMask | None):
     _B, _N, Tq, _H = qs.shape
-    block_q = min(block_q, Tq)
-    block_k = min(block_k, k.shape[2])
+    if block_mask is None:
+        block_q = min(block_q, Tq)
+        block_k = min(block_k, k.shape[2])
+    terms = terms_fn(block_q, block_k)
     b, nq, nk = _chunk_inputs(qs, k, v, m, block_q, block_k)
     ints = {n: b[n] for n in ("q_pos", "kv_pos", "kv_valid", "seg_q", "seg_kv", "mask")}
-    out = _chunked_core(_Cfg(causal, nq, nk, block_q, block_k), _tile_scheme(scheme),
-                        b["qs"], b["k"], b["v"], ints)
+    if block_mask is not None:
+        ints["bm_kinds"] = block_mask.kinds
+    fl, il, is_f, treedef = _split_terms(terms)
+    cfg = _Cfg(causal, nq, nk, block_q, block_k, is_f, treedef)
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
+    out = _chunked_core(cfg, fl, il, sinks, b["qs"], b["k"], b["v"], ints)
     return _unblocks(out, 2)[:, :, :Tq]
 
 
@@ -512,12 +575,39 @@ def default_positions(B: int, Tq: int, Tk: int):
     return q, kv
 
 
+def _layout_hint(q, *, heads=None, seq=None) -> str:
+    """A sentence naming the likely ``[B, N, T, H]`` / ``[B, T, N, H]`` swap when axis 1 of
+    ``q`` would fit what axis 2 failed (``heads``) or the other way (``seq``); else ''."""
+    if q.ndim != 4:
+        return ""
+    if (heads is not None and q.shape[1] == heads and q.shape[2] != heads) or (
+            seq is not None and q.shape[2] == seq and q.shape[1] != seq):
+        return (f" q has shape {tuple(q.shape)}: jaxpos expects [B, T, N, H] (batch, sequence, "
+                f"heads, head_dim); it looks like [B, N, T, H]. Swap axes 1 and 2 "
+                f"(jnp.swapaxes(x, 1, 2)) for q, k and v.")
+    return ""
+
+
+def _check_sinks(sinks, N):
+    if sinks is None:
+        return None
+    _checks.check_floating("sinks", sinks)
+    if _checks.shape_of(sinks) != (N,):
+        raise ValueError(f"sinks must have shape [num_heads] = [{N}] (one logit per query "
+                         f"head); got shape {_checks.shape_of(sinks)}.")
+    return jnp.asarray(sinks)
+
+
 def attention(
     q,
     k,
     v,
     *,
     position=None,
+    score_mod=None,
+    mask_mod=None,
+    block_mask: BlockMask | None = None,
+    sinks=None,
     q_positions=None,
     kv_positions=None,
     causal: bool = False,
@@ -529,17 +619,31 @@ def attention(
     block_q: int | None = None,
     block_k: int | None = None,
 ):
-    """Multi-head attention with any position scheme.
+    """Multi-head attention with any position scheme, score_mod and mask_mod.
 
-    ``softmax(scale * q k^T + bias) v`` per head, where the scheme rotates q and k (RoPE),
-    adds a score bias after scaling (ALiBi, T5, Shaw; as ``jax.nn.dot_product_attention``
-    and BLOOM do) and may add a value term (Shaw).
+    ``softmax(score_mod(scale * q k^T) + bias) v`` per head, where the scheme transforms q
+    and k per token (RoPE), contributes a score_mod from positions (ALiBi, T5, KERPLE,
+    ...; added after scaling, as ``jax.nn.dot_product_attention`` and BLOOM do), and may
+    add a content bias and a value term (Shaw). The user's ``score_mod`` runs after the
+    scheme's, the ``mask_mod`` and the other masks decide which pairs are visible.
 
     Args:
       q: ``[B, Tq, N, H]``; k: ``[B, Tk, N_kv, H]``; v: ``[B, Tk, N_kv, H_v]`` (float).
         ``N`` must be a multiple of ``N_kv`` (grouped-query / multi-query attention).
       position: a scheme (:class:`NoPE`, :class:`RoPE`, :class:`ALiBi`,
-        :class:`T5Bias`, :class:`Shaw`) or ``None``/``"none"``.
+        :class:`T5Bias`, :class:`Shaw`, ... see ``jaxpos.scheme.REGISTRY``) or
+        ``None``/``"none"``.
+      score_mod: ``(score, batch, head, q_pos, kv_pos) -> score`` on float32 tiles, with
+        global int32 positions ``q_pos [tq, 1]``, ``kv_pos [1, tk]`` and the query head
+        (see :mod:`jaxpos.mods`); may capture arrays, which receive gradients.
+      mask_mod: ``(batch, head, q_pos, kv_pos) -> bool``; True means "may attend".
+      block_mask: a :class:`jaxpos.BlockMask` from :func:`jaxpos.create_block_mask` for
+        these positions: empty tiles are skipped, full ones need no masking. Its
+        ``mask_mod`` is used (``mask_mod`` may be omitted or must be the same function);
+        its tile sizes are used by the chunked and Pallas paths.
+      sinks: float ``[N]``, a learned logit per query head in the softmax denominator
+        (attention sinks, as in GPT-OSS): weights ``exp(s_ij) / (exp(sink_h) + sum_j
+        exp(s_ij))``. Differentiable.
       q_positions, kv_positions: integer ``[T]`` or ``[B, T]``. Default ``arange``, with
         queries aligned to the end of the keys when ``Tq < Tk`` (decoding). KV-cache
         offsets, left padding and packed sequences are all position arrays.
@@ -558,8 +662,11 @@ def attention(
       no visible key returns zeros, with zero gradients.
 
     Raises:
-      ValueError / TypeError: bad ranks, mismatched shapes, float positions, a scheme that
-      does not fit the heads, unknown implementation, bad masks.
+      ValueError / TypeError: bad ranks, mismatched shapes (naming a likely
+      ``[B, N, T, H]`` layout), float positions, a scheme that does not fit the heads or
+      contradicts ``causal``, unknown implementation, bad masks, a score_mod returning
+      the wrong shape or dtype, a mask_mod not returning bool, a block mask built for
+      other lengths or blocks, sinks of the wrong shape.
     """
     B, Tq, Tk, N, Nk, H = _check_inputs(q, k, v)
     if not isinstance(causal, (bool, np.bool_)):
@@ -568,7 +675,19 @@ def attention(
             f"jax.jit pass static_argnames=('causal',)); got {type(causal).__name__}.")
     causal = bool(causal)
     scheme = as_scheme(position)
-    scheme.check(N, H)
+    try:
+        scheme.check(N, H)
+    except ValueError as e:
+        hint = ""
+        try:
+            scheme.check(q.shape[1], H)
+            hint = _layout_hint(q, heads=q.shape[1])
+        except ValueError:
+            pass
+        if hint:
+            raise ValueError(f"{e}{hint}") from None
+        raise
+    scheme.check_causal(causal)
     if scheme.has_value_term and v.shape[-1] != H:
         raise ValueError(f"v must have head_dim {H}: {type(scheme).__name__}'s value term adds "
                          f"vectors of width {H} to the output; got v {v.shape}.")
@@ -576,9 +695,15 @@ def attention(
         implementation = default_implementation(scheme)
     _checks.check_choice("implementation", implementation, IMPLEMENTATIONS)
     dq_pos, dkv_pos = default_positions(B, Tq, Tk)
-    q_pos = _checks.positions_2d("q_positions", dq_pos if q_positions is None else q_positions, B, Tq)
-    kv_pos = _checks.positions_2d("kv_positions", dkv_pos if kv_positions is None else kv_positions,
-                                  B, Tk)
+    try:
+        q_pos = _checks.positions_2d("q_positions", dq_pos if q_positions is None else q_positions,
+                                     B, Tq)
+        kv_pos = _checks.positions_2d("kv_positions",
+                                      dkv_pos if kv_positions is None else kv_positions, B, Tk)
+    except ValueError as e:
+        given = q_positions if q_positions is not None else kv_positions
+        hint = _layout_hint(q, seq=_checks.shape_of(given)[-1]) if given is not None else ""
+        raise ValueError(f"{e}{hint}") from None
     if kv_segment_ids is None and segment_ids is not None:
         if Tq != Tk:
             raise ValueError(f"kv_segment_ids is required when Tq != Tk ({Tq} vs {Tk}).")
@@ -592,6 +717,17 @@ def attention(
     for name, blk in (("block_q", block_q), ("block_k", block_k)):
         if blk is not None:
             _checks.check_positive_int(name, blk)
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a jaxpos.BlockMask (from "
+                            f"jaxpos.create_block_mask); got {type(block_mask).__name__}.")
+        block_mask.check(B, N, Tq, Tk, block_q, block_k)
+        if mask_mod is not None and mask_mod is not block_mask.mask_mod:
+            raise ValueError("mask_mod differs from block_mask.mask_mod; pass one of them (the "
+                             "block mask carries its mask_mod).")
+        mask_mod = block_mask.mask_mod
+        block_q, block_k = block_mask.block_q, block_mask.block_k
+    sinks = _check_sinks(sinks, N)
     if scale is None:
         scale = 1.0 / math.sqrt(H)
     elif isinstance(scale, (str, bytes)) or (
@@ -601,18 +737,36 @@ def attention(
     elif np.ndim(scale) != 0:
         raise ValueError(f"scale must be a scalar (one factor for every score); got shape "
                          f"{np.shape(scale)}.")
+    all_score_mods = compose_score_mods(scheme.score_mod(), score_mod)
+    # Trace the mods once here, at a small tile, so a bad return shape or dtype is reported
+    # at the call whatever the implementation.
+    for fn, kind in ((all_score_mods, "score"), (mask_mod, "mask")):
+        if fn is not None:
+            convert_mod(fn, kind, 2, 3)
     if Tq == 0 or Tk == 0:  # nothing to attend from, or no visible key: zeros
         return jnp.zeros((B, Tq, N, v.shape[-1]), q.dtype)
 
+    q, k = scheme.transform_qk(q, k, q_pos, kv_pos)
     if implementation == "pallas":
+        if not scheme.fusable:
+            raise ValueError(
+                f"the fused Pallas kernel does not support the position scheme "
+                f"{type(scheme).__name__} (its content bias or value term depends on the "
+                f"query content or the weights); use implementation='chunked' or 'reference'.")
+        if mask4 is not None:
+            raise ValueError(
+                f"implementation='pallas' does not take a boolean mask array (got shape "
+                f"{tuple(mask4.shape)}): express it as a mask_mod from positions (with "
+                f"jaxpos.create_block_mask to skip empty tiles), with causal=, positions or "
+                f"segment_ids, or use implementation='chunked'.")
         from jaxpos.kernels import attention_via_kernel
 
-        return attention_via_kernel(q, k, v, scheme=scheme, q_positions=q_pos, kv_positions=kv_pos,
-                                    causal=causal, mask=mask4, segment_ids=seg_q,
-                                    kv_segment_ids=seg_kv, scale=scale, block_q=block_q,
-                                    block_k=block_k)
+        return attention_via_kernel(q, k, v, score_mod=all_score_mods, mask_mod=mask_mod,
+                                    block_mask=block_mask, sinks=sinks, q_positions=q_pos,
+                                    kv_positions=kv_pos, causal=causal,
+                                    segment_ids=seg_q, kv_segment_ids=seg_kv, scale=scale,
+                                    block_q=block_q, block_k=block_k)
 
-    q, k = scheme.rotate_qk(q, k, q_pos, kv_pos)
     dtype = q.dtype
     groups = N // Nk
     to_bnth = lambda x: jnp.swapaxes(x.astype(jnp.float32), 1, 2)
@@ -622,8 +776,11 @@ def attention(
         kk = jnp.repeat(kk, groups, axis=1)
         vv = jnp.repeat(vv, groups, axis=1)
     m = _Masking(q_pos, kv_pos, None, mask4, seg_q, seg_kv)
+
+    terms_at = functools.partial(_make_terms, scheme, all_score_mods, mask_mod)
     if implementation == "reference":
-        out = _reference(scheme, qs, kk, vv, m, causal)
+        out = _reference(terms_at(Tq, Tk), qs, kk, vv, m, causal, sinks)
     else:
-        out = _chunked(scheme, qs, kk, vv, m, causal, block_q or _BLOCK_Q, block_k or _BLOCK_K)
+        out = _chunked(terms_at, qs, kk, vv, m, causal, block_q or _BLOCK_Q, block_k or _BLOCK_K,
+                       sinks, block_mask)
     return jnp.swapaxes(out, 1, 2).astype(dtype)

@@ -46,11 +46,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpos import _checks
+from jaxpos import _checks, rope_scaling
+from jaxpos.rope_scaling import check_rotary_dim, default_inv_freq, rope_frequencies
+from jaxpos.scheme import NoPE, PositionScheme, register
 
 __all__ = [
     "ANGLE_PRECISIONS",
     "LAYOUTS",
+    "RoPE",
     "apply_axial_rope",
     "apply_mrope",
     "apply_rope",
@@ -60,6 +63,7 @@ __all__ = [
     "half_to_interleaved",
     "interleaved_to_half",
     "mrope_angles",
+    "mrope_frequency_axes",
     "p_rope_frequencies",
     "rope_angles",
     "rope_frequencies",
@@ -71,55 +75,6 @@ ANGLE_PRECISIONS = ("high", "float32")
 
 
 # ------------------------------------------------------------------------- frequencies
-def rope_frequencies(rotary_dim: int, base: float = 10000.0, *, scaling=None, seq_len=None):
-    """Inverse frequencies of RoPE and the attention factor, as Hugging Face's rope init
-    functions return them (Su et al. 2024, eq. 15: ``theta_i = base ** (-2(i-1)/d)``).
-
-    Args:
-      rotary_dim: number of rotated features per head (even, positive). With partial
-        rotary (GPT-NeoX, Phi) this is ``int(head_dim * partial_rotary_factor)``, and the
-        exponent divides by it, not by ``head_dim``.
-      base: ``rope_theta`` (10,000 in RoFormer; 500,000 in Llama 3).
-      scaling: ``None`` or a context-extension dataclass (:mod:`jaxpos.rope_scaling`).
-      seq_len: Python int, for scalings that depend on the length (dynamic NTK, LongRoPE).
-
-    Returns:
-      ``(inv_freq, attention_factor)``: float32 ``[rotary_dim // 2]`` in radians per
-      position, computed with float32 operations in HF's order
-      (``1 / base ** (arange(0, d, 2) / d)``); and a Python float (1.0 without scaling)
-      that multiplies cos and sin, hence the attention logits by its square.
-
-    Raises:
-      ValueError: odd or non-positive ``rotary_dim``; ``base <= 0``.
-      TypeError: ``rotary_dim`` not an int.
-    """
-    check_rotary_dim(rotary_dim)
-    _checks.check_positive_float("base", base)
-    if scaling is not None:
-        from jaxpos import rope_scaling  # the registry of context-extension methods
-
-        return rope_scaling.scaled_frequencies(rotary_dim, base, scaling, seq_len=seq_len)
-    return jnp.asarray(default_inv_freq(rotary_dim, base)), 1.0
-
-
-def default_inv_freq(rotary_dim: int, base: float) -> np.ndarray:
-    """NumPy float32 ``1 / base ** (arange(0, rotary_dim, 2) / rotary_dim)``, op for op as
-    HF computes it in float32 (the power is correctly rounded here; PyTorch's ``pow`` may
-    differ from it by one ulp in about 1% of entries)."""
-    exps = np.arange(0, rotary_dim, 2).astype(np.float32) / np.float32(rotary_dim)
-    return (np.float32(1.0) / (np.float32(base) ** exps)).astype(np.float32)
-
-
-def check_rotary_dim(rotary_dim, head_dim=None) -> int:
-    """Validate ``rotary_dim`` (positive even int, at most ``head_dim``); return it."""
-    r = _checks.check_positive_int("rotary_dim", rotary_dim)
-    if r % 2:
-        raise ValueError(f"rotary_dim must be even (features rotate in pairs); got {r}.")
-    if head_dim is not None and r > head_dim:
-        raise ValueError(f"rotary_dim must be <= head_dim={head_dim}; got {r}.")
-    return r
-
-
 def p_rope_frequencies(head_dim: int, base: float = 10000.0, *, p: float) -> jax.Array:
     """p-RoPE inverse frequencies (Barbero et al. 2025, "Round and Round We Go! What makes
     Rotary Positional Encodings useful?", ICLR, p-RoPE): keep the ``p`` fraction of highest
@@ -265,6 +220,30 @@ def rope_angles(positions, inv_freq, *, angle_precision: str = "high") -> jax.Ar
 
 
 # ---------------------------------------------------------------------------- rotation
+def _unpack_frequencies(inv_freq, attention_factor):
+    """``(inv_freq, attention_factor)`` from an ``inv_freq`` argument that may be the pair
+    :func:`rope_frequencies` returns; other nested sequences raise a ``TypeError``."""
+    if not isinstance(inv_freq, (tuple, list)):
+        return inv_freq, attention_factor
+    if len(inv_freq) == 2 and np.ndim(inv_freq[0]) == 1 and np.ndim(inv_freq[1]) == 0:
+        freqs, pair_factor = inv_freq
+        one = lambda f: isinstance(f, (int, float, np.floating)) and float(f) == 1.0  # noqa: E731
+        if one(pair_factor):
+            return freqs, attention_factor
+        if one(attention_factor):
+            return freqs, pair_factor
+        raise ValueError(
+            f"attention_factor was given twice: inv_freq is the pair (inv_freq, "
+            f"attention_factor={pair_factor!r}) that rope_frequencies returns, and "
+            f"attention_factor={attention_factor!r} was passed too; pass one of them.")
+    if any(np.ndim(f) != 0 for f in inv_freq):
+        raise TypeError(
+            f"inv_freq must be a float array [rotary_dim // 2] (or the pair (inv_freq, "
+            f"attention_factor) that rope_frequencies returns); got a {type(inv_freq).__name__} "
+            f"of {len(inv_freq)} items with shapes {[np.shape(f) for f in inv_freq]}.")
+    return inv_freq, attention_factor
+
+
 def apply_rope(x, positions, inv_freq, *, layout: str = "half", attention_factor=1.0,
                angle_precision: str = "high"):
     """Rotate the first ``2 * len(inv_freq)`` features of each head of ``x`` (Su et al.
@@ -273,7 +252,9 @@ def apply_rope(x, positions, inv_freq, *, layout: str = "half", attention_factor
     Args:
       x: ``[B, T, N, H]`` (any float dtype).
       positions: integer ``[T]`` or ``[B, T]``.
-      inv_freq: float ``[rotary_dim // 2]`` (radians per position).
+      inv_freq: float ``[rotary_dim // 2]`` (radians per position), or the pair
+        ``(inv_freq, attention_factor)`` that :func:`rope_frequencies` returns (its factor
+        is then used, e.g. ``apply_rope(x, pos, rope_frequencies(64, scaling=yarn))``).
       layout: ``"half"`` or ``"interleaved"`` (see the module docstring).
       attention_factor: multiplies cos and sin (YaRN / LongRoPE ``mscale``), as HF does;
         applied to q and to k, it multiplies the logits by its square.
@@ -286,8 +267,11 @@ def apply_rope(x, positions, inv_freq, *, layout: str = "half", attention_factor
 
     Raises:
       ValueError: ``x`` not rank 4; ``2 * len(inv_freq)`` larger than ``H``; positions
-        of the wrong shape; unknown layout or angle_precision. TypeError: float positions.
+        of the wrong shape; unknown layout or angle_precision; an attention factor both in
+        the pair and as ``attention_factor`` (neither 1). TypeError: float positions;
+        ``inv_freq`` a sequence that is neither an array nor the pair above.
     """
+    inv_freq, attention_factor = _unpack_frequencies(inv_freq, attention_factor)
     _checks.check_choice("layout", layout, LAYOUTS)
     _checks.check_choice("angle_precision", angle_precision, ANGLE_PRECISIONS)
     _checks.check_rank("x", x, (4,), "[B, T, N, H]")
@@ -434,7 +418,52 @@ def _check_sections(mrope_section, half: int):
     return sec
 
 
-def mrope_angles(positions, inv_freq, *, mrope_section, angle_precision: str = "high"):
+def mrope_frequency_axes(mrope_section, half: int, *, mrope_interleaved: bool = False) -> np.ndarray:
+    """Which position row (0 temporal, 1 height, 2 width) drives each of the ``half``
+    M-RoPE frequencies.
+
+    * contiguous (Qwen2-VL, Wang et al. 2024, §2): ``mrope_section = (t, h, w)``
+      consecutive frequencies each, ``[0]*t + [1]*h + [2]*w``;
+    * interleaved (Qwen3-VL, Qwen3-Omni; HF's ``Qwen3VLTextRotaryEmbedding``,
+      ``recomposition_frequencies``): frequency ``i`` follows the height row when
+      ``i % 3 == 1`` and ``i < 3 * h``, the width row when ``i % 3 == 2`` and ``i < 3 * w``,
+      the temporal row otherwise, so every row spans high to low frequencies
+      (``[24, 20, 20]`` of 64: ``T H W T H W ... T H W T T T T``).
+
+    Args:
+      mrope_section: three non-negative ints ``(t, h, w)`` summing to ``half``.
+      half: ``rotary_dim // 2``, the number of frequencies.
+      mrope_interleaved: the Qwen3-VL layout instead of contiguous sections.
+
+    Returns:
+      int32 NumPy ``[half]``; row ``s`` drives exactly ``mrope_section[s]`` frequencies.
+
+    Raises:
+      ValueError: ``mrope_section`` not three non-negative ints summing to ``half``; or,
+        interleaved, a height/width count too large to interleave (``3 * (n - 1) + row``
+        must stay below ``half``), which HF would silently truncate.
+      TypeError: ``mrope_interleaved`` not a bool.
+    """
+    if not isinstance(mrope_interleaved, (bool, np.bool_)):
+        raise TypeError(f"mrope_interleaved must be a bool; got "
+                        f"{type(mrope_interleaved).__name__} {mrope_interleaved!r}.")
+    sec = _check_sections(mrope_section, half)
+    if not mrope_interleaved:
+        return np.repeat(np.arange(3, dtype=np.int32), sec)
+    axes = np.zeros(half, np.int32)
+    for row in (1, 2):
+        if sec[row] and 3 * (sec[row] - 1) + row >= half:
+            raise ValueError(
+                f"mrope_section={sec} cannot be interleaved over rotary_dim // 2 = {half} "
+                f"frequencies: row {row} ({('temporal', 'height', 'width')[row]}) needs "
+                f"frequency {3 * (sec[row] - 1) + row}; interleaving needs 3 * (n - 1) + {row} "
+                f"< {half} (the temporal row takes the remaining frequencies).")
+        axes[row:3 * sec[row]:3] = row
+    return axes
+
+
+def mrope_angles(positions, inv_freq, *, mrope_section, angle_precision: str = "high",
+                 mrope_interleaved: bool = False):
     """Multimodal RoPE angles of Qwen2-VL (Wang et al. 2024, "Qwen2-VL: Enhancing
     Vision-Language Model's Perception of the World at Any Resolution", §2, M-RoPE).
 
@@ -442,11 +471,15 @@ def mrope_angles(positions, inv_freq, *, mrope_section, angle_precision: str = "
     ``mrope_section = (t, h, w)`` (Qwen2-VL-7B: ``(16, 24, 24)``); frequency ``i`` of
     section ``s`` is driven by position row ``s`` (temporal, height, width). For text all
     three rows are equal and this is plain RoPE. Matches HF's ``Qwen2VLRotaryEmbedding``.
+    With ``mrope_interleaved=True`` the rows are interleaved over the frequencies instead
+    (Qwen3-VL / Qwen3-Omni; :func:`mrope_frequency_axes`), matching HF's
+    ``Qwen3VLTextRotaryEmbedding``.
 
     Args:
       positions: integer ``[3, T]`` or ``[3, B, T]`` (rows: temporal, height, width).
       inv_freq: float ``[half]``. mrope_section: three ints summing to ``half``.
       angle_precision: see :func:`rope_angles`.
+      mrope_interleaved: Qwen3-VL's interleaved layout (HF config key of the same name).
 
     Returns:
       float32 ``[1 or B, T, half]``.
@@ -462,33 +495,35 @@ def mrope_angles(positions, inv_freq, *, mrope_section, angle_precision: str = "
         raise ValueError(f"positions must have 3 rows (temporal, height, width) on axis 0; "
                          f"got shape {shp}.")
     half = _checks.shape_of(inv_freq)[0]
-    sec = _check_sections(mrope_section, half)
+    axes = mrope_frequency_axes(mrope_section, half, mrope_interleaved=mrope_interleaved)
     pos = jnp.asarray(positions, jnp.int32)
     if pos.ndim == 2:
         pos = pos[:, None, :]
-    return _mrope_angles(pos, jnp.asarray(inv_freq, jnp.float32), sec=sec,
+    return _mrope_angles(pos, jnp.asarray(inv_freq, jnp.float32), axes=tuple(axes.tolist()),
                          angle_precision=angle_precision)
 
 
-@functools.partial(jax.jit, static_argnames=("sec", "angle_precision"))
-def _mrope_angles(pos, inv_freq, *, sec, angle_precision):
+@functools.partial(jax.jit, static_argnames=("axes", "angle_precision"))
+def _mrope_angles(pos, inv_freq, *, axes, angle_precision):
     ang = rope_angles(pos, inv_freq, angle_precision=angle_precision)  # [3, B, T, half]
-    which = np.repeat(np.arange(3), sec)  # section of each frequency
+    which = np.asarray(axes)  # position row of each frequency
     return jnp.where(which == 0, ang[0], jnp.where(which == 1, ang[1], ang[2]))
 
 
 def apply_mrope(x, positions, inv_freq, *, mrope_section, layout: str = "half",
-                attention_factor=1.0, angle_precision: str = "high"):
+                attention_factor=1.0, angle_precision: str = "high",
+                mrope_interleaved: bool = False):
     """Rotate ``x`` ``[B, T, N, H]`` with M-RoPE (:func:`mrope_angles`; Qwen2-VL §2).
 
     With ``layout="half"`` and positions ``[3, B, T]`` this equals HF's
-    ``apply_multimodal_rotary_pos_emb`` (Qwen2-VL).
+    ``apply_multimodal_rotary_pos_emb`` (Qwen2-VL); with ``mrope_interleaved=True`` it
+    equals Qwen3-VL's text rotary (``Qwen3VLTextRotaryEmbedding`` + ``apply_rotary_pos_emb``).
 
     Raises:
       The errors of :func:`mrope_angles` and :func:`apply_rope_angles`.
     """
     ang = mrope_angles(positions, inv_freq, mrope_section=mrope_section,
-                       angle_precision=angle_precision)
+                       angle_precision=angle_precision, mrope_interleaved=mrope_interleaved)
     return apply_rope_angles(x, ang, layout=layout, attention_factor=attention_factor)
 
 
@@ -557,3 +592,130 @@ def apply_axial_rope(x, positions_hw, inv_freq, *, layout: str = "half", angle_p
     """
     ang = axial_rope_angles(positions_hw, inv_freq, angle_precision=angle_precision)
     return apply_rope_angles(x, ang, layout=layout)
+
+
+@register("rope")
+class RoPE(PositionScheme):
+    """Rotary position embedding (Su et al. 2024, §3.4), applied to q and k.
+
+    Args:
+      inv_freq: float32 ``[rotary_dim // 2]``; or give ``rotary_dim`` (and ``base``,
+        ``scaling``) to compute it with :func:`jaxpos.rope_frequencies`.
+      rotary_dim: rotated features per head (the rest pass through: partial rotary).
+      base: ``rope_theta``.
+      layout: ``"half"`` (Llama/NeoX) or ``"interleaved"`` (GPT-J/Meta).
+      scaling: a :mod:`jaxpos.rope_scaling` dataclass or None. Dynamic NTK and LongRoPE
+        recompute their frequencies in every call from ``max(position) + 1`` (no state);
+        they need ``rotary_dim``, not ``inv_freq``.
+      attention_factor: multiplies cos and sin, so the logits by its square (YaRN /
+        LongRoPE); default: the scaling's factor, 1.0 without one.
+      angle_precision: ``"high"`` (default; angles reduced modulo 2 pi in extended
+        precision, accurate at any position) or ``"float32"`` (HF's plain float32 product,
+        for bit-level parity with transformers); see :mod:`jaxpos.rope`.
+      mrope_section: Qwen2-VL's ``(temporal, height, width)`` frequency sections, or None.
+        :meth:`rotate` then accepts ``[3, B, T]`` positions (M-RoPE); with ``[T]`` or
+        ``[B, T]`` positions (text, and inside :func:`jaxpos.attention`, whose positions
+        are 1-D per sequence) it is plain RoPE.
+
+    Raises:
+      ValueError: neither ``inv_freq`` nor ``rotary_dim``; ``rotary_dim`` that does not
+        match ``inv_freq``; unknown layout or angle_precision; ``inv_freq`` together with a
+        length-dependent scaling; bad ``mrope_section``.
+      TypeError: ``inv_freq`` not floating; ``scaling`` of an unknown type.
+    """
+
+    _children = ("inv_freq",)
+    _static = ("layout", "attention_factor", "scaling", "base", "rotary_dim",
+               "angle_precision", "mrope_section")
+
+    def __init__(self, inv_freq=None, *, rotary_dim=None, base=10000.0, layout="half",
+                 scaling=None, attention_factor=None, angle_precision="high",
+                 mrope_section=None):
+        _checks.check_choice("layout", layout, LAYOUTS)
+        _checks.check_choice("angle_precision", angle_precision, ANGLE_PRECISIONS)
+        if inv_freq is None:
+            if rotary_dim is None:
+                raise ValueError("RoPE needs inv_freq or rotary_dim; got neither.")
+            inv_freq, af = rope_frequencies(rotary_dim, base, scaling=scaling)
+            attention_factor = af if attention_factor is None else attention_factor
+        else:
+            _checks.check_rank("inv_freq", inv_freq, (1,), "[rotary_dim // 2]")
+            _checks.check_floating("inv_freq", inv_freq)
+            if scaling is not None and rope_scaling.depends_on_length(scaling):
+                raise ValueError(f"RoPE: a length-dependent scaling ({type(scaling).__name__}) "
+                                 f"recomputes inv_freq per call; give rotary_dim and base, not "
+                                 f"inv_freq.")
+        rd = 2 * _checks.shape_of(inv_freq)[0]
+        if rotary_dim is not None and rotary_dim != rd:
+            raise ValueError(f"rotary_dim={rotary_dim} does not match inv_freq of length {rd // 2}.")
+        if mrope_section is not None:
+            sec = tuple(int(v) for v in mrope_section)
+            if len(sec) != 3 or min(sec) < 0 or sum(sec) != rd // 2:
+                raise ValueError(f"mrope_section must be 3 non-negative ints summing to "
+                                 f"rotary_dim // 2 = {rd // 2}; got {tuple(mrope_section)}.")
+            mrope_section = sec
+        self._set(inv_freq=jnp.asarray(inv_freq, jnp.float32), layout=layout,
+                  attention_factor=1.0 if attention_factor is None else float(attention_factor),
+                  scaling=scaling, base=float(base), rotary_dim=rd,
+                  angle_precision=angle_precision, mrope_section=mrope_section)
+
+    def check(self, num_heads, head_dim):
+        check_rotary_dim(self.rotary_dim, head_dim)
+
+    def frequencies(self, q_positions, kv_positions):
+        """``(inv_freq, attention_factor)`` for this call.
+
+        Dynamic NTK and LongRoPE use ``seq_len = max(q_positions, kv_positions) + 1`` of
+        this call (HF's ``max(position_ids) + 1``), traced, selected with ``jnp.where``;
+        other schemes return ``self.inv_freq``. The factor is a Python float.
+        """
+        if self.scaling is None or not rope_scaling.depends_on_length(self.scaling):
+            return self.inv_freq, self.attention_factor
+        seq_len = jnp.maximum(jnp.max(jnp.asarray(q_positions)),
+                              jnp.max(jnp.asarray(kv_positions))) + 1
+        inv_freq, _ = rope_scaling.frequencies_for_length(self.rotary_dim, self.base,
+                                                          self.scaling, seq_len)
+        return inv_freq, self.attention_factor
+
+    def rotate(self, x, positions, *, inv_freq=None):
+        """Rotate ``x`` ``[B, T, N, H]`` at ``positions`` (``[T]`` or ``[B, T]``; with
+        ``mrope_section`` also M-RoPE's ``[3, B, T]``), with this call's frequencies (or
+        ``inv_freq`` if given). Returns ``x``'s shape and dtype.
+
+        Raises:
+          The errors of :func:`jaxpos.apply_rope` / :func:`jaxpos.rope.apply_mrope`.
+        """
+        m_rope = self.mrope_section is not None and np.ndim(positions) == 3
+        if inv_freq is None:
+            inv_freq, af = self.frequencies(positions, positions)
+        else:
+            af = self.attention_factor
+        if m_rope:
+            return apply_mrope(x, positions, inv_freq, mrope_section=self.mrope_section,
+                               layout=self.layout, attention_factor=af,
+                               angle_precision=self.angle_precision)
+        return apply_rope(x, positions, inv_freq, layout=self.layout, attention_factor=af,
+                          angle_precision=self.angle_precision)
+
+    def transform_qk(self, q, k, q_positions, kv_positions):
+        """Rotate ``q`` and ``k`` at their positions with this call's frequencies (one
+        ``O(T * H)`` pass per call, before any attention implementation)."""
+        inv_freq, af = self.frequencies(q_positions, kv_positions)
+        q = apply_rope(q, q_positions, inv_freq, layout=self.layout, attention_factor=af,
+                       angle_precision=self.angle_precision)
+        k = apply_rope(k, kv_positions, inv_freq, layout=self.layout, attention_factor=af,
+                       angle_precision=self.angle_precision)
+        return q, k
+
+    rotate_qk = transform_qk  # the name of earlier releases
+
+    def cache_write(self, q, k, positions):
+        """Hugging Face's decoding rule: with a length-dependent scaling (dynamic NTK,
+        LongRoPE) each key keeps the frequencies of the call that wrote it, so q and k are
+        rotated now (with this call's ``max(positions) + 1``) and the cache is read with
+        :class:`NoPE`; otherwise keys are stored unrotated and rotated at read time."""
+        if self.scaling is not None and rope_scaling.depends_on_length(self.scaling):
+            inv_freq, _ = self.frequencies(positions, positions)
+            return (self.rotate(q, positions, inv_freq=inv_freq),
+                    self.rotate(k, positions, inv_freq=inv_freq), NoPE())
+        return q, k, self

@@ -52,7 +52,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
-from jaxpos.rope import check_rotary_dim, default_inv_freq, rope_frequencies
 
 __all__ = [
     "ROPE_TYPES",
@@ -70,6 +69,55 @@ __all__ = [
 ]
 
 _f32 = np.float32
+
+
+# ------------------------------------------------------------------------- frequencies
+def rope_frequencies(rotary_dim: int, base: float = 10000.0, *, scaling=None, seq_len=None):
+    """Inverse frequencies of RoPE and the attention factor, as Hugging Face's rope init
+    functions return them (Su et al. 2024, eq. 15: ``theta_i = base ** (-2(i-1)/d)``).
+
+    Args:
+      rotary_dim: number of rotated features per head (even, positive). With partial
+        rotary (GPT-NeoX, Phi) this is ``int(head_dim * partial_rotary_factor)``, and the
+        exponent divides by it, not by ``head_dim``.
+      base: ``rope_theta`` (10,000 in RoFormer; 500,000 in Llama 3).
+      scaling: ``None`` or a context-extension dataclass (:mod:`jaxpos.rope_scaling`).
+      seq_len: Python int, for scalings that depend on the length (dynamic NTK, LongRoPE).
+
+    Returns:
+      ``(inv_freq, attention_factor)``: float32 ``[rotary_dim // 2]`` in radians per
+      position, computed with float32 operations in HF's order
+      (``1 / base ** (arange(0, d, 2) / d)``); and a Python float (1.0 without scaling)
+      that multiplies cos and sin, hence the attention logits by its square.
+
+    Raises:
+      ValueError: odd or non-positive ``rotary_dim``; ``base <= 0``.
+      TypeError: ``rotary_dim`` not an int.
+    """
+    check_rotary_dim(rotary_dim)
+    _checks.check_positive_float("base", base)
+    if scaling is not None:
+        return scaled_frequencies(rotary_dim, base, scaling, seq_len=seq_len)
+    return jnp.asarray(default_inv_freq(rotary_dim, base)), 1.0
+
+
+def default_inv_freq(rotary_dim: int, base: float) -> np.ndarray:
+    """NumPy float32 ``1 / base ** (arange(0, rotary_dim, 2) / rotary_dim)``, op for op as
+    HF computes it in float32 (the power is correctly rounded here; PyTorch's ``pow`` may
+    differ from it by one ulp in about 1% of entries)."""
+    exps = np.arange(0, rotary_dim, 2).astype(np.float32) / np.float32(rotary_dim)
+    return (np.float32(1.0) / (np.float32(base) ** exps)).astype(np.float32)
+
+
+def check_rotary_dim(rotary_dim, head_dim=None) -> int:
+    """Validate ``rotary_dim`` (positive even int, at most ``head_dim``); return it."""
+    r = _checks.check_positive_int("rotary_dim", rotary_dim)
+    if r % 2:
+        raise ValueError(f"rotary_dim must be even (features rotate in pairs); got {r}.")
+    if head_dim is not None and r > head_dim:
+        raise ValueError(f"rotary_dim must be <= head_dim={head_dim}; got {r}.")
+    return r
+
 
 
 def _positive(name, value, *, cls):

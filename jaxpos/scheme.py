@@ -116,6 +116,10 @@ class PositionScheme:
         """Raise ``ValueError`` if the scheme cannot serve ``num_heads`` query heads of
         width ``head_dim``."""
 
+    def check_causal(self, causal: bool) -> None:
+        """Raise ``ValueError`` if the scheme contradicts the call's ``causal`` flag (e.g.
+        T5's bidirectional buckets in a causal decoder)."""
+
     def transform_qk(self, q, k, q_positions, kv_positions):
         """Per-token transform of ``q`` ``[B, Tq, N, H]`` and ``k`` ``[B, Tk, N_kv, H]``
         at int32 positions ``[B|1, T]``. Returns ``(q, k)``, shapes and dtypes kept."""

@@ -24,8 +24,9 @@ import numpy as np
 
 from jaxpos import _checks
 from jaxpos.alibi import relative_offsets
+from jaxpos.scheme import PositionScheme, register
 
-__all__ = ["check_shaw_table", "shaw_attention", "shaw_clipped_index", "shaw_logits", "shaw_values"]
+__all__ = ["Shaw", "check_shaw_table", "shaw_attention", "shaw_clipped_index", "shaw_logits", "shaw_values"]
 
 
 def check_shaw_table(name: str, table, head_dim: int | None = None) -> int:
@@ -150,10 +151,49 @@ def shaw_attention(q, k, v, rel_k, rel_v, *, q_positions=None, kv_positions=None
       TypeError: non-floating tables, float positions.
     """
     from jaxpos.attention import attention
-    from jaxpos.schemes import Shaw
+
 
     if rel_v is not None:
         check_shaw_table("rel_v", rel_v)
     return attention(q, k, v, position=Shaw(rel_k, rel_v), q_positions=q_positions,
                      kv_positions=kv_positions, causal=causal, scale=scale,
                      implementation=implementation, block_q=block_q, block_k=block_k)
+
+
+@register("shaw")
+class Shaw(PositionScheme):
+    """Shaw et al. 2018 relative keys and values, clipping distance ``K``.
+
+    Args:
+      rel_k: ``[2K + 1, H]`` relative key vectors (row ``r + K`` is offset ``r``).
+      rel_v: ``[2K + 1, H]`` relative value vectors, or ``None`` for keys only.
+    """
+
+    _children = ("rel_k", "rel_v")
+    _static = ("max_distance",)
+
+    def __init__(self, rel_k, rel_v=None):
+        K = check_shaw_table("rel_k", rel_k)
+        if rel_v is not None:
+            _checks.check_floating("rel_v", rel_v)
+        if rel_v is not None and _checks.shape_of(rel_v) != _checks.shape_of(rel_k):
+            raise ValueError(f"rel_v must have rel_k's shape {_checks.shape_of(rel_k)}; got "
+                             f"{_checks.shape_of(rel_v)}.")
+        self._set(rel_k=rel_k, rel_v=rel_v, max_distance=K)
+
+    @property
+    def has_value_term(self):
+        return self.rel_v is not None
+
+    def check(self, num_heads, head_dim):
+        check_shaw_table("rel_k", self.rel_k, head_dim)
+
+    def content_bias(self, qs, q_positions, kv_positions):
+        idx = shaw_clipped_index(q_positions, kv_positions, self.max_distance)
+        return shaw_logits(qs, idx, self.rel_k)
+
+    def value_term(self, p, q_positions, kv_positions):
+        if self.rel_v is None:
+            return None
+        idx = shaw_clipped_index(q_positions, kv_positions, self.max_distance)
+        return shaw_values(p, idx, self.rel_v)

@@ -20,8 +20,9 @@ import numpy as np
 
 from jaxpos import _checks
 from jaxpos.alibi import relative_offsets
+from jaxpos.scheme import PositionScheme, register
 
-__all__ = ["check_bucket_args", "relative_bias_attention", "t5_bias", "t5_bucket"]
+__all__ = ["T5Bias", "check_bucket_args", "relative_bias_attention", "t5_bias", "t5_bucket"]
 
 
 def check_bucket_args(num_buckets, max_distance, bidirectional) -> None:
@@ -205,8 +206,8 @@ def relative_bias_attention(Q, K, V, bias_table, *, scale: float = 1.0, causal: 
         ``num_buckets`` when bidirectional, or shapes :func:`jaxpos.attention` rejects.
       TypeError: integer ``Q``, ``K`` or ``V``.
     """
-    from jaxpos.attention import attention  # local import: attention imports this module
-    from jaxpos.schemes import T5Bias
+    from jaxpos.attention import attention
+
 
     Q = jnp.asarray(Q)
     K = jnp.asarray(K)
@@ -228,3 +229,66 @@ def relative_bias_attention(Q, K, V, bias_table, *, scale: float = 1.0, causal: 
         causal=causal, scale=scale, implementation="reference",
     )
     return out.reshape(lead + out.shape[1:])
+
+
+@register("t5")
+class T5Bias(PositionScheme):
+    """T5 bucketed relative bias (Raffel et al. 2020, §2.1): ``table[bucket(kv - q), h]``.
+
+    Args:
+      table: float ``[num_buckets, N]`` (T5 checkpoint layout), shared by a stack.
+      bidirectional: True in the encoder, False in the (causal) decoder.
+      num_buckets, max_distance: T5's 32 and 128 by default.
+
+    Use ``scale=1.0`` in :func:`jaxpos.attention` to match T5, which does not scale.
+    """
+
+    _children = ("table",)
+    _static = ("bidirectional", "num_buckets", "max_distance")
+
+    def __init__(self, table, *, bidirectional=True, num_buckets=None, max_distance=128):
+        _checks.check_rank("table", table, (2,), "[num_buckets, num_heads]")
+        _checks.check_floating("table", table)
+        nb = _checks.shape_of(table)[0] if num_buckets is None else num_buckets
+        check_bucket_args(nb, max_distance, bidirectional)
+        check_t5_table(table, nb)
+        self._set(table=table, bidirectional=bool(bidirectional), num_buckets=int(nb),
+                  max_distance=int(max_distance))
+
+    def check(self, num_heads, head_dim):
+        if _checks.shape_of(self.table)[1] != num_heads:
+            raise ValueError(f"T5 table must have shape [{self.num_buckets}, {num_heads}] (one "
+                             f"column per query head); got {_checks.shape_of(self.table)}.")
+
+    def check_causal(self, causal: bool) -> None:
+        if causal and self.bidirectional:
+            raise ValueError(
+                "T5Bias(bidirectional=True) with causal=True: a causal decoder uses T5's causal "
+                "buckets (all num_buckets for offsets <= 0), so the bidirectional table would be "
+                "read with the wrong buckets. Pass T5Bias(..., bidirectional=False) for a "
+                "decoder, or causal=False for an encoder.")
+
+    def offset_vector(self) -> jax.Array:
+        """The bias as a per-head vector over clipped offsets: float32 ``[N, 2R + 1]``,
+        ``R = max_distance``; entry ``R + r`` is ``table[bucket(r), h]``.
+
+        Exact for every offset: past ``max_distance`` each direction's bucket is its last
+        one (Raffel et al. 2020, §2.1), so clipping offsets to ``±R`` changes nothing.
+        Differentiable in ``table`` (a gather; autodiff scatters back).
+        """
+        R = self.max_distance
+        rel = jnp.arange(-R, R + 1, dtype=jnp.int32)
+        b = t5_bias_from_offsets(rel[None, :], self.table, bidirectional=self.bidirectional,
+                                 num_buckets=self.num_buckets, max_distance=R)  # [N, 1, 2R+1]
+        return b[:, 0, :]
+
+    def score_mod(self):
+        """``score + table[bucket(kv_pos - q_pos), head]``, as a gather from
+        :meth:`offset_vector` (computed once per call, so tiles do no bucket arithmetic)."""
+        vec, R = self.offset_vector(), self.max_distance
+
+        def t5_bias(score, batch, head, q_pos, kv_pos):
+            idx = jnp.clip(kv_pos - q_pos, -R, R) + R
+            return score + vec[head][idx]
+
+        return t5_bias

@@ -250,7 +250,7 @@ def attention_scores(q, k, *, position=None, q_positions=None, kv_positions=None
     """Pre-softmax scores of :func:`jaxpos.attention`: ``scale * rot(q) . rot(k) + bias``.
 
     The same code path as the ``"reference"`` implementation (the scheme's
-    ``rotate_qk`` and ``bias``), before masking and softmax. Shaw's value term, which
+    ``transform_qk``, ``score_mod`` and ``content_bias``), before masking and softmax. Shaw's value term, which
     acts on the output, is not part of the scores.
 
     Args:
@@ -264,7 +264,7 @@ def attention_scores(q, k, *, position=None, q_positions=None, kv_positions=None
       ValueError / TypeError: as :func:`jaxpos.attention` for bad shapes, dtypes or
       positions.
     """
-    from jaxpos.attention import _check_inputs, _scores, default_positions
+    from jaxpos.attention import _check_inputs, _make_terms, _scores, default_positions
     from jaxpos.schemes import as_scheme
 
     B, Tq, Tk, N, Nk, H = _check_inputs(q, k, k)
@@ -273,8 +273,8 @@ def attention_scores(q, k, *, position=None, q_positions=None, kv_positions=None
     dq, dk = default_positions(B, Tq, Tk)
     qp = _checks.positions_2d("q_positions", dq if q_positions is None else q_positions, B, Tq)
     kp = _checks.positions_2d("kv_positions", dk if kv_positions is None else kv_positions, B, Tk)
-    q, k = scheme.rotate_qk(q, k, qp, kp)
+    q, k = scheme.transform_qk(q, k, qp, kp)
     scale = 1.0 / math.sqrt(H) if scale is None else scale
     qs = jnp.swapaxes(q.astype(jnp.float32), 1, 2) * jnp.float32(scale)
     kk = jnp.repeat(jnp.swapaxes(k.astype(jnp.float32), 1, 2), N // Nk, axis=1)
-    return _scores(scheme, qs, kk, qp, kp)
+    return _scores(_make_terms(scheme, scheme.score_mod(), None, Tq, Tk), qs, kk, qp, kp)

@@ -94,10 +94,10 @@ def test_offsets_beyond_K_share_the_end_rows():
     pos = np.arange(9)[None]
     scheme = Shaw(jnp.asarray(rel_k))
     qs = jnp.swapaxes(jnp.asarray(q), 1, 2)
-    base = np.asarray(scheme.bias(qs, jnp.asarray(pos), jnp.asarray(pos)))
+    base = np.asarray(scheme.content_bias(qs, jnp.asarray(pos), jnp.asarray(pos)))
     bumped_table = rel_k.copy()
     bumped_table[0] += 1.0
-    bumped = np.asarray(Shaw(jnp.asarray(bumped_table)).bias(qs, jnp.asarray(pos),
+    bumped = np.asarray(Shaw(jnp.asarray(bumped_table)).content_bias(qs, jnp.asarray(pos),
                                                               jnp.asarray(pos)))
     rel = pos[0][None, :] - pos[0][:, None]
     changed = ~np.isclose(base, bumped)[0, 0]
