@@ -33,9 +33,13 @@ from typing import Any
 from jaxpos import rope_scaling
 from jaxpos.schemes import RoPE
 
-__all__ = ["hf_rope_settings", "rope_from_hf_config", "softmax_scale_from_hf_config"]
+__all__ = ["LAYER_TYPES", "hf_layer_types", "hf_rope_settings", "rope_from_hf_config",
+           "rope_per_layer_from_hf_config", "softmax_scale_from_hf_config"]
 
-_INTERLEAVED_MODELS = ("gptj", "codegen")
+_INTERLEAVED_MODELS = ("gptj", "codegen", "llama4", "llama4_text")
+# M-RoPE with the temporal/height/width rows interleaved over the frequencies (HF's
+# ``recomposition_frequencies``) whether or not the config says ``mrope_interleaved``.
+_INTERLEAVED_MROPE_PREFIXES = ("qwen3_vl", "qwen3_5", "qwen3_omni_moe")
 _DEEPSEEK_MODELS = ("deepseek_v2", "deepseek_v3")
 
 
@@ -63,7 +67,12 @@ def _as_dict(config: Any) -> dict:
 def hf_rope_settings(config: Any, *, layer_type: str | None = None) -> dict:
     """The RoPE keyword arguments that :func:`rope_from_hf_config` passes to
     :class:`jaxpos.RoPE` (``rotary_dim``, ``base``, ``layout``, ``scaling``,
-    ``mrope_section``), plus ``head_dim``. Same arguments and errors."""
+    ``mrope_section``, ``mrope_interleaved``), plus ``head_dim``. Same arguments and errors.
+
+    ``mrope_interleaved`` (Qwen3-VL / Qwen3-Omni / Qwen3.5: the M-RoPE rows interleaved over
+    the frequencies, :func:`jaxpos.rope.mrope_frequency_axes`) is read from the rope dict's
+    ``mrope_interleaved`` (or ``interleaved``) key; when absent it is True for those model
+    types, whose HF rotary always interleaves. False without ``mrope_section``."""
     d = _as_dict(config)
     model_type = d.get("model_type")
     params = d.get("rope_parameters")
@@ -117,8 +126,12 @@ def hf_rope_settings(config: Any, *, layer_type: str | None = None) -> dict:
     else:
         layout = "half"
     section = params.get("mrope_section")
+    interleaved = params.get("mrope_interleaved", params.get("interleaved"))
+    if interleaved is None:
+        interleaved = str(model_type or "").startswith(_INTERLEAVED_MROPE_PREFIXES)
     return {"rotary_dim": rotary_dim, "base": base, "layout": layout, "scaling": scaling,
             "mrope_section": tuple(section) if section is not None else None,
+            "mrope_interleaved": bool(interleaved) and section is not None,
             "head_dim": head_dim}
 
 
@@ -149,6 +162,8 @@ def rope_from_hf_config(config: Any, *, layer_type: str | None = None,
     """
     s = hf_rope_settings(config, layer_type=layer_type)
     s.pop("head_dim")
+    if not s["mrope_interleaved"]:
+        s.pop("mrope_interleaved")
     return RoPE(angle_precision=angle_precision, **s)
 
 
@@ -171,3 +186,148 @@ def softmax_scale_from_hf_config(config: Any) -> float:
             scale = scale * m * m
         return float(scale)
     return float(hf_rope_settings(config)["head_dim"] ** -0.5)
+
+
+# ------------------------------------------------------------------- per-layer patterns
+#: Attention layer types jaxpos reads from an HF config's ``layer_types``: every key sees
+#: all earlier keys; only keys with ``q_pos - kv_pos < sliding_window`` (Gemma 2/3,
+#: GPT-OSS, Qwen); only keys of the same ``attention_chunk_size`` chunk (Llama 4).
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def hf_layer_types(config: Any) -> list[str]:
+    """The attention type of each decoder layer of a Hugging Face config.
+
+    ``config.layer_types`` when present (transformers v5 fills it in every config that
+    mixes layer kinds); otherwise derived as HF's ``__post_init__`` does for the families
+    whose ``config.json`` may lack it: Gemma 2/3 (``sliding_window_pattern``, default 2
+    for Gemma 2 and 6 for Gemma 3: layer ``i`` slides unless ``(i + 1) % pattern == 0``),
+    Llama 4 (chunked on its RoPE layers when ``attention_chunk_size`` is set, see
+    :func:`jaxpos.irope.no_rope_layers`), Qwen2/Qwen3 (``use_sliding_window``: layers from
+    ``max_window_layers`` on slide); all ``"full_attention"`` otherwise.
+
+    Args:
+      config: a ``transformers.PretrainedConfig`` or its ``config.json`` dict (a
+        ``text_config`` is read, as by :func:`rope_from_hf_config`).
+
+    Returns:
+      A list of ``num_hidden_layers`` strings from :data:`LAYER_TYPES`.
+
+    Raises:
+      ValueError: an entry of ``layer_types`` not in :data:`LAYER_TYPES` (named with its
+        index), a ``layer_types`` whose length is not ``num_hidden_layers``, or neither
+        ``layer_types`` nor ``num_hidden_layers``.
+      TypeError: ``config`` neither a dict nor a config object.
+    """
+    d = _as_dict(config)
+    n = d.get("num_hidden_layers")
+    types = d.get("layer_types")
+    model_type = str(d.get("model_type") or "")
+    if types is None:
+        if n is None:
+            raise ValueError(f"config needs layer_types or num_hidden_layers to know its layers; "
+                             f"got keys {sorted(d)}.")
+        n = int(n)
+        pattern = d.get("sliding_window_pattern")
+        if pattern is None and model_type.startswith("gemma3"):
+            pattern = 6
+        elif pattern is None and model_type.startswith("gemma2"):
+            pattern = 2
+        if pattern is not None:
+            types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention"
+                     for i in range(n)]
+        elif model_type.startswith("llama4"):
+            chunk = d.get("attention_chunk_size")
+            types = ["chunked_attention" if r and chunk is not None else "full_attention"
+                     for r in _llama4_rope_flags(d, n)]
+        elif d.get("use_sliding_window") and d.get("sliding_window") is not None:
+            first = int(d.get("max_window_layers", n))
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+        else:
+            types = ["full_attention"] * n
+    types = list(types)
+    if n is not None and len(types) != int(n):
+        raise ValueError(f"layer_types has {len(types)} entries but num_hidden_layers is {n}.")
+    for i, t in enumerate(types):
+        if t not in LAYER_TYPES:
+            raise ValueError(f"layer_types[{i}] = {t!r} is not an attention layer type jaxpos "
+                             f"reads; expected one of {LAYER_TYPES}.")
+    return types
+
+
+def _llama4_rope_flags(d: dict, n: int) -> list[int] | None:
+    """Llama 4's ``no_rope_layers`` (1 = RoPE layer), defaulted as HF does; None for other
+    families."""
+    flags = d.get("no_rope_layers")
+    if not flags:
+        if not str(d.get("model_type") or "").startswith("llama4"):
+            return None
+        from jaxpos.irope import no_rope_layers
+
+        flags = no_rope_layers(n, int(d.get("no_rope_layer_interval", 4)))
+    flags = [int(f) for f in flags]
+    if len(flags) != n or any(f not in (0, 1) for f in flags):
+        raise ValueError(f"no_rope_layers must hold num_hidden_layers = {n} entries in {{0, 1}} "
+                         f"(1 = the layer uses RoPE); got {flags}.")
+    return flags
+
+
+def rope_per_layer_from_hf_config(config: Any, *, angle_precision: str = "high") -> list:
+    """The position scheme of every decoder layer of a Hugging Face config.
+
+    * Per-layer-type rope parameters (Gemma 3: ``rope_parameters = {"sliding_attention":
+      {...base 1e4}, "full_attention": {...base 1e6, linear factor 8}}``; the
+      transformers-v4 form ``rope_theta`` + ``rope_scaling`` for global layers and
+      ``rope_local_base_freq`` for sliding ones is read too): layer ``i`` gets
+      ``rope_from_hf_config(config, layer_type=layer_types[i])``.
+    * Llama 4's iRoPE (``no_rope_layers``, defaulted from ``no_rope_layer_interval``;
+      Meta AI 2025, "The Llama 4 herd"): a layer with flag 0 gets
+      :class:`jaxpos.irope.TemperatureTunedNoPE` (``attn_scale``, ``floor_scale``) when
+      ``attn_temperature_tuning`` is on (HF's default), else :class:`jaxpos.NoPE`.
+    * Otherwise the same :func:`rope_from_hf_config` scheme on every layer.
+
+    Args:
+      config: a ``transformers.PretrainedConfig`` or its ``config.json`` dict.
+      angle_precision: as for :func:`rope_from_hf_config`.
+
+    Returns:
+      A list of ``num_hidden_layers`` schemes (``RoPE`` / ``NoPE`` /
+      ``TemperatureTunedNoPE``), one per layer, in order.
+
+    Raises:
+      ValueError: an unknown layer type (:func:`hf_layer_types`), an unknown
+        ``rope_type``, a layer type without rope parameters, a bad ``no_rope_layers``.
+      TypeError: ``config`` neither a dict nor a config object.
+    """
+    from jaxpos.irope import TemperatureTunedNoPE
+    from jaxpos.scheme import NoPE
+
+    d = _as_dict(config)
+    types = hf_layer_types(d)
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    per_type = bool(params) and all(isinstance(v, dict) for v in params.values())
+    if not per_type and d.get("rope_local_base_freq") is not None:  # Gemma 3, transformers v4
+        full = {k: v for k, v in dict(params).items() if v is not None}
+        full.setdefault("rope_type", full.pop("type", "default"))
+        full.setdefault("rope_theta", d.get("rope_theta", 1_000_000.0))
+        sliding = {"rope_type": "default", "rope_theta": d["rope_local_base_freq"]}
+        d = dict(d, rope_scaling=None,
+                 rope_parameters={"full_attention": full, "sliding_attention": sliding})
+        per_type = True
+    flags = _llama4_rope_flags(d, len(types))
+    tuned = d.get("attn_temperature_tuning", True)
+    cache: dict = {}
+    schemes = []
+    for i, t in enumerate(types):
+        if flags is not None and not flags[i]:
+            if tuned:
+                schemes.append(TemperatureTunedNoPE(attn_scale=d.get("attn_scale", 0.1),
+                                                    floor_scale=d.get("floor_scale", 8192)))
+            else:
+                schemes.append(NoPE())
+            continue
+        key = t if per_type else None
+        if key not in cache:
+            cache[key] = rope_from_hf_config(d, layer_type=key, angle_precision=angle_precision)
+        schemes.append(cache[key])
+    return schemes
