@@ -20,15 +20,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import jaxpos
 from jaxpos import _checks
 
 __all__ = [
+    "ChunkedAttentionMask",
     "KVCache",
     "SlidingWindowMask",
     "embed_tokens",
     "key_segments",
     "linear_kernel",
     "load_params",
+    "mask_kwargs",
     "padding_positions",
     "query_segments",
     "to_numpy",
@@ -129,6 +132,53 @@ class SlidingWindowMask:
 
     def __call__(self, batch, head, q_pos, kv_pos):
         return q_pos - kv_pos < self.window
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedAttentionMask:
+    """The mask_mod of Llama 4's chunked attention: a query sees only keys of its own chunk
+    of ``chunk_size`` positions, ``q_pos // chunk_size == kv_pos // chunk_size`` (with
+    ``causal=True`` also ``kv_pos <= q_pos``).
+
+    Hugging Face's ``chunked_overlay`` (``masking_utils.py``), used on the layers marked
+    ``"chunked_attention"`` (Llama 4's RoPE layers, ``attention_chunk_size``): HF counts
+    chunks from the first real token (``(idx - left_padding) // chunk_size``), which is the
+    position of a real token, so global positions give the same chunks under left padding
+    and KV-cache decoding. A frozen dataclass (one trace per chunk size under ``jit``).
+
+    Call: ``(batch, head, q_pos [tq, 1], kv_pos [1, tk]) -> bool [tq, tk]``.
+
+    Raises:
+      ValueError / TypeError: ``chunk_size`` not an int >= 1 (named
+      ``attention_chunk_size``).
+    """
+
+    chunk_size: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "chunk_size",
+                           _checks.check_positive_int("attention_chunk_size", self.chunk_size))
+
+    def __call__(self, batch, head, q_pos, kv_pos):
+        return q_pos // self.chunk_size == kv_pos // self.chunk_size
+
+
+def mask_kwargs(mask_mod, *, q_positions, kv_positions, implementation=None, block_q=None,
+                block_k=None) -> dict:
+    """Keyword arguments of :func:`jaxpos.attention` for one layer's ``mask_mod``: ``{}`` for
+    None; a :class:`jaxpos.BlockMask` of it (empty tiles skipped) when a tiled
+    implementation (``"chunked"``, ``"pallas"``) runs with both block sizes given; else
+    ``{"mask_mod": mask_mod}`` with the block sizes passed through.
+    """
+    blocks = {"block_q": block_q, "block_k": block_k}
+    if mask_mod is None:
+        return blocks
+    if implementation in ("chunked", "pallas") and block_q and block_k:
+        bm = jaxpos.create_block_mask(mask_mod, q_positions=q_positions,
+                                      kv_positions=kv_positions, block_q=block_q,
+                                      block_k=block_k)
+        return {"block_mask": bm}
+    return {"mask_mod": mask_mod, **blocks}
 
 
 # ------------------------------------------------------------------------------ cache
