@@ -147,6 +147,11 @@ class ALiBi(PositionScheme):
         _checks.check_rank("slopes", slopes, (1,), "[num_heads]")
         self._set(slopes=jnp.asarray(slopes, jnp.float32), bidirectional=bool(bidirectional))
 
+    @classmethod
+    def from_params(cls, params, *, num_heads, causal, **_):
+        """The paper's fixed slopes; bidirectional (``-m |kv - q|``) unless causal."""
+        return cls(num_heads, bidirectional=not causal)
+
     def check(self, num_heads, head_dim):
         if _checks.shape_of(self.slopes)[0] != num_heads:
             raise ValueError(f"ALiBi slopes must have shape [{num_heads}] (one per query head); "

@@ -709,6 +709,17 @@ class RoPE(PositionScheme):
 
     rotate_qk = transform_qk  # the name of earlier releases
 
+    @classmethod
+    def from_params(cls, params, *, head_dim, options, **_):
+        """Options ``rotary_dim`` (default ``head_dim``), ``rope_base`` (10000),
+        ``rope_scaling`` (a :mod:`jaxpos.rope_scaling` dataclass), ``rope_layout``."""
+        rd = options.get("rotary_dim")
+        base = options.get("rope_base")
+        return cls(rotary_dim=head_dim if rd is None else rd,
+                   base=10000.0 if base is None else base,
+                   layout=options.get("rope_layout") or "half",
+                   scaling=options.get("rope_scaling"))
+
     def cache_write(self, q, k, positions):
         """Hugging Face's decoding rule: with a length-dependent scaling (dynamic NTK,
         LongRoPE) each key keeps the frequencies of the call that wrote it, so q and k are

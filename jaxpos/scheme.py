@@ -153,6 +153,27 @@ class PositionScheme:
         """True when the fused kernel can run the scheme (no content bias, no value term)."""
         return not (self.has_content_bias or self.has_value_term)
 
+    # ---- for the Flax modules (jaxpos.nnx, jaxpos.linen) --------------------------
+    #: True when each layer owns its parameters (Shaw et al. 2018, §3.1); False when one
+    #: set is shared by every layer of a stack (T5's table, Raffel et al. 2020, §2.1).
+    params_per_layer: bool = False
+
+    @classmethod
+    def init_params(cls, key, *, num_heads: int, head_dim: int, d_model: int, causal: bool,
+                    param_dtype, options: dict) -> dict:
+        """Initial values of the scheme's learned parameters, ``{name: array}`` (``{}``
+        for none). ``options``: the module's scheme options (``rotary_dim``, ``rope_base``,
+        ``num_buckets``, ``max_distance``, ... ; None where unset)."""
+        return {}
+
+    @classmethod
+    def from_params(cls, params: dict, *, num_heads: int, head_dim: int, causal: bool,
+                    options: dict, x=None, positions=None) -> PositionScheme:
+        """The scheme for one call of a module holding ``params`` (from
+        :meth:`init_params`). ``x`` ``[B, T, D]`` and ``positions`` ``[B|1, T]`` are the
+        layer's input, for schemes computed from the tokens (FoX's forget gates)."""
+        raise NotImplementedError(f"{cls.__name__} cannot be built by the Flax modules.")
+
     def cache_write(self, q, k, positions):
         """KV-cache rule: ``(q, k, scheme_for_reading)``.
 
@@ -171,6 +192,10 @@ class NoPE(PositionScheme):
 
     def __init__(self):
         pass
+
+    @classmethod
+    def from_params(cls, params, **_):
+        return cls()
 
 
 def as_scheme(position: Any) -> PositionScheme:

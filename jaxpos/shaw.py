@@ -185,6 +185,26 @@ class Shaw(PositionScheme):
     def has_value_term(self):
         return self.rel_v is not None
 
+    params_per_layer = True  # Shaw et al. 2018, §3.1: shared across heads, not layers
+
+    @classmethod
+    def init_params(cls, key, *, head_dim, param_dtype, options, **_):
+        """``rel_k`` and ``rel_v`` ``[2K + 1, head_dim]``, Glorot uniform (tensor2tensor's
+        default); ``K = options["max_distance"]`` (16 if unset); ``options["values"]``
+        False learns the key table only."""
+        K = options.get("max_distance")
+        K = 16 if K is None else K
+        init = jax.nn.initializers.glorot_uniform()
+        kk, kv = jax.random.split(key)
+        params = {"rel_k": init(kk, (2 * K + 1, head_dim), param_dtype)}
+        if options.get("values", True):
+            params["rel_v"] = init(kv, (2 * K + 1, head_dim), param_dtype)
+        return params
+
+    @classmethod
+    def from_params(cls, params, **_):
+        return cls(params["rel_k"], params.get("rel_v"))
+
     def check(self, num_heads, head_dim):
         check_shaw_table("rel_k", self.rel_k, head_dim)
 

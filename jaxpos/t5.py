@@ -260,6 +260,21 @@ class T5Bias(PositionScheme):
             raise ValueError(f"T5 table must have shape [{self.num_buckets}, {num_heads}] (one "
                              f"column per query head); got {_checks.shape_of(self.table)}.")
 
+    @classmethod
+    def init_params(cls, key, *, num_heads, d_model, causal, param_dtype, options, **_):
+        """``table [num_buckets, num_heads]`` from ``N(0, 1/d_model)`` (Hugging Face's T5
+        initialisation)."""
+        nb = options.get("num_buckets") or 32
+        init = jax.nn.initializers.normal(stddev=d_model ** -0.5)
+        return {"table": init(key, (nb, num_heads), param_dtype)}
+
+    @classmethod
+    def from_params(cls, params, *, causal, options, **_):
+        """Causal buckets in a causal stack, bidirectional ones otherwise."""
+        md = options.get("max_distance")
+        return cls(params["table"], bidirectional=not causal,
+                   max_distance=128 if md is None else md)
+
     def check_causal(self, causal: bool) -> None:
         if causal and self.bidirectional:
             raise ValueError(
