@@ -1,6 +1,6 @@
 """"Dog bites man" and "man bites dog": why a transformer needs positions, demonstrated.
 
-The argument (Vaswani et al. 2017, §3.5; the seeds' "Baseline: no positions"): for a
+The argument (why Vaswani et al. 2017, §3.5, add positional encodings): for a
 permutation matrix ``Pi``, the projections act per row, so ``Q, K, V`` become
 ``Pi Q, Pi K, Pi V`` and
 

@@ -64,6 +64,23 @@ def _as_dict(config: Any) -> dict:
     return d
 
 
+_WHOLE_CONFIG_KEYS = ("head_dim", "hidden_size", "num_attention_heads", "n_embd", "n_head",
+                      "qk_rope_head_dim", "model_type", "rope_parameters", "rope_scaling",
+                      "text_config", "max_position_embeddings")
+
+
+def _check_whole_config(d: dict) -> None:
+    """Refuse a bare ``rope_scaling`` / ``rope_parameters`` dict passed as the config."""
+    if ("rope_type" in d or "type" in d) and not any(k in d for k in _WHOLE_CONFIG_KEYS):
+        raise ValueError(
+            f"config must be the whole model config (config.json or a PretrainedConfig), "
+            f"not its rope_scaling / rope_parameters dict alone: the head width (head_dim, "
+            f"or hidden_size and num_attention_heads) and max_position_embeddings live at "
+            f"its top level; got a dict with keys {sorted(d)}. Pass e.g. "
+            f"dict(hidden_size=..., num_attention_heads=..., max_position_embeddings=..., "
+            f"rope_scaling=<this dict>).")
+
+
 def hf_rope_settings(config: Any, *, layer_type: str | None = None) -> dict:
     """The RoPE keyword arguments that :func:`rope_from_hf_config` passes to
     :class:`jaxpos.RoPE` (``rotary_dim``, ``base``, ``layout``, ``scaling``,
@@ -74,6 +91,7 @@ def hf_rope_settings(config: Any, *, layer_type: str | None = None) -> dict:
     ``mrope_interleaved`` (or ``interleaved``) key; when absent it is True for those model
     types, whose HF rotary always interleaves. False without ``mrope_section``."""
     d = _as_dict(config)
+    _check_whole_config(d)
     model_type = d.get("model_type")
     params = d.get("rope_parameters")
     if params is None or params == {}:
@@ -84,6 +102,7 @@ def hf_rope_settings(config: Any, *, layer_type: str | None = None) -> dict:
             raise ValueError(f"this config has rope parameters per layer type {sorted(params)}; "
                              f"pass layer_type=one of them; got {layer_type!r}.")
         params = dict(params[layer_type])
+    params = {k: v for k, v in params.items() if v is not None}  # a JSON null means absent
 
     base = params.get("rope_theta", d.get("rope_theta", d.get("rotary_emb_base")))
     base = 10000.0 if base is None else float(base)
@@ -112,12 +131,19 @@ def hf_rope_settings(config: Any, *, layer_type: str | None = None) -> dict:
     if rope_type in ("llama3", "yarn", "longrope", "su"):
         if d.get("original_max_position_embeddings") is not None:  # HF: the top level wins
             params["original_max_position_embeddings"] = d["original_max_position_embeddings"]
-        else:
+        elif max_pos is not None:
             params.setdefault("original_max_position_embeddings", max_pos)
     if rope_type == "proportional":
         params = dict(params, partial_rotary_factor=float(prf))
         rotary_dim = head_dim
-    scaling = rope_scaling.scaling_from_dict(params, max_position_embeddings=max_pos)
+    try:
+        scaling = rope_scaling.scaling_from_dict(params, max_position_embeddings=max_pos)
+    except ValueError as e:
+        if "original_max_position_embeddings" not in str(e) or max_pos is not None:
+            raise
+        raise ValueError(f"{e} HF reads original_max_position_embeddings from the scaling "
+                         f"dict, else from the config's top level; some types fall back on "
+                         f"max_position_embeddings, which this config lacks too.") from None
 
     if model_type in _INTERLEAVED_MODELS:
         layout = "interleaved"

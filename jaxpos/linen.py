@@ -94,7 +94,8 @@ def params_from_nnx(model) -> dict:
 
     Args:
       model: an :class:`flax.nnx.Module` from :mod:`jaxpos.nnx`, or an
-        :class:`flax.nnx.State` of it (e.g. the gradients from ``nnx.grad``).
+        :class:`flax.nnx.State` of it (e.g. the gradients from ``nnx.grad``), or that
+        state as a nested dict (``nnx.to_pure_dict``).
 
     Returns:
       nested dict of arrays, for ``linen_model.apply({"params": ...}, ...)``.
@@ -104,10 +105,16 @@ def params_from_nnx(model) -> dict:
     """
     from flax import nnx
 
-    if isinstance(model, nnx.State):
-        pure = model.to_pure_dict()
-    elif isinstance(model, nnx.Module):
-        pure = nnx.state(model, nnx.Param).to_pure_dict()
+    # nnx.to_pure_dict, not the State method that Flax 0.12 deprecates (Flax plans to
+    # replace State by a plain dict: a nested dict of arrays is accepted as it is).
+    if isinstance(model, nnx.Module):
+        pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    elif isinstance(model, nnx.State):
+        pure = nnx.to_pure_dict(model)
+    elif isinstance(model, dict):
+        pure = jax.tree_util.tree_map(
+            lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, model,
+            is_leaf=lambda v: isinstance(v, nnx.Variable))
     else:
         raise TypeError(f"model must be a flax.nnx.Module or nnx.State; got "
                         f"{type(model).__name__}.")

@@ -186,7 +186,7 @@ def t5_bias_from_offsets(rel, table, *, bidirectional, num_buckets, max_distance
 
 
 def relative_bias_attention(Q, K, V, bias_table, *, scale: float = 1.0, causal: bool = False):
-    """The seed exercise: attention with the T5 bucketed bias, bidirectional by default.
+    """Attention with the T5 bucketed bias in one call, bidirectional by default.
 
     ``softmax(scale * Q K^T + bias) V`` per head with ``bias[h, i, j] =
     bias_table[t5_bucket(j - i), h]`` (Raffel et al. 2020, §2.1), positions ``arange(T)``.

@@ -1,5 +1,6 @@
-"""ALiBi (Press, Smith & Lewis 2022): the slopes of FACTS.md, including the rule for
-head counts that are not a power of two, and the bias -m * |i - j|."""
+"""ALiBi (Press, Smith & Lewis 2022): the slopes of §3, including the rule of the authors'
+code (``get_slopes``) for head counts that are not a power of two, and the bias
+-m * |i - j|."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def press_slopes_float64(n: int) -> np.ndarray:
 
 
 def test_slopes_8_heads():
-    # FACTS.md: 8 heads -> 1/2, 1/4, ..., 1/256 (exact in float32).
+    # Press et al. 2022, §3: 8 heads -> 1/2, 1/4, ..., 1/256 (exact in float32).
     s = alibi_slopes(8)
     assert s.shape == (8,) and s.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(s),
@@ -41,8 +42,9 @@ def test_slopes_8_heads():
 
 
 def test_slopes_12_heads_written_out():
-    # FACTS.md non-power-of-two rule, n = 12: the 8 slopes of 8 heads, then every other
-    # slope of 16 heads (2**-0.5, 2**-1, 2**-1.5, ...): 2**-0.5, 2**-1.5, 2**-2.5, 2**-3.5.
+    # The authors' get_slopes for n not a power of two, n = 12: the 8 slopes of 8 heads,
+    # then every other slope of 16 heads (2**-0.5, 2**-1, 2**-1.5, ...): 2**-0.5,
+    # 2**-1.5, 2**-2.5, 2**-3.5.
     expected = [2.0 ** -e for e in (1, 2, 3, 4, 5, 6, 7, 8, 0.5, 1.5, 2.5, 3.5)]
     np.testing.assert_allclose(np.asarray(alibi_slopes(12)), expected, rtol=1e-7)
 
@@ -60,7 +62,8 @@ def np_alibi(q_pos, kv_pos, slopes, bidirectional):
 
 
 def test_bias_causal_values():
-    # FACTS.md: bias -m * |i - j| for the keys j <= i a causal query sees.
+    # Press et al. 2022, §3 (Fig. 3): bias -m * (i - j) for the keys j <= i a causal
+    # query sees.
     slopes = alibi_slopes(4)
     pos = np.arange(6)
     b = np.asarray(alibi_bias(pos, pos, slopes))

@@ -38,8 +38,8 @@ T_PERM = 7
 @settings(max_examples=8)
 @given(perm=st.permutations(list(range(T_PERM))))
 def test_unmasked_nope_attention_is_permutation_equivariant(perm):
-    """No positions, no mask: permuting the tokens permutes the outputs (the seeds'
-    claim; Vaswani et al. 2017, §3.5). Both implementations."""
+    """No positions, no mask: permuting the tokens permutes the outputs (why Vaswani et
+    al. 2017, §3.5, add positions). Both implementations."""
     q, k, v = _x(0, 2, T_PERM, 2, 8), _x(1, 2, T_PERM, 2, 8), _x(2, 2, T_PERM, 2, 8)
     for impl in ("reference", "chunked"):
         fn = lambda q, k, v, impl=impl: attn(q, k, v, implementation=impl, block_q=3, block_k=2)

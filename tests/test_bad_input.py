@@ -175,6 +175,10 @@ CASES = [
          ValueError, ("positions", f"[{B}, {T}]", "(3, 4)")),
     Case("apply_rope/layout", apply_rope, (Q, POS, _x(H // 2)), {"layout": "neox"}, ValueError,
          ("layout", "'neox'")),
+    Case("apply_rope/inv_freq-ragged-tuple", apply_rope, (Q, POS, (_x(H // 2), _x(2))), {}, TypeError,
+         ("inv_freq", "rope_frequencies", "tuple", "(4,)", "(2,)"), jit=False),
+    Case("apply_rope/attention_factor-twice", apply_rope, (Q, POS, (_x(H // 2), 1.5)),
+         {"attention_factor": 2.0}, ValueError, ("attention_factor", "twice", "1.5", "2.0"), jit=False),
     # ---------------------------------------------------------------- ALiBi
     Case("ALiBi/neither", ALiBi, (), {}, ValueError, ("num_heads", "slopes"), jit=False),
     Case("ALiBi/slopes-rank2", ALiBi, (), {"slopes": _x(2, 4)}, ValueError, ("slopes", "rank 1"), jit=False),
@@ -251,6 +255,8 @@ CASES = [
          ("positions", "[0, 8)", "8"), jit=False),
     Case("learned_positions/position-negative", learned_positions, (_x(8, H), np.array([-1, 2])), {}, ValueError,
          ("positions", "[0, 8)", "-1"), jit=False),
+    Case("learned_positions/checked-position-past-table", learned_positions, (_x(8, H), np.array([0, 9])),
+         {"out_of_range": "checked"}, ValueError, ("positions", "[0, 8)", "9"), jit=False),
     # ---------------------------------------------------------------- sinusoidal
     Case("sinusoidal_pe/T-negative", sinusoidal_pe, (-1, 8), {}, ValueError, ("T", "-1"), jit=False),
     Case("sinusoidal_pe/d-zero", sinusoidal_pe, (4, 0), {}, ValueError, ("d", "positive", "0"), jit=False),
@@ -262,6 +268,8 @@ CASES = [
          ("offset", "integer"), jit=False),
     Case("sinusoidal_pe/offset-rank2", sinusoidal_pe, (4, 8), {"offset": np.zeros((2, 2), np.int32)},
          ValueError, ("offset", "(2, 2)"), jit=False),
+    Case("sinusoidal_pe/spacing", sinusoidal_pe, (4, 8), {"spacing": "t2t"}, ValueError,
+         ("spacing", "'t2t'", "tensor2tensor"), jit=False),
     Case("shift_matrix/d-odd", shift_matrix, (1, 7), {}, ValueError, ("d", "even", "7"), jit=False),
     Case("shift_matrix/d-zero", shift_matrix, (1, 0), {}, ValueError, ("d", "0"), jit=False),
     Case("relative_head_W/d-odd", relative_head_W, (1, 5), {}, ValueError, ("d", "even", "5"), jit=False),
@@ -446,6 +454,9 @@ CASES += [
         _LLAMA_CFG, angle_precision="f64"), ValueError, ("angle_precision", "'f64'")),
     L("rope_from_hf_config/rope_type", lambda: _hf().rope_from_hf_config(
         dict(_LLAMA_CFG, rope_scaling={"rope_type": "bogus"})), ValueError, ("rope_type", "'bogus'")),
+    L("rope_from_hf_config/scaling-dict-alone", lambda: _hf().rope_from_hf_config(
+        {"rope_type": "llama3", "factor": 8.0}), ValueError,
+      ("config", "whole model config", "rope_scaling", "['factor', 'rope_type']")),
     L("scheme_to_kernel_args/shaw", lambda: _kernels().scheme_to_kernel_args(Shaw(SHAW), POS, POS),
       ValueError, ("Shaw", "NoPE, RoPE, ALiBi and T5Bias")),
     L("default_implementation/string", lambda: jaxpos.default_implementation("rope"), TypeError,

@@ -1,9 +1,9 @@
 """Tests of the example scripts: the main job (examples/length_generalization.py) end to end
 with tiny settings, its data and evaluation helpers, and the two demonstration scripts.
 
-Expected numbers come from the papers and ../shared/FACTS.md (sinusoid similarity, T5
-bucket edges, ALiBi slopes), from closed forms (RoPE's bound at distance 0), or from the
-mathematics of the argument (permutation equivariance); none is a recorded output.
+Expected numbers come from the papers' formulas worked out by hand (sinusoid similarity,
+T5 bucket edges, ALiBi slopes), from closed forms (RoPE's bound at distance 0), or from
+the mathematics of the argument (permutation equivariance); none is a recorded output.
 """
 
 from __future__ import annotations
@@ -221,14 +221,15 @@ def test_dog_bites_man(tmp_path):
 def test_plot_encodings_numbers_and_pngs(tmp_path):
     pe = _load("plot_encodings")
     r = pe.report()
-    # FACTS.md / the seed: base 10,000 similarity 0.43 at k = 64 and 0.28 at k = 1,000;
-    # base 100: both near 0, slowest wavelength about 540 positions
+    # Vaswani et al. §3.5, d = 64: mean_i cos(k omega_i) is 0.43 at k = 64 and 0.28 at
+    # k = 1,000 with base 10,000; base 100: both near 0, slowest wavelength
+    # 2 pi 100**(1 - 2/64) = 544 positions
     assert round(r["similarity"][10000.0][0], 2) == 0.43
     assert round(r["similarity"][10000.0][1], 2) == 0.28
     assert np.all(np.abs(r["similarity"][100.0]) < 0.05)
     assert abs(r["wavelength"][100.0] - 540) < 10
-    # T5 §2.1 (FACTS.md): buckets 8..15 of a direction start at distances 8, 12, 16, 23,
-    # 32, 46, 64, 91; causal: 16 exact buckets (distances 0..15)
+    # T5 §2.1 (HF's _relative_position_bucket): buckets 8..15 of a direction start at
+    # distances 8, 12, 16, 23, 32, 46, 64, 91; causal: 16 exact buckets (distances 0..15)
     assert r["t5_starts"][7:] == [8, 12, 16, 23, 32, 46, 64, 91]
     assert r["t5_causal_starts"][:15] == list(range(1, 16))
     assert r["t5_causal_starts"][15] == 16 and r["t5_causal_starts"][16] > 17

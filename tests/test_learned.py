@@ -1,5 +1,5 @@
-"""Learned absolute positions (Gehring et al. 2017; GPT-2; BERT): table sizes of
-FACTS.md, and the explicit policy for a position with no row (error / wrap / clip).
+"""Learned absolute positions (Gehring et al. 2017; GPT-2; BERT): the published table
+sizes, and the explicit policy for a position with no row (error / checked / wrap / clip).
 JAX clamps out-of-range gather indices, so every test here checks that no lookup
 returns another row silently."""
 
@@ -28,14 +28,16 @@ def _table(max_len=6, d=3):
     ("BERT-base", 512, 768, 393_216),
 ])
 def test_table_sizes_and_last_row(model, max_len, d, params):
-    # FACTS.md: GPT-2 small 1024 x 768 = 786,432 parameters; BERT-base 512 x 768 = 393,216.
+    # GPT-2 small (Radford et al. 2019: context 1024, §2.3; d_model 768, Table 2; the
+    # released config's n_positions / n_embd) 1024 x 768 = 786,432 parameters; BERT-base
+    # (Devlin et al. 2019: H = 768, §3; at most 512 tokens, App. A.2) 512 x 768 = 393,216.
     table = np.zeros((max_len, d), np.float32)
     table[-1] = 1.0
     assert table.size == params
     out = learned_positions(table, np.arange(max_len))
     assert out.shape == (max_len, d)
     np.testing.assert_array_equal(np.asarray(out[-1]), np.ones(d))
-    # FACTS.md: there is no row for position max_len.
+    # Rows exist for positions 0..max_len-1 only: there is no row for position max_len.
     with pytest.raises(ValueError, match=rf"positions must lie in \[0, {max_len}\)"):
         learned_positions(table, np.arange(max_len + 1))
 
@@ -56,7 +58,7 @@ def test_error_policy_rejects_each_position_outside():
 
 
 def test_wrap_policy():
-    # FACTS.md: "wrap" is pos % max_len, as the course notebook does.
+    # "wrap" is pos % max_len (a periodic table; negative positions wrap from the end).
     table = _table(max_len=6)
     pos = np.array([0, 5, 6, 7, 13, -1])
     out = np.asarray(learned_positions(table, pos, out_of_range="wrap"))

@@ -1,7 +1,7 @@
 """RoPE (Su et al. 2024): frequencies, rotation, layouts, precision, variants, the scheme.
 
-References are float64 NumPy re-implementations of the paper's formulas, numbers from
-FACTS.md, and values written out by hand; none is a stored output of jaxpos.
+References are float64 NumPy re-implementations of the paper's formulas and values
+worked out by hand from them; none is a stored output of jaxpos.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def ref_rope(x, pos, inv_freq, layout="half", factor=1.0):
 
 # --------------------------------------------------------------------------- frequencies
 def test_inv_freq_hand_values():
-    # d = 4, base 10,000: omega = (1, 10000^(-1/2)) = (1, 0.01)  (FACTS.md, RoPE)
+    # d = 4, base 10,000: omega = (1, 10000^(-1/2)) = (1, 0.01)  (Su et al. 2024, eq. 15)
     inv_freq, factor = jaxpos.rope_frequencies(4, 10000.0)
     np.testing.assert_allclose(np.asarray(inv_freq), [1.0, 0.01], rtol=1e-7)
     assert factor == 1.0 and inv_freq.dtype == jnp.float32
@@ -86,7 +86,7 @@ def test_apply_rope_hand_values_interleaved_layout():
     x = np.array([1.0, 0.0, 1.0, 0.0], np.float32).reshape(1, 1, 1, 4)
     out = np.asarray(jaxpos.apply_rope(x, np.array([2]), jnp.array([1.0, 0.01]),
                                        layout="interleaved"))[0, 0, 0]
-    # pair (x0, x1) by 2 rad, (x2, x3) by 0.02 rad; FACTS.md row pos 2: 0.909, -0.416
+    # pair (x0, x1) by 2 rad, (x2, x3) by 0.02 rad: (cos 2, sin 2) = (-0.416, 0.909)
     np.testing.assert_allclose(out, [-0.4161468, 0.9092974, 0.9998000, 0.0199987], atol=1e-6)
 
 

@@ -53,7 +53,8 @@ def _inputs(B=2, Tq=9, Tk=9, N=2, H=4, K=2, seed=0):
 
 
 def test_clipped_index_values():
-    # FACTS.md: clip(n - m, -K, K); row r + K of the table is offset r. K = 1, T = 4.
+    # Shaw et al. 2018, §3.2: clip(n - m, -K, K); row r + K of the table is offset r.
+    # K = 1, T = 4.
     idx = np.asarray(shaw_clipped_index(jnp.arange(4), jnp.arange(4), 1))
     np.testing.assert_array_equal(idx, [[1, 2, 2, 2],
                                         [0, 1, 2, 2],

@@ -1,6 +1,7 @@
-"""Sinusoidal positions (Vaswani et al. 2017, §3.5): the values of FACTS.md and the
-properties of the seed notes (shared/seeds/002: shift is a rotation, dot products
-depend on the offset only, relative_head_W).
+"""Sinusoidal positions (Vaswani et al. 2017, §3.5): table values worked out by hand from
+the paper's formula, and the properties that follow from it (a shift is a rotation, dot
+products depend on the offset only, relative_head_W); tensor2tensor's spacing
+(``get_timing_signal_1d``) and Hugging Face's M2M100 / Marian tables for the variants.
 
 References are float64 NumPy written out in this file, never the library itself.
 """
@@ -40,9 +41,10 @@ def np_sinusoid(positions, d, base=10000.0, layout="interleaved"):
     return np.concatenate([s, c[:, : d - len(i)]], axis=1)
 
 
-# ----------------------------------------------------------------- FACTS.md values
-def test_d4_table_matches_facts():
-    # FACTS.md / seed 000 "Worked example": d = 4, base 10000, rounded to 3 decimals.
+# ------------------------------------------------------- values from the paper's formula
+def test_d4_table_matches_hand_computed_values():
+    # Vaswani et al. 2017, §3.5 with d = 4, base 10000: omega = (1, 0.01); e.g. row 2 is
+    # (sin 2, cos 2, sin 0.02, cos 0.02) = (0.909, -0.416, 0.020, 1.000) to 3 decimals.
     expected = np.array([
         [0.0, 1.0, 0.0, 1.0],
         [0.841, 0.540, 0.010, 1.000],
@@ -56,7 +58,8 @@ def test_d4_table_matches_facts():
 
 @pytest.mark.parametrize("d, wavelength", [(16, 19_869), (512, 60_611)])
 def test_slowest_wavelength(d, wavelength):
-    # FACTS.md: 2*pi*base**(1 - 2/d) = 19,869 positions for d = 16, 60,611 for d = 512.
+    # §3.5: the slowest pair has omega = base**(-2(d/2 - 1)/d), wavelength
+    # 2*pi*base**(1 - 2/d) = 19,869 positions for d = 16, 60,611 for d = 512.
     omega_last = sinusoidal_frequencies(d)[-1]
     assert round(2 * math.pi / omega_last) == wavelength
     # The table itself: the slowest sine column completes one turn in that many positions.
@@ -67,7 +70,8 @@ def test_slowest_wavelength(d, wavelength):
 
 
 def test_slowest_wavelength_approaches_2pi_base():
-    # FACTS.md: the slowest wavelength approaches 2*pi*10000, about 62,832, as d grows.
+    # §3.5 ("wavelengths form a geometric progression from 2*pi to 10000 * 2*pi"): the
+    # slowest wavelength approaches 2*pi*10000, about 62,832, as d grows.
     assert round(2 * math.pi * 10000) == 62_832
     waves = [2 * math.pi / sinusoidal_frequencies(d)[-1] for d in (16, 64, 512, 4096, 65536)]
     assert all(a < b for a, b in itertools.pairwise(waves))
@@ -76,27 +80,28 @@ def test_slowest_wavelength_approaches_2pi_base():
 
 
 def test_norm_squared_is_half_d():
-    # FACTS.md: ||P[t]||^2 = d/2 for every t.
+    # sin^2 + cos^2 = 1 per pair: ||P[t]||^2 = d/2 for every t.
     for d in (4, 64, 512):
         P = np.asarray(sinusoidal_pe(1000, d), np.float64)
         np.testing.assert_allclose(np.sum(P**2, axis=-1), d / 2, rtol=1e-5)
 
 
 def test_neighbour_distance_constant_d512():
-    # FACTS.md / seed 002: ||P[t+1] - P[t]||^2 is the same for all t, about 13.8 for
-    # d = 512 (distance about 3.7).
+    # ||P[t+1] - P[t]||^2 = sum_i 2 - 2 cos(omega_i) is the same for all t: 13.8 for
+    # d = 512 (distance 3.7), from that sum in float64 below.
     t = np.array([0, 1, 7, 100, 999, 4000], np.int32)
     P = np.asarray(sinusoidal_pe(2, 512, offset=t), np.float64)  # [6, 2, 512]
     sq = np.sum((P[:, 1] - P[:, 0]) ** 2, axis=-1)
     np.testing.assert_allclose(sq, sq[0], atol=2e-3)
-    assert round(float(sq[0]), 1) == 13.8
+    exact = np.sum(2 - 2 * np.cos(10000.0 ** (-np.arange(0, 512, 2) / 512)))
+    assert round(float(sq[0]), 1) == round(float(exact), 1) == 13.8
     assert round(math.sqrt(sq[0]), 1) == 3.7
 
 
 @settings(max_examples=30)
 @given(t1=st.integers(0, 3000), t2=st.integers(0, 3000), k=st.integers(-500, 500))
 def test_dot_product_depends_on_offset_only(t1, t2, k):
-    # FACTS.md: P[t] . P[t+k] depends on k only (sum_i cos(k omega_i)).
+    # cos(a) cos(b) + sin(a) sin(b) = cos(a - b): P[t] . P[t+k] = sum_i cos(k omega_i).
     d = 64
     t1, t2 = max(t1, -k), max(t2, -k)  # keep every position >= 0
     P = np.asarray(sinusoidal_pe(1, d, offset=np.array([t1, t1 + k, t2, t2 + k], np.int32)),
@@ -107,7 +112,8 @@ def test_dot_product_depends_on_offset_only(t1, t2, k):
 
 
 def test_dot_product_symmetric_and_tends_to_fall():
-    # FACTS.md: symmetric in k, and tends to fall with |k| (not monotonically).
+    # sum_i cos(k omega_i) is symmetric in k, and tends to fall with |k| (not
+    # monotonically).
     d, t = 64, 2000
     P = np.asarray(sinusoidal_pe(2 * t + 1, d), np.float64)
     k = np.arange(1, t + 1)
@@ -122,17 +128,18 @@ def test_dot_product_symmetric_and_tends_to_fall():
 
 @pytest.mark.parametrize("k, expected", [(64, 0.43), (1000, 0.28)])
 def test_base_10000_similarity(k, expected):
-    # seed 002 "Choosing the base": P[0].P[k] / (d/2) is 0.43 at k = 64 and 0.28 at
-    # k = 1000. The seed does not state d; d = 64 is the width that gives both numbers
-    # (d = 32 gives 0.54 and 0.26, d = 128 gives 0.48 and 0.16).
+    # Normalised similarity P[0].P[k] / (d/2) = mean_i cos(k omega_i) with base 10000 and
+    # d = 64 falls gradually: 0.43 at k = 64, 0.28 at k = 1000 (the float64 sum below;
+    # d = 32 gives 0.54 and 0.26, d = 128 gives 0.48 and 0.16).
     d = 64
     P = np.asarray(sinusoidal_pe(k + 1, d), np.float64)
-    assert round(float(P[0] @ P[k] / (d / 2)), 2) == expected
+    exact = np.mean(np.cos(k * 10000.0 ** (-np.arange(0, d, 2) / d)))
+    assert round(float(P[0] @ P[k] / (d / 2)), 2) == round(float(exact), 2) == expected
 
 
 def test_base_100_similarity_and_wavelength():
-    # seed 002: with base 100 offsets 64 and 1000 are both near 0, and the longest
-    # wavelength is about 540 positions (d = 64, as above: 544).
+    # With base 100 (d = 64) every pair turns fast: offsets 64 and 1000 are both near 0
+    # and the longest wavelength is 2*pi*100**(1 - 2/64) = 544 positions.
     d = 64
     P = np.asarray(sinusoidal_pe(1001, d, base=100.0), np.float64)
     for k in (64, 1000):
@@ -145,7 +152,7 @@ def test_base_100_similarity_and_wavelength():
 @settings(max_examples=30)
 @given(t=st.integers(0, 2000), k=st.integers(-1000, 1000))
 def test_shift_property(t, k):
-    # FACTS.md: P[t + k] = M_k P[t] for every t.
+    # §3.5's motivation: P[t + k] is a linear function of P[t], the rotation M_k.
     d = 16
     t = max(t, -k)
     P = np.asarray(sinusoidal_pe(1, d, offset=np.array([t, t + k], np.int32)))[:, 0]
@@ -157,7 +164,8 @@ def test_shift_property(t, k):
 
 @pytest.mark.parametrize("k", [1, 5, 37, 1000])
 def test_shift_matrix_inverse_is_transpose(k):
-    # FACTS.md: M_{-k} = M_k^T (and M_k != M_k^T, so the rotation tells before from after).
+    # A rotation's inverse is its transpose: M_{-k} = M_k^T (and M_k != M_k^T, so the
+    # rotation tells before from after).
     d = 8
     M, Mneg = np.asarray(shift_matrix(k, d)), np.asarray(shift_matrix(-k, d))
     np.testing.assert_allclose(Mneg, M.T, atol=1e-7)
@@ -177,7 +185,8 @@ def test_shift_matrix_inverse_is_transpose(k):
 
 @pytest.mark.parametrize("k", [1, 3, -2, 10])
 def test_relative_head_W_peak(k):
-    # FACTS.md / seed 002: with W = c M_k, p_m W p_n peaks at n = m - k, value c * d / 2.
+    # With W = c M_k, p_m W p_n = c p_{m-k} . p_n (M_k^T = M_{-k}), which peaks at
+    # n = m - k with value c * ||p||^2 = c * d / 2.
     d, c, T = 64, 8.0, 64
     P = np.asarray(sinusoidal_pe(T, d), np.float64)
     W = np.asarray(relative_head_W(k, d, c), np.float64)
@@ -270,6 +279,9 @@ BAD_INPUTS = [
     ("k", TypeError, lambda: shift_matrix(1.5, 4), "float"),
     ("k", ValueError, lambda: shift_matrix(np.array([1, 2]), 4), "(2,)"),
     ("d", ValueError, lambda: relative_head_W(1, 3), "3"),
+    ("spacing", ValueError, lambda: sinusoidal_pe(4, 4, spacing="fairseq"), "'fairseq'"),
+    ("spacing", ValueError, lambda: sinusoidal_frequencies(4, spacing="t2t"), "'t2t'"),
+    ("spacing", ValueError, lambda: shift_matrix(1, 4, spacing=None), "None"),
 ]
 
 
@@ -283,27 +295,103 @@ def test_bad_input(argument, error, call, got):
     assert "got" in msg and got in msg, msg  # and what it got
 
 
+@pytest.mark.parametrize("spacing", ["vaswani", "tensor2tensor"])
 @pytest.mark.parametrize("layout", ["interleaved", "concat"])
-def test_high_angle_precision_at_long_offsets_matches_float64(layout):
-    """``angle_precision="high"`` reduces ``pos * omega`` exactly (jaxpos.rope.rope_angles):
-    at offsets near 1e6 and 1e8 it matches a float64 table to ~1e-6, while the default
-    float32 product is off by more than 1e-2 at 1e6 (and the default is unchanged)."""
+def test_high_angle_precision_is_exact_for_the_float64_frequencies(layout, spacing):
+    """``angle_precision="high"`` is exact relative to the paper's frequencies in float64
+    (not their float32 rounding): at offsets 1e6 and 1e7 the table matches a float64
+    table to 1e-6, while the default float32 product, and even the exact product with
+    float32-rounded frequencies, are off by more than 1e-2 at 1e6."""
     d, T = 64, 8
-    omega = np.asarray(sinusoidal_frequencies(d), np.float32).astype(np.float64)
-    for offset in (1_000_000, 100_000_000):
+    omega = np_frequencies(d, spacing=spacing)  # float64
+    omega_f32 = omega.astype(np.float32).astype(np.float64)
+    for offset in (1_000_000, 10_000_000):
         pos = np.arange(T, dtype=np.float64) + offset
-        ang = pos[:, None] * omega[None]  # float64, the float32 omega taken as exact
-        if layout == "interleaved":
-            want = np.stack([np.sin(ang), np.cos(ang)], -1).reshape(T, d)
-        else:
-            want = np.concatenate([np.sin(ang), np.cos(ang)], -1)
-        high = np.asarray(sinusoidal_pe(T, d, offset=offset, layout=layout,
-                                               angle_precision="high"))
-        np.testing.assert_allclose(high, want, atol=2e-6, rtol=0)
+        want = np_table(pos[:, None] * omega[None], d, layout)
+        high = np.asarray(sinusoidal_pe(T, d, offset=offset, layout=layout, spacing=spacing,
+                                        angle_precision="high"))
+        np.testing.assert_allclose(high, want, atol=1e-6, rtol=0)
         if offset == 1_000_000:
-            plain = np.asarray(sinusoidal_pe(T, d, offset=offset, layout=layout))
+            plain = np.asarray(sinusoidal_pe(T, d, offset=offset, layout=layout,
+                                             spacing=spacing))
             assert np.abs(plain - want).max() > 1e-2
+            rounded = np_table(pos[:, None] * omega_f32[None], d, layout)
+            assert np.abs(rounded - want).max() > 1e-2
     np.testing.assert_array_equal(sinusoidal_pe(T, d, offset=5, angle_precision="float32"),
                                   sinusoidal_pe(T, d, offset=5))
     with pytest.raises(ValueError, match="angle_precision"):
         sinusoidal_pe(T, d, angle_precision="f64")
+
+
+# ------------------------------------------------------------ tensor2tensor spacing
+def np_frequencies(d, base=10000.0, spacing="vaswani"):
+    """float64 frequencies: base**(-2i/d), i < ceil(d/2) (Vaswani et al. §3.5), or
+    tensor2tensor's get_timing_signal_1d: d//2 timescales from 1 to base in geometric
+    progression, log increment log(base) / max(d//2 - 1, 1)."""
+    if spacing == "vaswani":
+        return base ** (-2.0 * np.arange((d + 1) // 2) / d)
+    n = d // 2
+    return np.exp(np.arange(n) * -(math.log(base) / max(n - 1, 1)))
+
+
+def np_table(angle, d, layout):
+    """sin/cos of ``angle`` [T, n] in ``layout``, cut to d columns or zero-padded to d."""
+    s, c = np.sin(angle), np.cos(angle)
+    if layout == "interleaved":
+        out = np.stack([s, c], -1).reshape(len(angle), -1)
+    else:
+        out = np.concatenate([s, c], -1)
+    if out.shape[1] >= d:
+        return out[:, :d]
+    return np.concatenate([out, np.zeros((len(angle), d - out.shape[1]))], -1)
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 8, 9, 512])
+def test_tensor2tensor_spacing_matches_get_timing_signal_1d(d):
+    # tensor2tensor's table: layout "concat" (sines, then cosines), a zero column for odd d.
+    T = 40
+    got = np.asarray(sinusoidal_pe(T, d, layout="concat", spacing="tensor2tensor"))
+    pos = np.arange(T, dtype=np.float64)
+    want = np_table(pos[:, None] * np_frequencies(d, spacing="tensor2tensor")[None], d, "concat")
+    np.testing.assert_allclose(got, want, atol=5e-6)  # float32 angles up to 40 rad
+
+
+def test_tensor2tensor_spacing_differs_from_the_paper():
+    # The slowest timescale is exactly base in tensor2tensor (wavelength 2*pi*10000 =
+    # 62,832) but base**(1 - 2/d) in the paper (60,611 at d = 512): there the paper's
+    # frequency is 10000**(2/512) = 1.0366 times tensor2tensor's (3.7% apart).
+    t2t = sinusoidal_frequencies(512, spacing="tensor2tensor")
+    paper = sinusoidal_frequencies(512)
+    assert t2t.shape == paper.shape == (256,)
+    assert round(2 * math.pi / t2t[-1]) == 62_832 and round(2 * math.pi / paper[-1]) == 60_611
+    np.testing.assert_allclose(paper[-1] / t2t[-1], 10000.0 ** (2 / 512))
+    assert round(paper[-1] / t2t[-1] - 1, 3) == 0.037
+    assert t2t[0] == paper[0] == 1.0
+
+
+@pytest.mark.parametrize("k", [1, 7, -30])
+def test_shift_matrix_for_tensor2tensor_spacing(k):
+    d, t = 16, 100
+    P = np.asarray(sinusoidal_pe(1, d, offset=np.array([t, t + k]), spacing="tensor2tensor"))
+    M = np.asarray(shift_matrix(k, d, spacing="tensor2tensor"))
+    np.testing.assert_allclose(M @ P[0, 0], P[1, 0], atol=5e-5)
+    W = np.asarray(relative_head_W(k, d, 2.0, spacing="tensor2tensor"))
+    np.testing.assert_allclose(W, 2.0 * M)
+
+
+@pytest.mark.parity
+def test_tables_match_hugging_face_m2m100_and_marian():
+    """HF's M2M100 table (tensor2tensor/fairseq) is spacing="tensor2tensor",
+    layout="concat"; Marian's is the paper's spacing with layout="concat" (odd d: the
+    last cosine dropped). float32 PyTorch vs float32 JAX."""
+    pytest.importorskip("torch")
+    m2m = pytest.importorskip("transformers.models.m2m_100.modeling_m2m_100")
+    marian = pytest.importorskip("transformers.models.marian.modeling_marian")
+    for d in (8, 9, 64):
+        ref = m2m.M2M100SinusoidalPositionalEmbedding.get_embedding(50, d).numpy()
+        got = np.asarray(sinusoidal_pe(50, d, layout="concat", spacing="tensor2tensor"))
+        np.testing.assert_allclose(got, ref, atol=5e-6)
+        emb = marian.MarianSinusoidalPositionalEmbedding(50, d)
+        ref = emb.create_weight().numpy()
+        got = np.asarray(sinusoidal_pe(50, d, layout="concat"))
+        np.testing.assert_allclose(got, ref, atol=5e-6)

@@ -1,8 +1,9 @@
 """T5 relative position buckets and bias (Raffel et al. 2020, §2.1).
 
-The expected bucket ranges are written out from FACTS.md (bidirectional) and from
-Hugging Face's ``T5Attention._relative_position_bucket`` (causal; the exhaustive
-comparison with it is in test_parity_t5_bucket.py).
+The expected bucket ranges are worked out by hand from the bucket rule of §2.1 as
+Mesh TensorFlow and Hugging Face's ``T5Attention._relative_position_bucket`` implement
+it (half the buckets exact, the rest logarithmic up to ``max_distance``; the exhaustive
+comparison with HF is in test_parity_t5_bucket.py).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from absl.testing import parameterized
 
 from jaxpos import relative_bias_attention, t5_bias, t5_bucket
 
-# FACTS.md, num_buckets=32, max_distance=128, bidirectional: per direction, distances
-# 0..7 have their own bucket, then 8-11, 12-15, 16-22, 23-31, 32-45, 46-63, 64-90, 91+.
+# num_buckets=32, max_distance=128, bidirectional: 16 buckets per direction; distances
+# 0..7 have their own bucket, then bucket 8 + floor(8 * log(n / 8) / log(128 / 8)):
+# 8-11, 12-15, 16-22, 23-31, 32-45, 46-63, 64-90, 91+.
 BIDIRECTIONAL_STARTS = [0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 23, 32, 46, 64, 91]
 # Causal: 32 buckets for keys at or before the query, 0..15 exact, then 16 logarithmic
 # buckets starting at these distances (Hugging Face transformers 5.x / T5).

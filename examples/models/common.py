@@ -2,9 +2,9 @@
 segment ids, the KV cache, and loading a Hugging Face PyTorch state dict into an NNX
 module with every key and shape checked.
 
-Padding is expressed the jaxpos way, as position and segment arrays (DESIGN.md,
-"Conventions"): a real token has segment id 1 and a padding token (or an unwritten cache
-slot) segment id 0 on the key side, while every query has segment id 1, so a query sees
+Padding is expressed the jaxpos way, as position and segment arrays (README.md, "Using
+jaxpos in your Flax model"; ``jaxpos.attention``'s docstring): a real token has segment
+id 1 and a padding token (or an unwritten cache slot) segment id 0 on the key side, while every query has segment id 1, so a query sees
 exactly the real keys, as Hugging Face's key-padding masks do. Positions of real tokens
 are ``cumsum(attention_mask) - 1`` (what ``generate`` passes for left padding).
 """
