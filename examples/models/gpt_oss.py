@@ -318,8 +318,8 @@ class GptOssForCausalLM(nnx.Module):
         return masks
 
     def __call__(self, input_ids, *, attention_mask=None, positions=None, cache=None,
-                 implementation=None, block_q=None, block_k=None, sliding_window=None,
-                 use_sinks: bool = True):
+                 implementation=None, block_q=None, block_k=None, rope=None,
+                 sliding_window=None, use_sinks: bool = True):
         """Logits of the next token.
 
         Args:
@@ -330,8 +330,9 @@ class GptOssForCausalLM(nnx.Module):
             tokens already in ``cache``), as HF's ``generate`` uses.
           cache: a :class:`KVCache` from :meth:`init_cache` to write into, or ``None``.
           implementation, block_q, block_k: passed to :func:`jaxpos.attention`.
-          sliding_window: override the band width of the sliding layers (experiments and
-            negative controls); use_sinks: ``False`` drops the sinks (a negative control).
+          rope: override the rotary scheme (default :func:`rope_from_config`);
+            sliding_window: override the band width of the sliding layers; use_sinks:
+            ``False`` drops the sinks (experiments and negative controls).
 
         Returns:
           ``(logits [B, T, vocab_size] float32, cache)``; logits at padding positions are
@@ -361,7 +362,8 @@ class GptOssForCausalLM(nnx.Module):
         attn_kw = {"implementation": implementation}
         masks = self.layer_masks(positions, kv_positions, implementation=implementation,
                                  block_q=block_q, block_k=block_k, sliding_window=sliding_window)
-        rope = rope_from_config(self.config, angle_precision=self.angle_precision)
+        if rope is None:
+            rope = rope_from_config(self.config, angle_precision=self.angle_precision)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             mask_kw = masks[self.config.layer_types[i]]
