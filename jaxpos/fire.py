@@ -206,21 +206,19 @@ class FIRE(PositionScheme):
                          c=self.c, L=self.threshold, eps=self.eps)
 
     def score_mod(self):
-        """``score + MLP(normalised distance)[head]``.
+        """``score + MLP(normalised distance)[head]`` on the tile.
 
-        The MLP runs one hidden unit at a time on the tile (``mlp_width`` elementwise
-        passes), so no ``[tq, tk, mlp_width]`` intermediate is formed inside a kernel.
+        The hidden layer is a ``[tq, tk, mlp_width]`` intermediate reduced with a sum (no
+        matrix product, so it traces inside a kernel as elementwise ops and one
+        reduction). Unrolling the units one at a time instead compiled 5x slower on CPU
+        (24 s vs 5 s for a chunked forward+backward) for no gain.
         """
         w1, b1, w2, b2, c = self.w1, self.b1, self.w2, self.b2, self.c
         threshold, eps = self.threshold, self.eps
-        width = _checks.shape_of(w1)[0]
 
         def fire(score, batch, head, q_pos, kv_pos):
             x = fire_normalized_distance(q_pos, kv_pos, c, threshold, eps)
-            w2h = w2[:, head]
-            acc = score + b2[head]
-            for u in range(width):
-                acc = acc + jax.nn.relu(x * w1[u] + b1[u]) * w2h[u]
-            return acc
+            hidden = jax.nn.relu(x[..., None] * w1 + b1)  # [tq, tk, mlp_width]
+            return score + (jnp.sum(hidden * w2[:, head], axis=-1) + b2[head])
 
         return fire
