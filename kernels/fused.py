@@ -1,35 +1,39 @@
-"""The fused attention kernel: RoPE rotation, ALiBi and an offset-indexed bias inside one
-Pallas kernel, forward and backward (FlashAttention-2, Dao 2023, Alg. 1 and 2).
+"""The fused attention kernel: FlashAttention-2 (Dao 2023, Alg. 1 and 2) forward and
+backward as Pallas kernels, programmable by a score_mod and a mask_mod (FlexAttention,
+Dong et al. 2024), with block-sparse tile skipping and attention sinks.
 
-Layout of the work (``B`` batch, ``N`` query heads, ``bq``/``bk`` tiles):
+Work layout (``B`` batch, ``N`` query heads, ``bq`` / ``bk`` tiles):
 
-* forward, grid ``(B, N, Tq / bq)``: one query tile per program, a ``fori_loop`` over
-  the key tiles with the online softmax (Milakov & Gimelshein 2018; Rabe & Staats 2021).
-  Writes the output and the log-sum-exp ``lse`` of every row.
-* backward ``dq``, grid ``(B, N, Tq / bq)``: recomputes the probabilities of each tile
-  from ``lse`` and accumulates ``dq``.
-* backward ``dk, dv``, grid ``(B, N, Tk / bk)``: one key tile per program, a loop over
-  the query tiles; accumulates ``dk``, ``dv`` and, per key tile, the gradients of the
-  offset-bias vector (a sum of ``dS`` along each clipped offset) and of the ALiBi slopes.
+* forward, grid ``(B, N, Tq / bq)``: one query tile per program, two loops over key
+  tiles, first the PARTIAL tiles of its row of the tile schedule (masked), then the FULL
+  ones (no masking at all), with the online softmax (Milakov & Gimelshein 2018). EMPTY
+  tiles are never visited: with ``causal=True`` and monotone positions the loop of query
+  tile ``i`` stops at the diagonal. Writes the output and the log-sum-exp ``lse``.
+* backward ``dq``, grid ``(B, N, Tq / bq)``: the same loops, recomputing the
+  probabilities from ``lse``.
+* backward ``dk, dv``, grid ``(B, N, Tk / bk)``: one key tile per program, looping over
+  the query tiles of its column of the schedule (with causal, from the diagonal down).
 
-Nothing of size ``Tq x Tk`` is written to memory: the score tile lives in registers /
-VMEM only. The same kernel bodies are lowered by Pallas to Triton (``platforms=["cuda"]``)
-and to Mosaic TPU (``["tpu"]``), and run on CPU in interpret mode.
+Scores are ``scale * q . k`` (float32 accumulation), then the score_mod, then ``-inf``
+where hidden. Per-token transforms (RoPE, xPos) are applied to ``q`` and ``k`` *before*
+the kernel, once per token (``O(T * H)``); the kernel rotates nothing.
 
-Design choices that keep one body legal for both compilers:
+The score_mod / mask_mod are traced inside the kernel bodies (see
+:mod:`jaxpos.kernels.modeval`): captured arrays are kernel inputs, indexing them becomes
+indexed loads (one gather instruction per tile on GPU, whatever the table size), and the
+mods see the program's batch and query head and the tile's positions.
 
-* The key and value sequences of one head are a single block; tiles are read with
-  ``pl.ds`` inside the loop (no scratch accumulators, which Triton lacks).
-* RoPE pairs ``(a, b)`` are split into separate arrays in the wrapper (``"half"``:
-  ``a = x[:, :rd/2]``, ``b = x[:, rd/2:rd]``; ``"interleaved"``: even and odd features;
-  the unrotated rest is a third part). The score is the sum of one dot per part, so the
-  kernel never slices or concatenates along the feature axis. Permuting the features of
-  q and k alike leaves ``q . k`` unchanged, so both layouts use the same kernel.
-* Neither Triton nor Mosaic lowers a general gather, so the offset-bias lookup is a
-  loop over the offsets present in the tile (``where(idx == r, vec[r], 0)``), and its
-  gradient is the matching masked sum. Its cost is ``O(bq * bk * offsets in the tile)``.
-* Positions arrive as a column ``[T, 1]`` and as a row ``[1, T]`` so a tile of offsets is
-  a broadcast subtraction, never a transpose.
+Gradients of the captured arrays (and of nothing else) are computed *outside* the
+kernels by a blockwise plain-JAX pass that recomputes the score tiles from the saved
+``lse`` (:func:`_mod_const_grads`): exact, lowered by XLA on every backend (a gather's
+transpose is a scatter-add, which neither Triton nor Mosaic lowers), and removed by
+XLA's dead-code elimination under ``jit`` when no captured array needs a gradient, so
+training ``q``, ``k``, ``v`` never pays for it. The sink gradient comes from ``lse``
+too: ``d sink_h = -sum_{b,i} exp(sink_h - lse_bhi) * delta_bhi``.
+
+Nothing of size ``Tq x Tk`` is written by the kernels. The same kernel bodies are lowered
+by Pallas to Triton (``platforms=["cuda"]``) and to Mosaic TPU (``["tpu"]``), and run on
+CPU in interpret mode.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,15 +49,23 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxpos import _checks
-from jaxpos.attention import _match_vma, _varying_axes  # shard_map's varying-axis types
-from jaxpos.attention import _pad_to as _pad_axis  # one padding helper for both paths
-from jaxpos.rope import ANGLE_PRECISIONS, LAYOUTS, rope_angles
+from jaxpos.kernels import modeval
+from jaxpos.kernels import schedule as sched_lib
+from jaxpos.kernels._util import match_vma, pad_axis, pow2_at_least, varying_axes, zero_cotangent
+from jaxpos.mods import BlockMask, ConvertedMod, convert_mod
 
-__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "fused_attention"]
+__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "kernel_attention"]
 
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
-_MIN_WIDTH = 16  # smallest feature width of a part (Triton dots need K >= 16)
+_MIN_WIDTH = 16  # smallest feature width (Triton dots need K >= 16)
+
+# Test hooks, read at trace time.
+# POISON_OUTPUTS: every kernel output starts as NaN (aliased NaN-filled inputs), so an
+# element a kernel fails to write shows up as NaN.
+POISON_OUTPUTS = False
+# Bytes of float32 score block the captured-array gradient pass holds per step.
+CONST_GRAD_BLOCK_BYTES = 1 << 27
 
 
 class _Cfg(NamedTuple):
@@ -70,17 +82,16 @@ class _Cfg(NamedTuple):
     nk: int
     scale: float
     causal: bool
-    has_rope: bool
-    attention_factor: float
-    has_alibi: bool
-    alibi_bidirectional: bool
-    radius: int  # R of the offset-bias vector; -1 when there is none
     has_segments: bool
     qpos_batched: bool
     kvpos_batched: bool
-    angle_precision: str  # jaxpos.rope.rope_angles: "high" or "float32"
+    sched_b: bool  # the schedule differs per batch row
+    sched_h: bool  # ... per head
+    has_sinks: bool
+    additive: bool  # d score_mod / d score == 1 (or no score_mod)
     precise: bool  # float32 inputs: exact float32 dots
     mode: str  # "interpret", "compiled" or "auto"
+    count_tiles: bool = False  # test hook: kernels also output their loop trip counts
 
 
 # ------------------------------------------------------------------------ kernel pieces
@@ -90,282 +101,211 @@ def _dot(a, b, cfg, contract=((1,), (1,))):
                                preferred_element_type=jnp.float32)
 
 
-def _cos_sin(pos_col, inv_freq, cfg):
-    """float32 ``cos, sin`` ``[t, half]`` times attention_factor; ``pos_col`` int32 ``[t, 1]``."""
-    ang = rope_angles(pos_col, inv_freq[0], angle_precision=cfg.angle_precision)[:, 0, :]
-    af = jnp.float32(cfg.attention_factor)
-    return jnp.cos(ang) * af, jnp.sin(ang) * af
+def _loader(style, refs):
+    return (modeval.RefLoader if style == "load" else modeval.LoopLoader)(refs)
 
 
-def _rotate(parts, cs):
-    """Rotate the (a, b) pair of a part tuple by ``cs``; float32 in and out."""
-    if cs is None:
-        return parts
-    c, s = cs
-    a, b = parts[0], parts[1]
-    return (a * c - b * s, b * c + a * s) + tuple(parts[2:])
+class _Mods:
+    """The score_mod / mask_mod of one kernel body, reading captured arrays from refs."""
+
+    def __init__(self, r, smod, mmod, style):
+        self.score = self.mask = None
+        if smod is not None:
+            refs = [r[f"smod{i}"] for i in range(len(smod.consts))]
+            self.score = modeval.mod_function(smod, _loader(style, refs))
+        if mmod is not None:
+            refs = [r[f"mmod{i}"] for i in range(len(mmod.consts))]
+            self.mask = modeval.mod_function(mmod, _loader(style, refs))
 
 
-def _unrotate(dparts, cs):
-    """Transpose of :func:`_rotate` (the gradient with respect to the unrotated parts)."""
-    if cs is None:
-        return dparts
-    c, s = cs
-    da, db = dparts[0], dparts[1]
-    return (da * c + db * s, db * c - da * s) + tuple(dparts[2:])
+def _scores(cfg, mods, b, h, q, k, q_pos, kv_pos):
+    """``(s_raw, s)``: the scaled scores of a tile and the score_mod applied to them."""
+    s_raw = _dot(q, k, cfg) * jnp.float32(cfg.scale)
+    if mods.score is None:
+        return s_raw, s_raw
+    return s_raw, mods.score(s_raw, b, h, q_pos, kv_pos)
 
 
-def _bias_and_visibility(s, rel, q_seg, kv_seg, kv_valid, tabs, cfg):
-    """Add the relative bias to the scaled score tile ``s`` and mask hidden pairs with -inf.
+def _score_derivative(cfg, mods, b, h, s_raw, q_pos, kv_pos):
+    """``d score_mod / d score`` on a tile (elementwise), or None when it is 1."""
+    if cfg.additive or mods.score is None:
+        return None
+    _, t = jax.jvp(lambda s: mods.score(s, b, h, q_pos, kv_pos), (s_raw,),
+                   (jnp.ones_like(s_raw),))
+    return t
 
-    ``rel``: int32 ``[bq, bk]`` = kv_pos - q_pos. ``kv_valid``: bool ``[1, bk]`` or None.
-    """
-    slope_ref, vec_ref = tabs
-    if cfg.has_alibi:
-        slope = slope_ref[0, 0]
-        r = rel.astype(jnp.float32)
-        s = s + slope * (-jnp.abs(r) if cfg.alibi_bidirectional else r)
-    if cfg.radius >= 0:
-        idx = jnp.clip(rel, -cfg.radius, cfg.radius) + cfg.radius
-        lo, hi = jnp.min(idx), jnp.max(idx)
 
-        def add(r, acc):
-            return acc + jnp.where(idx == r, vec_ref[0, r], 0.0)
-
-        s = jax.lax.fori_loop(lo, hi + 1, add, s)
+def _visible(cfg, mods, b, h, q_pos, kv_pos, q_seg, kv_seg, j):
+    """bool ``[bq, bk]`` visibility of a PARTIAL tile (key tile ``j``)."""
     vis = None
 
-    def conj(a, b):
-        return b if a is None else a & b
+    def conj(a, x):
+        return x if a is None else a & x
 
     if cfg.causal:
-        vis = conj(vis, rel <= 0)
-    if kv_valid is not None:
-        vis = conj(vis, kv_valid)
+        vis = conj(vis, kv_pos <= q_pos)
+    if cfg.nk * cfg.bk != cfg.Tk:
+        idx = j * cfg.bk + jax.lax.broadcasted_iota(jnp.int32, (1, cfg.bk), 1)
+        vis = conj(vis, idx < cfg.Tk)
     if cfg.has_segments:
         vis = conj(vis, q_seg == kv_seg)
+    if mods.mask is not None:
+        vis = conj(vis, mods.mask(b, h, q_pos, kv_pos))
     if vis is None:
-        return s
-    return jnp.where(vis, s, -jnp.inf)
+        return jnp.ones((cfg.bq, cfg.bk), jnp.bool_)
+    return jnp.broadcast_to(vis, (cfg.bq, cfg.bk))
 
 
-def _tile_live(cfg, q_pos_col, kv_pos_row):
-    """False only when the causal mask hides the whole tile."""
-    if not cfg.causal:
-        return None
-    return jnp.min(kv_pos_row) <= jnp.max(q_pos_col)
+def _loops(r, carry, tile):
+    """Run ``tile(index, carry, masked)`` over the PARTIAL then the FULL tiles of this
+    program's schedule row; each loop's trip count is the number of such tiles."""
+    counts, lists = r["counts"], r["lists"]
+    carry = jax.lax.fori_loop(0, counts[0, 0], lambda t, c: tile(lists[0, t], c, True), carry)
+    carry = jax.lax.fori_loop(0, counts[0, 1], lambda t, c: tile(lists[1, t], c, False), carry)
+    return carry
 
 
-def _kv_valid(cfg, j):
-    if cfg.nk * cfg.bk == cfg.Tk:
-        return None
-    idx = j * cfg.bk + jax.lax.broadcasted_iota(jnp.int32, (1, cfg.bk), 1)
-    return idx < cfg.Tk
+def _count(cfg, carry_cnt, masked):
+    if not cfg.count_tiles:
+        return carry_cnt
+    return carry_cnt + jnp.where(jnp.arange(2) == (0 if masked else 1), 1, 0).astype(jnp.int32)
 
 
-def _q_valid(cfg, i):
-    if cfg.nq * cfg.bq == cfg.Tq:
-        return None
-    idx = i * cfg.bq + jax.lax.broadcasted_iota(jnp.int32, (cfg.bq, 1), 0)
-    return idx < cfg.Tq
-
-
-def _maybe(live, compute, carry):
-    if live is None:
-        return compute(carry)
-    return jax.lax.cond(live, compute, lambda c: c, carry)
-
-
-def _split_refs(refs, cfg, n_parts, n_extra, n_outs):
-    """Name the flat ref list of a kernel (the order of :func:`_inputs`, then outputs)."""
-    it = iter(refs)
-    d = {}
-    d["q"] = tuple(next(it) for _ in range(n_parts))
-    d["k"] = tuple(next(it) for _ in range(n_parts))
-    d["v"] = next(it)
-    d["extra"] = [next(it) for _ in range(n_extra)]
-    d["q_pos"] = next(it)
-    d["kv_pos_row"] = next(it)
-    d["kv_pos_col"] = next(it)
-    d["q_seg"] = next(it) if cfg.has_segments else None
-    d["kv_seg"] = next(it) if cfg.has_segments else None
-    d["inv_freq"] = next(it) if cfg.has_rope else None
-    d["slope"] = next(it) if cfg.has_alibi else None
-    d["vec"] = next(it) if cfg.radius >= 0 else None
-    d["out"] = [next(it) for _ in range(n_outs)]
-    assert next(it, None) is None, "kernel argument list out of sync"
-    return d
+def _names(refs, names):
+    assert len(refs) == len(names), "kernel argument list out of sync"
+    return dict(zip(names, refs))
 
 
 # ------------------------------------------------------------------------------ forward
-def _fwd_kernel(*refs, cfg, n_parts):
-    r = _split_refs(refs, cfg, n_parts, 0, 2)
-    o_ref, lse_ref = r["out"]
-    bk = cfg.bk
+def _fwd_kernel(*refs, cfg, names, smod, mmod, style):
+    r = _names(refs, names)
+    b, h = pl.program_id(0), pl.program_id(1)
+    bq, bk = cfg.bq, cfg.bk
+    mods = _Mods(r, smod, mmod, style)
+    q = r["q"][...]
     q_pos = r["q_pos"][...]  # [bq, 1]
-    cs_q = _cos_sin(q_pos, r["inv_freq"][...], cfg) if cfg.has_rope else None
-    q = _rotate(tuple(x[...].astype(jnp.float32) for x in r["q"]), cs_q)
-    dtype = r["q"][0].dtype
-    q = tuple(x.astype(dtype) for x in q)
     q_seg = r["q_seg"][...] if cfg.has_segments else None
-    tabs = (r["slope"], r["vec"])
-    bq = q_pos.shape[0]
     hv = r["v"].shape[-1]
+    if cfg.has_sinks:
+        m0 = jnp.full((bq, 1), r["sinks"][h], jnp.float32)
+        l0 = jnp.ones((bq, 1), jnp.float32)
+    else:
+        m0 = jnp.full((bq, 1), -jnp.inf, jnp.float32)
+        l0 = jnp.zeros((bq, 1), jnp.float32)
 
-    def body(j, carry):
-        kv_pos = r["kv_pos_row"][:, pl.ds(j * bk, bk)]  # [1, bk]
-
-        def compute(carry):
-            m, l, acc = carry
-            kv_col = r["kv_pos_col"][pl.ds(j * bk, bk), :]  # [bk, 1]
-            cs_k = _cos_sin(kv_col, r["inv_freq"][...], cfg) if cfg.has_rope else None
-            k = _rotate(tuple(x[pl.ds(j * bk, bk), :].astype(jnp.float32) for x in r["k"]), cs_k)
-            s = sum(_dot(qp, kp.astype(dtype), cfg) for qp, kp in zip(q, k))
-            s = s * jnp.float32(cfg.scale)
+    def tile(j, carry, masked):
+        m, l, acc, cnt = carry
+        kv_pos = r["kv_pos"][:, pl.ds(j * bk, bk)]  # [1, bk]
+        k = r["k"][pl.ds(j * bk, bk), :]
+        _, s = _scores(cfg, mods, b, h, q, k, q_pos, kv_pos)
+        if masked:
             kv_seg = r["kv_seg"][:, pl.ds(j * bk, bk)] if cfg.has_segments else None
-            s = _bias_and_visibility(s, kv_pos - q_pos, q_seg, kv_seg, _kv_valid(cfg, j),
-                                     tabs, cfg)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            p = jnp.exp(s - m_safe)
-            corr = jnp.exp(m - m_safe)
-            l = l * corr + jnp.sum(p, axis=1, keepdims=True)
-            v = r["v"][pl.ds(j * bk, bk), :]
-            acc = acc * corr + _dot(p.astype(v.dtype), v, cfg, ((1,), (0,)))
-            return m_new, l, acc
+            s = jnp.where(_visible(cfg, mods, b, h, q_pos, kv_pos, q_seg, kv_seg, j), s,
+                          -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s - m_safe)
+        corr = jnp.exp(m - m_safe)
+        l = l * corr + jnp.sum(p, axis=1, keepdims=True)
+        v = r["v"][pl.ds(j * bk, bk), :]
+        acc = acc * corr + _dot(p.astype(v.dtype), v, cfg, ((1,), (0,)))
+        return m_new, l, acc, _count(cfg, cnt, masked)
 
-        return _maybe(_tile_live(cfg, q_pos, kv_pos), compute, carry)
-
-    init = (jnp.full((bq, 1), -jnp.inf, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
-            jnp.zeros((bq, hv), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, cfg.nk, body, init)
-    nonempty = l != 0.0  # exactly 0 only when no key is visible; NaN stays NaN
-    l_safe = jnp.where(nonempty, l, 1.0)
-    o_ref[...] = jnp.where(nonempty, acc / l_safe, 0.0).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(nonempty, m + jnp.log(l_safe), -jnp.inf)
+    init = (m0, l0, jnp.zeros((bq, hv), jnp.float32), jnp.zeros((2,), jnp.int32))
+    m, l, acc, cnt = _loops(r, init, tile)
+    l_safe = jnp.where(l == 0.0, 1.0, l)
+    r["out"][...] = (acc / l_safe).astype(r["out"].dtype)
+    r["lse"][...] = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(l_safe))
+    if cfg.count_tiles:
+        r["visits"][...] = cnt[None, :]
 
 
 # ----------------------------------------------------------------------------- backward
-def _dq_kernel(*refs, cfg, n_parts):
-    r = _split_refs(refs, cfg, n_parts, 3, n_parts)
-    do_ref, lse_ref, delta_ref = r["extra"]
+def _dq_kernel(*refs, cfg, names, smod, mmod, style):
+    r = _names(refs, names)
+    b, h = pl.program_id(0), pl.program_id(1)
     bk = cfg.bk
+    mods = _Mods(r, smod, mmod, style)
+    q = r["q"][...]
+    dtype = q.dtype
     q_pos = r["q_pos"][...]
-    cs_q = _cos_sin(q_pos, r["inv_freq"][...], cfg) if cfg.has_rope else None
-    dtype = r["q"][0].dtype
-    q = tuple(x.astype(dtype) for x in _rotate(tuple(x[...].astype(jnp.float32)
-                                                     for x in r["q"]), cs_q))
     q_seg = r["q_seg"][...] if cfg.has_segments else None
-    tabs = (r["slope"], r["vec"])
-    do = do_ref[...]
-    lse = lse_ref[...]
+    do = r["do"][...]
+    lse = r["lse"][...]
     lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
-    delta = delta_ref[...]
+    delta = r["delta"][...]
 
-    def body(j, dq):
-        kv_pos = r["kv_pos_row"][:, pl.ds(j * bk, bk)]
-
-        def compute(dq):
-            kv_col = r["kv_pos_col"][pl.ds(j * bk, bk), :]
-            cs_k = _cos_sin(kv_col, r["inv_freq"][...], cfg) if cfg.has_rope else None
-            k = tuple(x.astype(dtype) for x in _rotate(
-                tuple(x[pl.ds(j * bk, bk), :].astype(jnp.float32) for x in r["k"]), cs_k))
-            s = sum(_dot(qp, kp, cfg) for qp, kp in zip(q, k)) * jnp.float32(cfg.scale)
+    def tile(j, carry, masked):
+        dq, cnt = carry
+        kv_pos = r["kv_pos"][:, pl.ds(j * bk, bk)]
+        k = r["k"][pl.ds(j * bk, bk), :]
+        s_raw, s = _scores(cfg, mods, b, h, q, k, q_pos, kv_pos)
+        vis = None
+        if masked:
             kv_seg = r["kv_seg"][:, pl.ds(j * bk, bk)] if cfg.has_segments else None
-            s = _bias_and_visibility(s, kv_pos - q_pos, q_seg, kv_seg, _kv_valid(cfg, j),
-                                     tabs, cfg)
-            p = jnp.exp(s - lse_safe)  # 0 where hidden
-            v = r["v"][pl.ds(j * bk, bk), :]
-            dp = _dot(do, v, cfg)
-            ds = (p * (dp - delta)).astype(dtype)
-            return tuple(a + _dot(ds, kp, cfg, ((1,), (0,))) for a, kp in zip(dq, k))
+            vis = _visible(cfg, mods, b, h, q_pos, kv_pos, q_seg, kv_seg, j)
+            s = jnp.where(vis, s, -jnp.inf)
+        p = jnp.exp(s - lse_safe)  # 0 where hidden
+        v = r["v"][pl.ds(j * bk, bk), :]
+        ds = p * (_dot(do, v, cfg) - delta)
+        ds = _chain(cfg, mods, b, h, ds, s_raw, q_pos, kv_pos, vis)
+        dq = dq + _dot(ds.astype(dtype), k, cfg, ((1,), (0,)))
+        return dq, _count(cfg, cnt, masked)
 
-        return _maybe(_tile_live(cfg, q_pos, kv_pos), compute, dq)
-
-    init = tuple(jnp.zeros(x.shape, jnp.float32) for x in r["q"])
-    dq = jax.lax.fori_loop(0, cfg.nk, body, init)
-    dq = _unrotate(tuple(x * jnp.float32(cfg.scale) for x in dq), cs_q)
-    for ref, x in zip(r["out"], dq):
-        ref[...] = x.astype(ref.dtype)
+    dq, _ = _loops(r, (jnp.zeros(q.shape, jnp.float32), jnp.zeros((2,), jnp.int32)), tile)
+    r["dq"][...] = (dq * jnp.float32(cfg.scale)).astype(r["dq"].dtype)
 
 
-def _dkv_kernel(*refs, cfg, n_parts):
-    r = _split_refs(refs, cfg, n_parts, 3, n_parts + 3)
-    do_ref, lse_ref, delta_ref = r["extra"]
-    dk_refs = r["out"][:n_parts]
-    dv_ref, dvec_ref, dslope_ref = r["out"][n_parts:]
+def _chain(cfg, mods, b, h, ds, s_raw, q_pos, kv_pos, vis):
+    """The gradient with respect to the raw score: ``ds * d score_mod / d score``."""
+    d = _score_derivative(cfg, mods, b, h, s_raw, q_pos, kv_pos)
+    if d is None:
+        return ds
+    ds = ds * d
+    return ds if vis is None else jnp.where(vis, ds, 0.0)
+
+
+def _dkv_kernel(*refs, cfg, names, smod, mmod, style):
+    r = _names(refs, names)
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bq = cfg.bq
-    j = pl.program_id(2)
-    kv_pos = r["kv_pos_row"][...]  # [1, bk]
-    kv_col = r["kv_pos_col"][...]  # [bk, 1]
-    cs_k = _cos_sin(kv_col, r["inv_freq"][...], cfg) if cfg.has_rope else None
-    dtype = r["q"][0].dtype
-    k = tuple(x.astype(dtype) for x in _rotate(tuple(x[...].astype(jnp.float32)
-                                                     for x in r["k"]), cs_k))
+    mods = _Mods(r, smod, mmod, style)
+    k = r["k"][...]
     v = r["v"][...]
+    dtype = k.dtype
+    kv_pos = r["kv_pos"][...]  # [1, bk]
     kv_seg = r["kv_seg"][...] if cfg.has_segments else None
-    kv_valid = _kv_valid(cfg, j)
-    tabs = (r["slope"], r["vec"])
-    lp = dvec_ref.shape[-1]
-    bk = kv_pos.shape[1]
 
-    def body(i, carry):
-        q_pos = r["q_pos"][pl.ds(i * bq, bq), :]  # [bq, 1]
+    def tile(i, carry, masked):
+        dk, dv, cnt = carry
+        rows = pl.ds(i * bq, bq)
+        q = r["q"][rows, :]
+        q_pos = r["q_pos"][rows, :]
+        s_raw, s = _scores(cfg, mods, b, h, q, k, q_pos, kv_pos)
+        vis = None
+        if masked:
+            q_seg = r["q_seg"][rows, :] if cfg.has_segments else None
+            vis = _visible(cfg, mods, b, h, q_pos, kv_pos, q_seg, kv_seg, j)
+            s = jnp.where(vis, s, -jnp.inf)
+        lse = r["lse"][rows, :]
+        p = jnp.exp(s - jnp.where(lse == -jnp.inf, 0.0, lse))
+        do = r["do"][rows, :]
+        dv = dv + _dot(p.astype(do.dtype), do, cfg, ((0,), (0,)))
+        ds = p * (_dot(do, v, cfg) - r["delta"][rows, :])
+        ds = _chain(cfg, mods, b, h, ds, s_raw, q_pos, kv_pos, vis)
+        dk = dk + _dot(ds.astype(dtype), q, cfg, ((0,), (0,)))
+        return dk, dv, _count(cfg, cnt, masked)
 
-        def compute(carry):
-            dk, dv, dvec, dslope = carry
-            cs_q = _cos_sin(q_pos, r["inv_freq"][...], cfg) if cfg.has_rope else None
-            q = tuple(x.astype(dtype) for x in _rotate(
-                tuple(x[pl.ds(i * bq, bq), :].astype(jnp.float32) for x in r["q"]), cs_q))
-            s = sum(_dot(qp, kp, cfg) for qp, kp in zip(q, k)) * jnp.float32(cfg.scale)
-            rel = kv_pos - q_pos
-            q_seg = r["q_seg"][pl.ds(i * bq, bq), :] if cfg.has_segments else None
-            s = _bias_and_visibility(s, rel, q_seg, kv_seg, kv_valid, tabs, cfg)
-            lse = lse_ref[pl.ds(i * bq, bq), :]
-            p = jnp.exp(s - jnp.where(lse == -jnp.inf, 0.0, lse))
-            do = do_ref[pl.ds(i * bq, bq), :]
-            dv = dv + _dot(p.astype(do.dtype), do, cfg, ((0,), (0,)))
-            dp = _dot(do, v, cfg)
-            ds = p * (dp - delta_ref[pl.ds(i * bq, bq), :])  # float32 [bq, bk]
-            qv = _q_valid(cfg, i)
-            if qv is not None:
-                ds = jnp.where(qv, ds, 0.0)
-            dsc = ds.astype(dtype)
-            dk = tuple(a + _dot(dsc, qp, cfg, ((0,), (0,))) for a, qp in zip(dk, q))
-            if cfg.has_alibi:
-                rf = rel.astype(jnp.float32)
-                dslope = dslope + jnp.sum(ds * (-jnp.abs(rf) if cfg.alibi_bidirectional else rf))
-            if cfg.radius >= 0:
-                idx = jnp.clip(rel, -cfg.radius, cfg.radius) + cfg.radius
-                lanes = jax.lax.broadcasted_iota(jnp.int32, (1, lp), 1)
-
-                def gather_back(rr, acc):
-                    g = jnp.sum(jnp.where(idx == rr, ds, 0.0))
-                    return acc + jnp.where(lanes == rr, g, 0.0)
-
-                dvec = jax.lax.fori_loop(jnp.min(idx), jnp.max(idx) + 1, gather_back, dvec)
-            return dk, dv, dvec, dslope
-
-        return _maybe(_tile_live(cfg, q_pos, kv_pos), compute, carry)
-
-    init = (tuple(jnp.zeros((bk, x.shape[-1]), jnp.float32) for x in r["k"]),
-            jnp.zeros((bk, v.shape[-1]), jnp.float32), jnp.zeros((1, lp), jnp.float32),
-            jnp.zeros((), jnp.float32))
-    dk, dv, dvec, dslope = jax.lax.fori_loop(0, cfg.nq, body, init)
-    dk = _unrotate(tuple(x * jnp.float32(cfg.scale) for x in dk), cs_k)
-    for ref, x in zip(dk_refs, dk):
-        ref[...] = x.astype(ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
-    dvec_ref[...] = dvec
-    dslope_ref[...] = jnp.broadcast_to(dslope, dslope_ref.shape)
+    init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32),
+            jnp.zeros((2,), jnp.int32))
+    dk, dv, cnt = _loops(r, init, tile)
+    r["dk"][...] = (dk * jnp.float32(cfg.scale)).astype(r["dk"].dtype)
+    r["dv"][...] = dv.astype(r["dv"].dtype)
+    if cfg.count_tiles:
+        r["visits"][...] = cnt[None, :]
 
 
 # ------------------------------------------------------------------------ pallas plumbing
-# Test hook: when True (read at trace time), every kernel output starts as NaN (aliased
-# NaN-filled inputs), so an element the kernel fails to write shows up as NaN.
-POISON_OUTPUTS = False
-
-
 def _cast_varying(x, axes):
     """``x`` marked as varying over ``axes`` too (``lax.pcast(..., to="varying")``; older
     JAX: ``lax.pvary``). A no-op on the values: each device keeps its own."""
@@ -376,13 +316,13 @@ def _cast_varying(x, axes):
 
 def _match_manual_axes(args, out_shape):
     """Make a ``pallas_call`` valid inside ``shard_map`` with ``check_vma=True`` (its
-    default): ``pallas_call`` needs every input to vary over the same manual mesh axes and
-    each output's ``ShapeDtypeStruct`` to say which axes it varies over. The kernel mixes
-    sharded arrays (q, k, v) with replicated ones (positions, slopes), so inputs are cast to
-    the union of their axes and the outputs declared to vary over it. Outside ``shard_map``
-    (or with ``check_vma=False``) the union is empty and nothing changes. Returns
+    default): every input must vary over the same manual mesh axes and each output's
+    ``ShapeDtypeStruct`` must say which axes it varies over. The kernel mixes sharded
+    arrays (q, k, v) with replicated ones (positions, captured arrays, the schedule), so
+    inputs are cast to the union of their axes and the outputs declared to vary over it.
+    Outside ``shard_map`` the union is empty and nothing changes. Returns
     ``(args, out_shape, axes)``."""
-    vary = [_varying_axes(a) for a in args]
+    vary = [varying_axes(a) for a in args]
     axes = frozenset().union(*vary)
     if not axes:
         return args, out_shape, axes
@@ -400,9 +340,43 @@ def _match_manual_axes(args, out_shape):
     return args, out_shape, axes
 
 
-def _pallas(kernel, cfg, grid, in_specs, out_specs, out_shape, args, name):
-    """Run ``kernel`` in interpret mode, or compiled by Triton (CUDA/ROCm) / Mosaic (TPU)."""
-    args, out_shape, manual_axes = _match_manual_axes(tuple(args), tuple(out_shape))
+class _In(NamedTuple):
+    """One kernel input: ``spec(platform, shape)`` gives its BlockSpec; ``smem`` puts it
+    in TPU scalar memory (whole array, or blocks of ``spec``); ``pow2`` pads every dim to
+    a power of two for Triton (captured arrays: Triton blocks are powers of two)."""
+
+    name: str
+    array: Any
+    spec: Any
+    smem: bool = False
+    pow2: bool = False
+
+
+def _whole(platform, shape):
+    return pl.BlockSpec(tuple(shape), lambda *_: (0,) * len(shape))
+
+
+def _smem_spec(block_spec):
+    from jax.experimental.pallas import tpu as pltpu
+
+    if block_spec is None:
+        return pl.BlockSpec(memory_space=pltpu.SMEM)
+    return pl.BlockSpec(block_spec.block_shape, block_spec.index_map, memory_space=pltpu.SMEM)
+
+
+def _pad_pow2(x):
+    for ax in range(x.ndim):
+        x = pad_axis(x, ax, pow2_at_least(x.shape[ax]))
+    return x
+
+
+def _pallas(kernel, cfg, grid, ins: list[_In], outs: list[tuple[str, Any, Any]], name):
+    """Run ``kernel(style=...)`` (a factory of kernel bodies) in interpret mode, or compiled
+    by Triton (CUDA/ROCm) / Mosaic (TPU). ``outs``: ``(name, ShapeDtypeStruct, spec)``."""
+    names = tuple(i.name for i in ins) + tuple(o[0] for o in outs)
+    args = tuple(i.array for i in ins)
+    out_shape = tuple(o[1] for o in outs)
+    args, out_shape, manual_axes = _match_manual_axes(args, out_shape)
     under_vma = bool(manual_axes)
     if under_vma and (cfg.mode == "interpret"
                       or (cfg.mode == "auto" and jax.default_backend() == "cpu")):
@@ -411,193 +385,352 @@ def _pallas(kernel, cfg, grid, in_specs, out_specs, out_shape, args, name):
             "shard_map with check_vma=True: JAX's Pallas interpreter does not track varying "
             "mesh axes. Pass check_vma=False to shard_map, or use implementation='chunked' "
             "(the CPU default). Compiled kernels (GPU, TPU) need neither.")
-    if POISON_OUTPUTS:
-        n_in, n_out = len(args), len(out_shape)
-        poison = tuple(jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape)
-        body = kernel
+    n_in, n_out = len(args), len(out_shape)
 
-        def kernel(*refs):  # the aliased NaN inputs are the outputs' initial contents
-            return body(*refs[:n_in], *refs[n_in + n_out:])
+    def build(platform, interpret, compiler_params=None):
+        style = "loop" if platform == "tpu" else "load"
 
-        args = tuple(args) + poison
-        in_specs = tuple(in_specs) + tuple(out_specs)
-        aliases = {n_in + i: i for i in range(n_out)}
-    else:
-        aliases = {}
-
-    def build(interpret, compiler_params=None):
         def f(*a):
-            return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
+            a = list(a[:n_in])
+            specs = []
+            for idx, inp in enumerate(ins):
+                x = a[idx]
+                if inp.pow2 and platform in ("cuda", "rocm"):
+                    x = a[idx] = _pad_pow2(x)
+                spec = inp.spec(platform, x.shape)
+                if inp.smem and platform == "tpu":
+                    spec = _smem_spec(None if inp.spec is _whole else spec)
+                specs.append(spec)
+            out_specs = [o[2] for o in outs]
+            body = functools.partial(kernel, names=names, style=style)
+            aliases = {}
+            if POISON_OUTPUTS:
+                poison = [jnp.full(o.shape, jnp.nan, o.dtype) if jnp.issubdtype(o.dtype, jnp.inexact)
+                          else jnp.full(o.shape, -1, o.dtype) for o in out_shape]
+                inner = body
+
+                def body(*refs):  # the aliased NaN inputs are the outputs' initial contents
+                    return inner(*refs[:n_in], *refs[n_in + n_out:])
+
+                a = a + poison
+                specs = specs + out_specs
+                aliases = {n_in + i: i for i in range(n_out)}
+            return pl.pallas_call(body, grid=grid, in_specs=specs, out_specs=out_specs,
                                   out_shape=out_shape, interpret=interpret,
                                   input_output_aliases=aliases,
                                   compiler_params=compiler_params, name=name)(*a)
+
         return f
 
     if cfg.mode == "interpret":
-        return build(True)(*args)
+        return build("cpu", True)(*args)
     from jax.experimental.pallas import triton as pltriton
 
     warps = 8 if cfg.bq * cfg.bk >= 128 * 128 else 4
-    triton = build(False, pltriton.CompilerParams(num_warps=warps, num_stages=2))
-    compiled = {"cuda": triton, "rocm": triton, "tpu": build(False)}
+    params = pltriton.CompilerParams(num_warps=warps, num_stages=2)
+    compiled = {"cuda": build("cuda", False, params), "rocm": build("rocm", False, params),
+                "tpu": build("tpu", False)}
     if cfg.mode == "auto" and not under_vma:  # (the interpreter cannot lower under vma)
-        compiled["cpu"] = build(True)
+        compiled["cpu"] = build("cpu", True)
     return jax.lax.platform_dependent(*args, **compiled)
 
 
-def _inputs(cfg, parts_q, parts_k, v, ints, tabs, extra, *, kv_tile):
-    """The kernel argument list and its BlockSpecs.
+def _bspec(shape, index_map):
+    return lambda platform, _shape: pl.BlockSpec(shape, index_map)
 
-    Order: q parts, k parts, v, extra (dout, lse, delta), q_pos column, kv_pos row, kv_pos
-    column, segments, inv_freq, slope, vec.
-    ``kv_tile``: True in the dk/dv kernel (a key tile per program, full queries).
-    """
+
+def _const_inputs(prefix, conv, smem_ok):
+    """Kernel inputs for a converted mod's captured arrays (0-d ones as ``[1]``)."""
+    if conv is None:
+        return []
+    out = []
+    for i, c in enumerate(conv.consts):
+        x = jnp.asarray(c)
+        x = x.reshape(1) if x.ndim == 0 else x  # (0-d captured arrays travel as [1])
+        out.append(_In(f"{prefix}{i}", x, _whole, smem=smem_ok[i], pow2=True))
+    return out
+
+
+def _smem_ok(conv):
+    """Per captured array: True when the mod only reads it by scalar or indexed loads (it
+    may then live in TPU scalar memory)."""
+    if conv is None:
+        return []
+    rec = modeval.UsageRecorder([(np.shape(c), jnp.result_type(c)) for c in conv.consts])
+    args = _abstract_mod_args(conv)
+    jax.eval_shape(lambda *a: modeval.eval_converted(conv, a, rec), *args)
+    return [not d for d in rec.dense]
+
+
+def _abstract_mod_args(conv):
+    v = conv.jaxpr.invars
+    return tuple(jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype) for x in v)
+
+
+def _mod_static(conv):
+    """The mod with its captured arrays replaced by their shapes (the kernel's static
+    copy: values come from refs)."""
+    if conv is None:
+        return None
+    return conv.with_consts(tuple(jax.ShapeDtypeStruct(np.shape(c), jnp.result_type(c))
+                                  for c in conv.consts))
+
+
+def _sched_maps(cfg):
+    sb = (lambda b: b) if cfg.sched_b else (lambda b: 0)
+    sh = (lambda h: h) if cfg.sched_h else (lambda h: 0)
+    return sb, sh
+
+
+def _common_inputs(cfg, q, k, v, ints, sched, smod, mmod, *, kv_tile):
+    """Inputs shared by the three kernels. ``kv_tile``: the dk/dv kernel (a key tile per
+    program, every query)."""
     g, bq, bk = cfg.groups, cfg.bq, cfg.bk
     Tq_p, Tk_p = cfg.nq * bq, cfg.nk * bk
     qb = (lambda b: b) if cfg.qpos_batched else (lambda b: 0)
     kb = (lambda b: b) if cfg.kvpos_batched else (lambda b: 0)
-    args, specs = [], []
-
-    def add(x, spec):
-        args.append(x)
-        specs.append(spec)
-
+    sb, sh = _sched_maps(cfg)
+    Hp, Hvp = q.shape[-1], v.shape[-1]
     if not kv_tile:
-        q_spec = lambda w: pl.BlockSpec((None, None, bq, w), lambda b, h, i: (b, h, i, 0))
-        k_spec = lambda w: pl.BlockSpec((None, None, Tk_p, w), lambda b, h, i: (b, jax.lax.div(h, g), 0, 0))
-        qcol = pl.BlockSpec((None, bq, 1), lambda b, h, i: (qb(b), i, 0))
-        krow = pl.BlockSpec((None, 1, Tk_p), lambda b, h, i: (kb(b), 0, 0))
-        kcol = pl.BlockSpec((None, Tk_p, 1), lambda b, h, i: (kb(b), 0, 0))
-        qseg = pl.BlockSpec((None, bq, 1), lambda b, h, i: (b, i, 0))
-        kseg = pl.BlockSpec((None, 1, Tk_p), lambda b, h, i: (b, 0, 0))
-        row_spec = lambda w: pl.BlockSpec((None, None, bq, w), lambda b, h, i: (b, h, i, 0))
+        ins = [
+            _In("q", q, _bspec((None, None, bq, Hp), lambda b, h, i: (b, h, i, 0))),
+            _In("k", k, _bspec((None, None, Tk_p, Hp), lambda b, h, i: (b, jax.lax.div(h, g), 0, 0))),
+            _In("v", v, _bspec((None, None, Tk_p, Hvp), lambda b, h, i: (b, jax.lax.div(h, g), 0, 0))),
+            _In("q_pos", ints["q_pos"], _bspec((None, bq, 1), lambda b, h, i: (qb(b), i, 0))),
+            _In("kv_pos", ints["kv_pos"], _bspec((None, 1, Tk_p), lambda b, h, i: (kb(b), 0, 0))),
+        ]
+        if cfg.has_segments:
+            ins += [_In("q_seg", ints["q_seg"], _bspec((None, bq, 1), lambda b, h, i: (b, i, 0))),
+                    _In("kv_seg", ints["kv_seg"], _bspec((None, 1, Tk_p), lambda b, h, i: (b, 0, 0)))]
+        counts, lists = sched.kv_counts, sched.kv_lists
     else:
-        q_spec = lambda w: pl.BlockSpec((None, None, Tq_p, w), lambda b, h, j: (b, h, 0, 0))
-        k_spec = lambda w: pl.BlockSpec((None, None, bk, w), lambda b, h, j: (b, jax.lax.div(h, g), j, 0))
-        qcol = pl.BlockSpec((None, Tq_p, 1), lambda b, h, j: (qb(b), 0, 0))
-        krow = pl.BlockSpec((None, 1, bk), lambda b, h, j: (kb(b), 0, j))
-        kcol = pl.BlockSpec((None, bk, 1), lambda b, h, j: (kb(b), j, 0))
-        qseg = pl.BlockSpec((None, Tq_p, 1), lambda b, h, j: (b, 0, 0))
-        kseg = pl.BlockSpec((None, 1, bk), lambda b, h, j: (b, 0, j))
-        row_spec = lambda w: pl.BlockSpec((None, None, Tq_p, w), lambda b, h, j: (b, h, 0, 0))
-    for x in parts_q:
-        add(x, q_spec(x.shape[-1]))
-    for x in parts_k:
-        add(x, k_spec(x.shape[-1]))
-    add(v, k_spec(v.shape[-1]))
-    for x in extra:
-        add(x, row_spec(x.shape[-1]))
-    add(ints["q_pos_col"], qcol)
-    add(ints["kv_pos_row"], krow)
-    add(ints["kv_pos_col"], kcol)
-    if cfg.has_segments:
-        add(ints["q_seg"], qseg)
-        add(ints["kv_seg"], kseg)
-    if cfg.has_rope:
-        add(tabs["inv_freq"], pl.BlockSpec(tabs["inv_freq"].shape, lambda *_: (0, 0)))
-    if cfg.has_alibi:
-        add(tabs["slope"], pl.BlockSpec((None, 1, 128), lambda b, h, i: (h, 0, 0)))
-    if cfg.radius >= 0:
-        lp = tabs["vec"].shape[-1]
-        add(tabs["vec"], pl.BlockSpec((None, 1, lp), lambda b, h, i: (h, 0, 0)))
-    return args, specs
+        ins = [
+            _In("q", q, _bspec((None, None, Tq_p, Hp), lambda b, h, j: (b, h, 0, 0))),
+            _In("k", k, _bspec((None, None, bk, Hp), lambda b, h, j: (b, jax.lax.div(h, g), j, 0))),
+            _In("v", v, _bspec((None, None, bk, Hvp), lambda b, h, j: (b, jax.lax.div(h, g), j, 0))),
+            _In("q_pos", ints["q_pos"], _bspec((None, Tq_p, 1), lambda b, h, j: (qb(b), 0, 0))),
+            _In("kv_pos", ints["kv_pos"], _bspec((None, 1, bk), lambda b, h, j: (kb(b), 0, j))),
+        ]
+        if cfg.has_segments:
+            ins += [_In("q_seg", ints["q_seg"], _bspec((None, Tq_p, 1), lambda b, h, j: (b, 0, 0))),
+                    _In("kv_seg", ints["kv_seg"], _bspec((None, 1, bk), lambda b, h, j: (b, 0, j)))]
+        counts, lists = sched.q_counts, sched.q_lists
+    n_list = lists.shape[-1]
+    ins += [_In("counts", counts, _bspec((None, None, None, 1, 2),
+                                         lambda b, h, x: (sb(b), sh(h), x, 0, 0)), smem=True),
+            _In("lists", lists, _bspec((None, None, None, 2, n_list),
+                                       lambda b, h, x: (sb(b), sh(h), x, 0, 0)), smem=True)]
+    ins += _const_inputs("smod", smod, _smem_ok(smod))
+    ins += _const_inputs("mmod", mmod, _smem_ok(mmod))
+    return ins
 
 
-def _forward(cfg, parts_q, parts_k, v, ints, tabs):
+def _forward(cfg, q, k, v, ints, sched, smod, mmod, sinks):
     B, N, bq = cfg.B, cfg.N, cfg.bq
     Tq_p = cfg.nq * bq
     hv = v.shape[-1]
-    args, specs = _inputs(cfg, parts_q, parts_k, v, ints, tabs, (), kv_tile=False)
-    out_specs = (pl.BlockSpec((None, None, bq, hv), lambda b, h, i: (b, h, i, 0)),
-                 pl.BlockSpec((None, None, bq, 1), lambda b, h, i: (b, h, i, 0)))
-    out_shape = (jax.ShapeDtypeStruct((B, N, Tq_p, hv), v.dtype),
-                 jax.ShapeDtypeStruct((B, N, Tq_p, 1), jnp.float32))
-    kern = functools.partial(_fwd_kernel, cfg=cfg, n_parts=len(parts_q))
-    return _pallas(kern, cfg, (B, N, cfg.nq), specs, out_specs, out_shape, args,
-                   "jaxpos_fused_attention_fwd")
+    ins = _common_inputs(cfg, q, k, v, ints, sched, smod, mmod, kv_tile=False)
+    if cfg.has_sinks:
+        ins.append(_In("sinks", sinks, _whole, smem=True, pow2=True))
+    outs = [("out", jax.ShapeDtypeStruct((B, N, Tq_p, hv), v.dtype),
+             pl.BlockSpec((None, None, bq, hv), lambda b, h, i: (b, h, i, 0))),
+            ("lse", jax.ShapeDtypeStruct((B, N, Tq_p, 1), jnp.float32),
+             pl.BlockSpec((None, None, bq, 1), lambda b, h, i: (b, h, i, 0)))]
+    if cfg.count_tiles:
+        outs.append(("visits", jax.ShapeDtypeStruct((B, N, cfg.nq, 1, 2), jnp.int32),
+                     pl.BlockSpec((None, None, None, 1, 2), lambda b, h, i: (b, h, i, 0, 0))))
+    kern = functools.partial(_fwd_kernel, cfg=cfg, smod=_mod_static(smod), mmod=_mod_static(mmod))
+    return _pallas(kern, cfg, (B, N, cfg.nq), ins, outs, "jaxpos_attention_fwd")
 
 
-def _backward(cfg, parts_q, parts_k, v, ints, tabs, out, lse, dout):
+def _backward_kernels(cfg, q, k, v, ints, sched, smod, mmod, out, lse, dout):
+    """dq, dk, dv (float32, dk/dv per query head) and delta."""
     B, N, bq, bk = cfg.B, cfg.N, cfg.bq, cfg.bk
     Tq_p, Tk_p = cfg.nq * bq, cfg.nk * bk
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
-    extra = (dout.astype(v.dtype), lse, delta)
-    n = len(parts_q)
+    do = dout.astype(v.dtype)
+    Hp, Hvp = q.shape[-1], v.shape[-1]
+    smod_s, mmod_s = _mod_static(smod), _mod_static(mmod)
     # dq
-    args, specs = _inputs(cfg, parts_q, parts_k, v, ints, tabs, extra, kv_tile=False)
-    out_specs = tuple(pl.BlockSpec((None, None, bq, x.shape[-1]), lambda b, h, i: (b, h, i, 0))
-                      for x in parts_q)
-    out_shape = tuple(jax.ShapeDtypeStruct((B, N, Tq_p, x.shape[-1]), jnp.float32)
-                      for x in parts_q)
-    kern = functools.partial(_dq_kernel, cfg=cfg, n_parts=n)
-    dq = _pallas(kern, cfg, (B, N, cfg.nq), specs, out_specs, out_shape, args,
-                 "jaxpos_fused_attention_dq")
-    # dk, dv, d(offset vector), d(slopes): one row per (batch, query head, key tile)
-    lp = tabs["vec"].shape[-1] if cfg.radius >= 0 else 128
-    args, specs = _inputs(cfg, parts_q, parts_k, v, ints, tabs, extra, kv_tile=True)
-    out_specs = tuple(pl.BlockSpec((None, None, bk, x.shape[-1]), lambda b, h, j: (b, h, j, 0))
-                      for x in parts_k + (v,))
-    out_specs += (pl.BlockSpec((None, None, None, 1, lp), lambda b, h, j: (b, h, j, 0, 0)),
-                  pl.BlockSpec((None, None, None, 1, 128), lambda b, h, j: (b, h, j, 0, 0)))
-    out_shape = tuple(jax.ShapeDtypeStruct((B, N, Tk_p, x.shape[-1]), jnp.float32)
-                      for x in parts_k + (v,))
-    out_shape += (jax.ShapeDtypeStruct((B, N, cfg.nk, 1, lp), jnp.float32),
-                  jax.ShapeDtypeStruct((B, N, cfg.nk, 1, 128), jnp.float32))
-    kern = functools.partial(_dkv_kernel, cfg=cfg, n_parts=n)
-    res = _pallas(kern, cfg, (B, N, cfg.nk), specs, out_specs, out_shape, args,
-                  "jaxpos_fused_attention_dkv")
-    dk, dv, dvec, dslope = res[:n], res[n], res[n + 1], res[n + 2]
+    ins = _common_inputs(cfg, q, k, v, ints, sched, smod, mmod, kv_tile=False)
+    row = lambda w: _bspec((None, None, bq, w), lambda b, h, i: (b, h, i, 0))
+    ins += [_In("do", do, row(Hvp)), _In("lse", lse, row(1)), _In("delta", delta, row(1))]
+    outs = [("dq", jax.ShapeDtypeStruct((B, N, Tq_p, Hp), jnp.float32),
+             pl.BlockSpec((None, None, bq, Hp), lambda b, h, i: (b, h, i, 0)))]
+    kern = functools.partial(_dq_kernel, cfg=cfg, smod=smod_s, mmod=mmod_s)
+    (dq,) = _pallas(kern, cfg, (B, N, cfg.nq), ins, outs, "jaxpos_attention_dq")
+    # dk, dv: one key tile of one query head per program
+    ins = _common_inputs(cfg, q, k, v, ints, sched, smod, mmod, kv_tile=True)
+    col = lambda w: _bspec((None, None, Tq_p, w), lambda b, h, j: (b, h, 0, 0))
+    ins += [_In("do", do, col(Hvp)), _In("lse", lse, col(1)), _In("delta", delta, col(1))]
+    outs = [("dk", jax.ShapeDtypeStruct((B, N, Tk_p, Hp), jnp.float32),
+             pl.BlockSpec((None, None, bk, Hp), lambda b, h, j: (b, h, j, 0))),
+            ("dv", jax.ShapeDtypeStruct((B, N, Tk_p, Hvp), jnp.float32),
+             pl.BlockSpec((None, None, bk, Hvp), lambda b, h, j: (b, h, j, 0)))]
+    if cfg.count_tiles:
+        outs.append(("visits", jax.ShapeDtypeStruct((B, N, cfg.nk, 1, 2), jnp.int32),
+                     pl.BlockSpec((None, None, None, 1, 2), lambda b, h, j: (b, h, j, 0, 0))))
+    kern = functools.partial(_dkv_kernel, cfg=cfg, smod=smod_s, mmod=mmod_s)
+    res = _pallas(kern, cfg, (B, N, cfg.nk), ins, outs, "jaxpos_attention_dkv")
+    dk, dv = res[0], res[1]
     g = cfg.groups
     if g > 1:  # sum the per-query-head key gradients over each group
         fold = lambda x: x.reshape((B, N // g, g) + x.shape[2:]).sum(axis=2)
-        dk, dv = tuple(fold(x) for x in dk), fold(dv)
-    dvec = dvec.sum(axis=(0, 2))[:, 0, :]  # [N, lp]
-    dslope = dslope[..., 0, 0].sum(axis=(0, 2))  # [N]
-    return dq, dk, dv, dvec, dslope
+        dk, dv = fold(dk), fold(dv)
+    return dq, dk, dv, delta, (res[2] if cfg.count_tiles else None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(cfg, parts_q, parts_k, v, ints, tabs):
-    out, _ = _forward(cfg, parts_q, parts_k, v, ints, tabs)
+# ------------------------------------------------- captured-array gradients (outside)
+def _tiles_apply(conv, x, q_pos_t, kv_pos_t, kind):
+    """Apply a converted mod to every tile: ``x`` ``[B, N, G, nk, bq, bk]`` (scores) or
+    None (a mask: then ``kind`` = (B, N, G, nk)); ``q_pos_t`` ``[Bq, G, bq]``,
+    ``kv_pos_t`` ``[Bk, nk, bk]``."""
+    if x is not None:
+        B, N, G, nk = x.shape[:4]
+    else:
+        B, N, G, nk = kind
+
+    def one(s, b, h, qp, kp):
+        args = (b, h, qp[:, None], kp[None, :])
+        if s is None:
+            return jnp.broadcast_to(conv(*args), (qp.shape[0], kp.shape[0]))
+        return conv(s, *args)
+
+    sa = None if x is None else 0
+    f = jax.vmap(one, in_axes=(sa, None, None, None, 0))  # key tiles
+    f = jax.vmap(f, in_axes=(sa, None, None, 0, None))  # query tiles
+    f = jax.vmap(f, in_axes=(sa, None, 0, None, None))  # heads
+    qa = 0 if q_pos_t.shape[0] > 1 else None
+    ka = 0 if kv_pos_t.shape[0] > 1 else None
+    f = jax.vmap(f, in_axes=(sa, 0, None, qa, ka))  # batch
+    qp = q_pos_t if qa == 0 else q_pos_t[0]
+    kp = kv_pos_t if ka == 0 else kv_pos_t[0]
+    return f(x, jnp.arange(B, dtype=jnp.int32), jnp.arange(N, dtype=jnp.int32), qp, kp)
+
+
+def _rows_per_step(cfg, width):
+    per_tile_row = cfg.B * cfg.N * cfg.bq * width * 4
+    G = max(1, min(cfg.nq, CONST_GRAD_BLOCK_BYTES // max(per_tile_row, 1)))
+    while cfg.nq % G:
+        G -= 1
+    return G
+
+
+def _mod_const_grads(cfg, q, k, v, ints, smod, mmod, lse, do, delta):
+    """Gradients of the score_mod's floating captured arrays: ``sum over tiles of
+    VJP(score_mod)(dS)``, recomputing each score tile from ``lse`` in plain JAX (a scan
+    over groups of query tiles, ``CONST_GRAD_BLOCK_BYTES`` of scores per step). Exact,
+    lowered by XLA everywhere, and dead code under ``jit`` when unused."""
+    consts = list(smod.consts)
+    diff = [i for i, c in enumerate(consts) if jnp.issubdtype(jnp.result_type(c), jnp.inexact)]
+    if not diff:
+        return [None] * len(consts)
+    B, N, g, bq, bk, nq, nk = cfg.B, cfg.N, cfg.groups, cfg.bq, cfg.bk, cfg.nq, cfg.nk
+    Nk = N // g
+    Tk_p = nk * bk
+    G = _rows_per_step(cfg, Tk_p)
+    steps, rows = nq // G, G * bq
+
+    def split_rows(x):  # [B, N, Tq_p, w] -> [steps, B, N, rows, w]
+        return jnp.moveaxis(x.reshape(x.shape[:2] + (steps, rows) + x.shape[3:]), 2, 0)
+
+    prec = jax.lax.Precision.HIGHEST if cfg.precise else None
+    q_pos = ints["q_pos"][..., 0]  # [Bq, Tq_p]
+    kv_pos = ints["kv_pos"][:, 0, :]  # [Bk, Tk_p]
+    kv_pos_t = kv_pos.reshape(kv_pos.shape[0], nk, bk)
+    q_pos_s = jnp.moveaxis(q_pos.reshape(q_pos.shape[0], steps, G, bq), 1, 0)
+    xs = {"q": split_rows(q), "do": split_rows(do), "lse": split_rows(lse),
+          "delta": split_rows(delta), "q_pos": q_pos_s}
+    if cfg.has_segments:
+        xs["q_seg"] = jnp.moveaxis(ints["q_seg"][..., 0].reshape(B, steps, G, bq), 1, 0)
+    kv_real = jnp.arange(Tk_p) < cfg.Tk
+
+    def to_tiles(x):  # [B, N, rows, Tk_p] -> [B, N, G, nk, bq, bk]
+        x = x.reshape(x.shape[:2] + (G, bq, nk, bk))
+        return jnp.swapaxes(x, 3, 4)
+
+    def step(acc, x):
+        qi = x["q"].reshape(B, Nk, g, rows, -1)
+        doi = x["do"].reshape(B, Nk, g, rows, -1)
+        s_raw = jnp.einsum("bkgqh,bkth->bkgqt", qi, k, precision=prec,
+                           preferred_element_type=jnp.float32) * jnp.float32(cfg.scale)
+        dp = jnp.einsum("bkgqh,bkth->bkgqt", doi, v, precision=prec,
+                        preferred_element_type=jnp.float32)
+        s_raw = to_tiles(s_raw.reshape(B, N, rows, Tk_p))
+        dp = to_tiles(dp.reshape(B, N, rows, Tk_p))
+        lse_t = x["lse"].reshape(B, N, G, 1, bq, 1)
+        delta_t = x["delta"].reshape(B, N, G, 1, bq, 1)
+        qp = x["q_pos"]  # [Bq, G, bq]
+        vis = kv_real.reshape(1, 1, 1, nk, 1, bk)
+        if cfg.causal:
+            vis = vis & (kv_pos_t[:, None, None, :, None, :] <= qp[:, None, :, None, :, None])
+        if cfg.has_segments:
+            kv_seg = ints["kv_seg"][:, 0, :].reshape(B, nk, bk)
+            vis = vis & (x["q_seg"][:, None, :, None, :, None] == kv_seg[:, None, None, :, None, :])
+        if mmod is not None:
+            vis = vis & _tiles_apply(mmod, None, qp, kv_pos_t, (B, N, G, nk))
+
+        def scores(dc):
+            cs = list(consts)
+            for i, c in zip(diff, dc):
+                cs[i] = c
+            return _tiles_apply(smod.with_consts(cs), s_raw, qp, kv_pos_t, None)
+
+        s, vjp = jax.vjp(scores, [consts[i] for i in diff])
+        lse_safe = jnp.where(lse_t == -jnp.inf, 0.0, lse_t)
+        p = jnp.where(vis, jnp.exp(s - lse_safe), 0.0)
+        ds = jnp.where(vis, p * (dp - delta_t), 0.0)
+        (dc,) = vjp(ds)
+        return [a + d for a, d in zip(acc, dc)], None
+
+    acc0 = [jnp.zeros(np.shape(consts[i]), jnp.result_type(consts[i])) for i in diff]
+    acc, _ = jax.lax.scan(step, acc0, xs)
+    out = [None] * len(consts)
+    for i, a in zip(diff, acc):
+        out[i] = a
     return out
 
 
-def _core_fwd(cfg, parts_q, parts_k, v, ints, tabs):
-    out, lse = _forward(cfg, parts_q, parts_k, v, ints, tabs)
-    return out, (parts_q, parts_k, v, ints, tabs, out, lse)
+# ----------------------------------------------------------------------- custom VJP core
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _core(cfg, q, k, v, ints, sched, smod, mmod, sinks):
+    out, _ = _forward(cfg, q, k, v, ints, sched, smod, mmod, sinks)[:2]
+    return out
+
+
+def _core_fwd(cfg, q, k, v, ints, sched, smod, mmod, sinks):
+    out, lse = _forward(cfg, q, k, v, ints, sched, smod, mmod, sinks)[:2]
+    return out, (q, k, v, ints, sched, smod, mmod, sinks, out, lse)
 
 
 def _core_bwd(cfg, res, dout):
-    parts_q, parts_k, v, ints, tabs, out, lse = res
-    dq, dk, dv, dvec, dslope = _backward(cfg, parts_q, parts_k, v, ints, tabs, out, lse, dout)
+    q, k, v, ints, sched, smod, mmod, sinks, out, lse = res
+    dq, dk, dv, delta, _ = _backward_kernels(cfg, q, k, v, ints, sched, smod, mmod, out, lse, dout)
     # Under shard_map, a cotangent varies over every axis the kernel's inputs did; a primal
-    # that was replicated over some of them (slopes, offset vector, all-gathered keys) gets
-    # the sum of the per-shard gradients (_match_vma), as in the chunked path.
-    dq = tuple(_match_vma(d.astype(x.dtype), x) for d, x in zip(dq, parts_q))
-    dk = tuple(_match_vma(d.astype(x.dtype), x) for d, x in zip(dk, parts_k))
-    dv = _match_vma(dv.astype(v.dtype), v)
-    dints = jax.tree_util.tree_map(lambda x: np.zeros(x.shape, jax.dtypes.float0), ints)
-    dtabs = {}
-    for name, x in tabs.items():
-        if name == "vec":
-            dtabs[name] = dvec[:, None, :].astype(x.dtype)
-        elif name == "slope":
-            lane0 = jnp.arange(x.shape[-1]) == 0  # the slope was broadcast over 128 lanes
-            dtabs[name] = jnp.where(lane0, dslope[:, None, None], 0.0).astype(x.dtype)
-        else:  # inv_freq: constant inside the kernel; its gradient flows around it
-            dtabs[name] = jnp.zeros(x.shape, x.dtype)
-        dtabs[name] = _match_vma(dtabs[name], x)
-    return dq, dk, dv, dints, dtabs
+    # that was replicated over some of them (captured arrays, sinks, all-gathered keys) gets
+    # the sum of the per-shard gradients (match_vma), as in the chunked path.
+    dq = match_vma(dq.astype(q.dtype), q)
+    dk = match_vma(dk.astype(k.dtype), k)
+    dv = match_vma(dv.astype(v.dtype), v)
+    zeros = lambda tree: jax.tree_util.tree_map(zero_cotangent, tree)
+    dsmod = None
+    if smod is not None:
+        grads = _mod_const_grads(cfg, q, k, v, ints, smod, mmod, lse, dout.astype(v.dtype), delta)
+        cts = [zero_cotangent(jnp.asarray(c)) if gr is None else match_vma(gr.astype(
+            jnp.result_type(c)), c) for c, gr in zip(smod.consts, grads)]
+        dsmod = smod.with_consts(cts)
+    dsinks = None
+    if sinks is not None:
+        w = jnp.exp(sinks[None, :, None, None] - lse) * delta  # [B, N, Tq_p, 1]
+        dsinks = match_vma(-jnp.sum(w, axis=(0, 2, 3)).astype(sinks.dtype), sinks)
+    return (dq, dk, dv, zeros(ints), zeros(sched), dsmod,
+            None if mmod is None else zeros(mmod), dsinks)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-# --------------------------------------------------------------------------- public API
-def _pow2_at_least(n, lo=1):
-    return max(lo, 1 << max(0, int(n) - 1).bit_length())
-
-
+# --------------------------------------------------------------------------- the call
 def _check_block(name, blk):
     blk = _checks.check_positive_int(name, blk)
     if blk & (blk - 1):
@@ -606,7 +739,8 @@ def _check_block(name, blk):
     return blk
 
 
-def _resolve_mode(interpret):
+def resolve_mode(interpret):
+    """``interpret`` (True / False / None) as the kernel's mode string."""
     if interpret is None:
         return "auto"
     if not isinstance(interpret, bool):
@@ -614,202 +748,118 @@ def _resolve_mode(interpret):
     return "interpret" if interpret else "compiled"
 
 
-def _inv_freq_gradient_path(x, pos, inv_freq, layout):
-    """A term equal to zero whose derivative carries ``inv_freq``'s gradient past the kernel.
+def is_additive(conv) -> bool:
+    """True when ``d score_mod / d score`` is identically 1 (the mod adds a term that does
+    not depend on the score): decided from the mod's JVP jaxpr, whose tangent output is
+    then its tangent input itself."""
+    if conv is None:
+        return True
+    args = _abstract_mod_args(conv)
 
-    The kernel rotates ``x`` in-kernel and returns the gradient with respect to the
-    unrotated ``x``; ``inv_freq`` enters it as a constant. For the rotation
-    ``R(theta)``, ``theta = pos * inv_freq``, ``R(theta)^T dR/dtheta = J`` with
-    ``J (x1, x2) = (-x2, x1)`` on each pair, whatever theta is, so the true
-    ``dL/d inv_freq[i] = sum pos * <dL/dx_pair_i, J x_pair_i>`` (the attention factor
-    cancels). This function returns ``P - stop_gradient(P)`` with
-    ``P = pos * inv_freq * J stop_gradient(x)``: exactly 0 in value, with exactly that
-    derivative with respect to ``inv_freq`` and none with respect to ``x``.
-    """
-    half = inv_freq.shape[0]
-    xs = jax.lax.stop_gradient(x).astype(jnp.float32)
-    rd = 2 * half
-    if layout == "half":
-        x1, x2 = xs[..., :half], xs[..., half:rd]
-    else:
-        x1, x2 = xs[..., 0:rd:2], xs[..., 1:rd:2]
-    ang = pos.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B|1, T, 1, half]
-    a, b = -x2 * ang, x1 * ang  # J x scaled by the angle
-    if layout == "half":
-        p = jnp.concatenate([a, b], axis=-1)
-    else:
-        p = jnp.stack([a, b], axis=-1).reshape(a.shape[:-1] + (rd,))
-    ghost = p - jax.lax.stop_gradient(p)
-    ghost = jnp.pad(ghost, [(0, 0)] * (x.ndim - 1) + [(0, x.shape[-1] - rd)])
-    return ghost.astype(x.dtype)
+    def tangent(s, t, *rest):
+        return jax.jvp(lambda x: conv(x, *rest), (s,), (t,))[1]
+
+    jaxpr = jax.make_jaxpr(tangent)(args[0], args[0], *args[1:]).jaxpr
+    return jaxpr.outvars[0] is jaxpr.invars[1]
 
 
-def fused_attention(q, k, v, *, q_positions, kv_positions, inv_freq=None, rope_layout="half",
-                    attention_factor=1.0, angle_precision="high", alibi_slopes=None,
-                    alibi_bidirectional=False, offset_bias=None, causal=False, segment_ids=None, kv_segment_ids=None,
-                    scale=None, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K,
-                    interpret=None):
-    """Fused attention with in-kernel RoPE, ALiBi and an offset-indexed bias (Pallas).
-
-    Computes, per batch ``b`` and query head ``h`` (key/value head ``h // (N / N_kv)``)::
-
-        q', k' = RoPE(q, q_positions), RoPE(k, kv_positions)        # if inv_freq is given
-        s[i, j] = scale * q'_i . k'_j
-                  + alibi_slopes[h] * (kv_pos_j - q_pos_i)            # ALiBi, Press et al. 2022 §3
-                  + offset_bias[h, clip(kv_pos_j - q_pos_i, -R, R) + R]
-        out_i   = softmax_j(s[i, :] over visible j) @ v
-
-    with the online softmax of FlashAttention-2 (Dao 2023, Alg. 1) forward and its
-    recomputing backward (Alg. 2) as Pallas kernels under ``jax.custom_vjp``. RoPE is
-    Su et al. 2024 §3.4: angles ``pos * inv_freq`` in float32 (via
-    :func:`jaxpos.rope.rope_angles`), cos and sin times ``attention_factor``.
-
-    The offset-bias contract: ``offset_bias`` is ``[N, 2R + 1]``, entry ``R + r`` is the
-    bias of offset ``r = kv_pos - q_pos``, and every offset beyond ``±R`` uses the end
-    entry of its side. This is exact for any bias that depends only on the offset and is
-    constant beyond ``R`` (T5 buckets with ``R = max_distance``: every offset past
-    ``max_distance`` is in the last bucket of its direction; Shaw's clipped scalar bias
-    with ``R = K``), and for any offset bias at all when ``R >= max|kv_pos - q_pos|``
-    (``R = max(Tq, Tk) - 1`` for ``arange`` positions). Its gradient is the sum of ``dS``
-    over the pairs of each clipped offset, so a T5 table trains through the bucket
-    gather by ordinary autodiff.
-
-    Args:
-      q: ``[B, Tq, N, H]`` float32, bfloat16 or float16.
-      k: ``[B, Tk, N_kv, H]``; v: ``[B, Tk, N_kv, H_v]``, q's dtype; ``N % N_kv == 0``.
-      q_positions, kv_positions: integer ``[T]``, ``[1, T]`` or ``[B, T]`` (token index).
-      inv_freq: float ``[rotary_dim // 2]`` radians per position, or None (no RoPE).
-        The kernel uses it as a constant; its gradient is supplied outside the kernel
-        by an exact O(T * H) term (see ``_inv_freq_gradient_path``), so learned
-        frequencies train through this path as through the others.
-      rope_layout: ``"half"`` (Llama/NeoX) or ``"interleaved"`` (GPT-J/Meta).
-      attention_factor: Python float multiplying cos and sin (YaRN/LongRoPE).
-      angle_precision: ``"high"`` (default, as :func:`jaxpos.apply_rope`) or ``"float32"``
-        (Hugging Face's unreduced product); see :func:`jaxpos.rope.rope_angles`.
-      alibi_slopes: float ``[N]`` or None; differentiable.
-      alibi_bidirectional: use ``-slopes * |kv_pos - q_pos|`` (encoders).
-      offset_bias: float ``[N, 2R + 1]`` or None; differentiable.
-      causal: a query at position ``p`` sees keys at positions ``<= p``.
-      segment_ids, kv_segment_ids: integer ``[B, Tq]`` / ``[B, Tk]``; equal ids attend.
-      scale: Python float, default ``1 / sqrt(H)``.
-      block_q, block_k: tile sizes, powers of two (use multiples of 8 and 128 for TPU).
-        Lengths that are not multiples are padded; padded keys are masked.
-      interpret: True runs the Pallas interpreter, False compiles (Triton on GPU,
-        Mosaic on TPU), None interprets on CPU and compiles on GPU/TPU.
-
-    Returns:
-      ``[B, Tq, N, H_v]`` in q's dtype. Softmax statistics and accumulators are float32.
-      A query row with no visible key returns zeros, with zero gradients.
-
-    Raises:
-      ValueError / TypeError: bad ranks or shapes, mismatched dtypes, float positions,
-      ``offset_bias`` of even length, block sizes that are not powers of two, segment ids
-      given alone, unknown ``rope_layout``.
-    """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _checks.check_rank(name, x, (4,), "[batch, seq, heads, head_dim]")
-        _checks.check_floating(name, x)
-    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}.")
+def _prepare(q, k, v, *, score_mod, mask_mod, block_mask, sinks, q_positions, kv_positions,
+             causal, segment_ids, kv_segment_ids, scale, block_q, block_k, mode,
+             count_tiles=False):
+    """Validate, lay out and classify: ``(cfg, q, k, v, ints, sched, smod, mmod, sinks)``
+    in kernel layout."""
     B, Tq, N, H = q.shape
     _, Tk, Nk, _ = k.shape
-    if k.shape[0] != B or v.shape[0] != B or k.shape[3] != H or v.shape[1:3] != (Tk, Nk):
-        raise ValueError(f"expected q [B, Tq, N, H], k [B, Tk, N_kv, H], v [B, Tk, N_kv, H_v]; "
-                         f"got q {q.shape}, k {k.shape}, v {v.shape}.")
-    if N % Nk:
-        raise ValueError(f"query heads ({N}) must be a multiple of key/value heads ({Nk}); "
-                         f"got q {q.shape}, k {k.shape}.")
-    _checks.check_choice("rope_layout", rope_layout, LAYOUTS)
-    _checks.check_choice("angle_precision", angle_precision, ANGLE_PRECISIONS)
-    block_q = _check_block("block_q", block_q)
-    block_k = _check_block("block_k", block_k)
-    mode = _resolve_mode(interpret)
+    Hv = v.shape[3]
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a jaxpos.mods.BlockMask (create_block_mask); "
+                            f"got {type(block_mask).__name__}.")
+        block_mask.check(B, N, Tq, Tk, block_q, block_k)
+        bq = _check_block("block_mask.block_q", block_mask.block_q)
+        bk = _check_block("block_mask.block_k", block_mask.block_k)
+        if mask_mod is None:
+            mask_mod = block_mask.mask_mod
+    else:
+        bq = _check_block("block_q", DEFAULT_BLOCK_Q if block_q is None else block_q)
+        bk = _check_block("block_k", DEFAULT_BLOCK_K if block_k is None else block_k)
+        bq = min(bq, pow2_at_least(Tq, 8))
+        bk = min(bk, pow2_at_least(Tk, 8))
+    nq, nk = max(1, -(-Tq // bq)), max(1, -(-Tk // bk))
+    Tq_p, Tk_p = nq * bq, nk * bk
     q_pos = _checks.positions_2d("q_positions", q_positions, B, Tq)
     kv_pos = _checks.positions_2d("kv_positions", kv_positions, B, Tk)
     if (segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("segment_ids and kv_segment_ids must be given together; got one.")
     if scale is None:
         scale = 1.0 / math.sqrt(H)
+    smod = convert_mod(score_mod, "score", bq, bk) if score_mod is not None else None
+    mmod = convert_mod(mask_mod, "mask", bq, bk) if mask_mod is not None else None
+    if sinks is not None:
+        _checks.check_rank("sinks", sinks, (1,), "[num_heads]")
+        _checks.check_floating("sinks", sinks)
+        if _checks.shape_of(sinks)[0] != N:
+            raise ValueError(f"sinks must have shape [{N}] (one logit per query head); got "
+                             f"{_checks.shape_of(sinks)}.")
+        sinks = jnp.asarray(sinks, jnp.float32)
 
-    bq = min(block_q, _pow2_at_least(Tq, 8))
-    bk = min(block_k, _pow2_at_least(Tk, 8))
-    nq, nk = -(-Tq // bq), -(-Tk // bk)
-    Tq_p, Tk_p = nq * bq, nk * bk
+    def layout(x, T_p):  # [B, T, n, w] -> [B, n, T_p, w_pow2]
+        x = pad_axis(jnp.swapaxes(x, 1, 2), 2, T_p)
+        return pad_axis(x, 3, pow2_at_least(x.shape[3], _MIN_WIDTH))
 
-    tabs = {}
-    radius = -1
-    if inv_freq is not None:
-        _checks.check_rank("inv_freq", inv_freq, (1,), "[rotary_dim // 2]")
-        _checks.check_floating("inv_freq", inv_freq)
-        half = _checks.shape_of(inv_freq)[0]
-        if not 0 < 2 * half <= H:
-            raise ValueError(f"inv_freq must have length in [1, H/2 = {H // 2}]; got {half}.")
-        hp = _pow2_at_least(half, _MIN_WIDTH)
-        f = jnp.asarray(inv_freq, jnp.float32)
-        q = q + _inv_freq_gradient_path(q, q_pos, f, rope_layout)
-        k = k + _inv_freq_gradient_path(k, kv_pos, f, rope_layout)
-        f = jax.lax.stop_gradient(f)
-        tabs["inv_freq"] = _pad_axis(f, 0, hp)[None, :]
-    if alibi_slopes is not None:
-        _checks.check_rank("alibi_slopes", alibi_slopes, (1,), "[num_heads]")
-        if _checks.shape_of(alibi_slopes)[0] != N:
-            raise ValueError(f"alibi_slopes must have shape [{N}]; got "
-                             f"{_checks.shape_of(alibi_slopes)}.")
-        sl = jnp.asarray(alibi_slopes, jnp.float32)
-        tabs["slope"] = jnp.broadcast_to(sl[:, None, None], (N, 1, 128))
-    if offset_bias is not None:
-        _checks.check_rank("offset_bias", offset_bias, (2,), "[num_heads, 2R + 1]")
-        nh, length = _checks.shape_of(offset_bias)
-        if nh != N or length % 2 == 0:
-            raise ValueError(f"offset_bias must have shape [{N}, 2R + 1] (odd length, entry R "
-                             f"is offset 0); got {(nh, length)}.")
-        radius = (length - 1) // 2
-        lp = _pow2_at_least(length, _MIN_WIDTH)
-        ob = jnp.asarray(offset_bias, jnp.float32)
-        tabs["vec"] = _pad_axis(ob, 1, lp)[:, None, :]
-
-    cfg = _Cfg(B=B, N=N, groups=N // Nk, Tq=Tq, Tk=Tk, bq=bq, bk=bk, nq=nq, nk=nk,
-               scale=float(scale), causal=bool(causal), has_rope=inv_freq is not None,
-               attention_factor=float(attention_factor), angle_precision=angle_precision,
-               has_alibi=alibi_slopes is not None,
-               alibi_bidirectional=bool(alibi_bidirectional), radius=radius,
-               has_segments=segment_ids is not None, qpos_batched=q_pos.shape[0] > 1,
-               kvpos_batched=kv_pos.shape[0] > 1, precise=q.dtype == jnp.float32, mode=mode)
-
-    # [B, T, N, H] -> [B, N, T_padded, w] parts, each width a power of two.
-    def to_bnth(x, T_p):
-        x = jnp.swapaxes(x, 1, 2)
-        return _pad_axis(x, 2, T_p)
-
-    def width(x):
-        return _pad_axis(x, 3, _pow2_at_least(x.shape[3], _MIN_WIDTH))
-
-    def split(x):
-        if inv_freq is None:
-            return (x,)
-        rd = 2 * half
-        if rope_layout == "half":
-            a, b = x[..., :half], x[..., half:rd]
-        else:
-            a, b = x[..., 0:rd:2], x[..., 1:rd:2]
-        return (a, b) + ((x[..., rd:],) if rd < H else ())
-
-    parts_q = tuple(width(to_bnth(x, Tq_p)) for x in split(q))
-    parts_k = tuple(width(to_bnth(x, Tk_p)) for x in split(k))
-    vv = width(to_bnth(v, Tk_p))
-
-    qp = _pad_axis(q_pos, 1, Tq_p, mode="edge")
-    kp = _pad_axis(kv_pos, 1, Tk_p, mode="edge")
-    ints = {"q_pos_col": qp[:, :, None], "kv_pos_row": kp[:, None, :], "kv_pos_col": kp[:, :, None]}
+    qq, kk, vv = layout(q, Tq_p), layout(k, Tk_p), layout(v, Tk_p)
+    qp = pad_axis(q_pos, 1, Tq_p, mode="edge")
+    kp = pad_axis(kv_pos, 1, Tk_p, mode="edge")
+    ints = {"q_pos": qp[:, :, None], "kv_pos": kp[:, None, :]}
+    seg_q = seg_kv = None
     if segment_ids is not None:
         sq = _checks.positions_2d("segment_ids", segment_ids, B, Tq)
         skv = _checks.positions_2d("kv_segment_ids", kv_segment_ids, B, Tk)
-        if sq.shape[0] != B or skv.shape[0] != B:
-            raise ValueError(f"segment_ids must have shape [B, T] with B = {B}.")
-        ints["q_seg"] = _pad_axis(sq, 1, Tq_p)[:, :, None]
-        ints["kv_seg"] = _pad_axis(skv, 1, Tk_p)[:, None, :]
+        seg_q = jnp.broadcast_to(pad_axis(sq, 1, Tq_p), (B, Tq_p))
+        seg_kv = jnp.broadcast_to(pad_axis(skv, 1, Tk_p), (B, Tk_p))
+        ints["q_seg"] = seg_q[:, :, None]
+        ints["kv_seg"] = seg_kv[:, None, :]
+    kinds = sched_lib.structural_kinds(causal=bool(causal), q_pos=qp, kv_pos=kp, seg_q=seg_q,
+                                       seg_kv=seg_kv, Tq=Tq, Tk=Tk, bq=bq, bk=bk, nq=nq, nk=nk)
+    if block_mask is not None:
+        kinds = sched_lib.combine(kinds, block_mask.kinds)
+    elif mmod is not None:
+        kinds = jnp.where(kinds == sched_lib.FULL, sched_lib.PARTIAL, kinds)
+    sched = sched_lib.build(kinds)
+    cfg = _Cfg(B=B, N=N, groups=N // Nk, Tq=Tq, Tk=Tk, bq=bq, bk=bk, nq=nq, nk=nk,
+               scale=float(scale), causal=bool(causal), has_segments=segment_ids is not None,
+               qpos_batched=qp.shape[0] > 1, kvpos_batched=kp.shape[0] > 1,
+               sched_b=kinds.shape[0] > 1, sched_h=kinds.shape[1] > 1,
+               has_sinks=sinks is not None, additive=is_additive(smod),
+               precise=q.dtype == jnp.float32, mode=mode, count_tiles=count_tiles)
+    return cfg, qq, kk, vv, ints, sched, smod, mmod, sinks, Hv
 
-    out = _core(cfg, parts_q, parts_k, vv, ints, tabs)  # [B, N, Tq_p, Hv_p]
-    out = out[:, :, :Tq, :v.shape[3]]
+
+def kernel_attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, sinks=None,
+                     q_positions, kv_positions, causal=False, segment_ids=None,
+                     kv_segment_ids=None, scale=None, block_q=None, block_k=None,
+                     interpret=None):
+    """The fused kernel on already-transformed ``q``, ``k``, ``v`` (see
+    :func:`jaxpos.kernels.attention_via_kernel` for the contract). Returns
+    ``[B, Tq, N, H_v]`` in q's dtype."""
+    cfg, qq, kk, vv, ints, sched, smod, mmod, sinks, Hv = _prepare(
+        q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask, sinks=sinks,
+        q_positions=q_positions, kv_positions=kv_positions, causal=causal,
+        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, scale=scale, block_q=block_q,
+        block_k=block_k, mode=resolve_mode(interpret))
+    out = _core(cfg, qq, kk, vv, ints, sched, smod, mmod, sinks)  # [B, N, Tq_p, Hv_p]
+    out = out[:, :, :cfg.Tq, :Hv]
     return jnp.swapaxes(out, 1, 2).astype(q.dtype)
+
+
+def tile_visits(q, k, v, **kw):
+    """Test hook: how many key tiles each forward program and how many query tiles each
+    dk/dv program visit, as ``(fwd [B, N, nq, 2], dkv [B, N, nk, 2])`` (column 0: masked
+    PARTIAL tiles, column 1: unmasked FULL tiles), counted inside the kernels' loops
+    (interpret mode)."""
+    cfg, qq, kk, vv, ints, sched, smod, mmod, sinks, _ = _prepare(
+        q, k, v, mode="interpret", count_tiles=True, **kw)
+    out, lse, fwd = _forward(cfg, qq, kk, vv, ints, sched, smod, mmod, sinks)
+    *_, dkv = _backward_kernels(cfg, qq, kk, vv, ints, sched, smod, mmod, out, lse,
+                                jnp.zeros_like(out))
+    return fwd[..., 0, :], dkv[..., 0, :]

@@ -1,0 +1,147 @@
+""":func:`fused_attention`: the kernel with RoPE, ALiBi and an offset-indexed bias given as
+plain arrays (no scheme objects), translated into a per-token rotation and score_mods."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxpos import _checks
+from jaxpos.kernels.dispatch import _check_qkv
+from jaxpos.kernels.fused import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, kernel_attention, resolve_mode
+from jaxpos.mods import compose_score_mods
+from jaxpos.rope import ANGLE_PRECISIONS, LAYOUTS, apply_rope
+
+__all__ = ["alibi_score_mod", "fused_attention", "offset_bias_score_mod"]
+
+
+def alibi_score_mod(slopes, *, bidirectional=False):
+    """``score + slopes[head] * (kv_pos - q_pos)`` (``- slopes[head] * |kv_pos - q_pos|``
+    when ``bidirectional``): ALiBi, Press et al. 2022 §3, as a score_mod. ``slopes``:
+    float ``[N]``, captured (differentiable)."""
+    slopes = jnp.asarray(slopes, jnp.float32)
+
+    def alibi(score, batch, head, q_pos, kv_pos):
+        rel = (kv_pos - q_pos).astype(jnp.float32)
+        return score + slopes[head] * (-jnp.abs(rel) if bidirectional else rel)
+
+    return alibi
+
+
+def offset_bias_score_mod(offset_bias):
+    """``score + offset_bias[head, clip(kv_pos - q_pos, -R, R) + R]`` as a score_mod
+    (a gather from a per-head vector over clipped offsets; ``offset_bias`` float
+    ``[N, 2R + 1]``, captured and differentiable). T5's bucketed bias is this with
+    ``R = max_distance`` (Raffel et al. 2020 §2.1: every offset past ``max_distance`` is
+    in the last bucket of its direction)."""
+    ob = jnp.asarray(offset_bias, jnp.float32)
+    R = (ob.shape[1] - 1) // 2
+
+    def offset(score, batch, head, q_pos, kv_pos):
+        return score + ob[head][jnp.clip(kv_pos - q_pos, -R, R) + R]
+
+    return offset
+
+
+def fused_attention(q, k, v, *, q_positions, kv_positions, inv_freq=None, rope_layout="half",
+                    attention_factor=1.0, angle_precision="high", alibi_slopes=None,
+                    alibi_bidirectional=False, offset_bias=None, score_mod=None, mask_mod=None,
+                    block_mask=None, sinks=None, causal=False, segment_ids=None,
+                    kv_segment_ids=None, scale=None, block_q=None, block_k=None,
+                    interpret=None):
+    """Fused attention (Pallas) with RoPE, ALiBi and an offset-indexed bias given as arrays.
+
+    Computes, per batch ``b`` and query head ``h`` (key/value head ``h // (N / N_kv)``)::
+
+        q', k' = RoPE(q, q_positions), RoPE(k, kv_positions)      # if inv_freq is given
+        s[i, j] = scale * q'_i . k'_j
+                  + alibi_slopes[h] * (kv_pos_j - q_pos_i)          # ALiBi, Press et al. 2022 §3
+                  + offset_bias[h, clip(kv_pos_j - q_pos_i, -R, R) + R]
+        s[i, j] = score_mod(s[i, j], b, h, q_pos_i, kv_pos_j)       # if given
+        out_i   = softmax over visible j (and the sink) of s[i, :], times v
+
+    RoPE (Su et al. 2024 §3.4) is one :func:`jaxpos.apply_rope` pass over q and k before
+    the kernel (``O(T * H)``; learned ``inv_freq`` trains by plain autodiff through it);
+    ALiBi and the offset bias become score_mods (:func:`alibi_score_mod`,
+    :func:`offset_bias_score_mod`), composed before ``score_mod``; then
+    :func:`jaxpos.kernels.attention_via_kernel`.
+
+    The offset-bias contract: entry ``R + r`` of ``offset_bias[h]`` is the bias of offset
+    ``r = kv_pos - q_pos``, and offsets beyond ``±R`` use the end entry of their side:
+    exact for any offset-only bias constant beyond ``R`` (T5 with ``R = max_distance``)
+    and for any offset bias when ``R >= max|kv_pos - q_pos|``.
+
+    Args:
+      q: ``[B, Tq, N, H]`` float32, bfloat16 or float16.
+      k: ``[B, Tk, N_kv, H]``; v: ``[B, Tk, N_kv, H_v]``, q's dtype; ``N % N_kv == 0``.
+      q_positions, kv_positions: integer ``[T]``, ``[1, T]`` or ``[B, T]``.
+      inv_freq: float ``[rotary_dim // 2]`` radians per position, or None (no RoPE).
+      rope_layout: ``"half"`` (Llama/NeoX) or ``"interleaved"`` (GPT-J/Meta).
+      attention_factor: multiplies cos and sin (YaRN / LongRoPE).
+      angle_precision: ``"high"`` or ``"float32"`` (see :func:`jaxpos.rope.rope_angles`).
+      alibi_slopes: float ``[N]`` or None; differentiable.
+      alibi_bidirectional: use ``-slopes * |kv_pos - q_pos|`` (encoders).
+      offset_bias: float ``[N, 2R + 1]`` or None; differentiable.
+      score_mod, mask_mod, block_mask, sinks: as :func:`jaxpos.kernels.attention_via_kernel`.
+      causal: a query at position ``p`` sees keys at positions ``<= p``.
+      segment_ids, kv_segment_ids: integer ``[B, Tq]`` / ``[B, Tk]``; equal ids attend.
+      scale: Python float, default ``1 / sqrt(H)``.
+      block_q, block_k: tile sizes, powers of two (default 128; the block mask's when given).
+      interpret: True interprets, False compiles (Triton / Mosaic), None: interpret on CPU.
+
+    Returns:
+      ``[B, Tq, N, H_v]`` in q's dtype. A query row with no visible key returns zeros, with
+      zero gradients.
+
+    Raises:
+      ValueError / TypeError: bad ranks or shapes, mismatched dtypes, float positions,
+      ``offset_bias`` of even length, ``alibi_slopes`` not ``[N]``, ``inv_freq`` longer
+      than ``H / 2``, block sizes that are not powers of two, segment ids given alone,
+      unknown ``rope_layout`` / ``angle_precision``, ``interpret`` not a bool or None.
+    """
+    _check_qkv(q, k, v)
+    B, Tq, N, H = _checks.shape_of(q)
+    Tk = _checks.shape_of(k)[1]
+    _checks.check_choice("rope_layout", rope_layout, LAYOUTS)
+    _checks.check_choice("angle_precision", angle_precision, ANGLE_PRECISIONS)
+    resolve_mode(interpret)
+    for name, blk in (("block_q", block_q), ("block_k", block_k)):
+        if blk is not None:
+            blk = _checks.check_positive_int(name, blk)
+            if blk & (blk - 1):
+                raise ValueError(f"{name} must be a power of two (Triton tiles; TPU needs "
+                                 f"block_q a multiple of 8 and block_k a multiple of 128); "
+                                 f"got {blk}.")
+    q_pos = _checks.positions_2d("q_positions", q_positions, B, Tq)
+    kv_pos = _checks.positions_2d("kv_positions", kv_positions, B, Tk)
+    mods = []
+    if inv_freq is not None:
+        _checks.check_rank("inv_freq", inv_freq, (1,), "[rotary_dim // 2]")
+        _checks.check_floating("inv_freq", inv_freq)
+        half = _checks.shape_of(inv_freq)[0]
+        if not 0 < 2 * half <= H:
+            raise ValueError(f"inv_freq must have length in [1, H/2 = {H // 2}]; got {half}.")
+        kw = {"layout": rope_layout, "attention_factor": attention_factor,
+              "angle_precision": angle_precision}
+        q = apply_rope(q, q_pos, inv_freq, **kw)
+        k = apply_rope(k, kv_pos, inv_freq, **kw)
+    if alibi_slopes is not None:
+        _checks.check_rank("alibi_slopes", alibi_slopes, (1,), "[num_heads]")
+        if _checks.shape_of(alibi_slopes)[0] != N:
+            raise ValueError(f"alibi_slopes must have shape [{N}]; got "
+                             f"{_checks.shape_of(alibi_slopes)}.")
+        mods.append(alibi_score_mod(alibi_slopes, bidirectional=bool(alibi_bidirectional)))
+    if offset_bias is not None:
+        _checks.check_rank("offset_bias", offset_bias, (2,), "[num_heads, 2R + 1]")
+        nh, length = _checks.shape_of(offset_bias)
+        if nh != N or length % 2 == 0:
+            raise ValueError(f"offset_bias must have shape [{N}, 2R + 1] (odd length, entry R "
+                             f"is offset 0); got {(nh, length)}.")
+        mods.append(offset_bias_score_mod(offset_bias))
+    mod = compose_score_mods(*mods, score_mod)
+    if block_mask is None:
+        block_q = DEFAULT_BLOCK_Q if block_q is None else block_q
+        block_k = DEFAULT_BLOCK_K if block_k is None else block_k
+    return kernel_attention(q, k, v, score_mod=mod, mask_mod=mask_mod, block_mask=block_mask,
+                            sinks=sinks, q_positions=q_pos, kv_positions=kv_pos, causal=causal,
+                            segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, scale=scale,
+                            block_q=block_q, block_k=block_k, interpret=interpret)
