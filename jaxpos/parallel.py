@@ -1,0 +1,681 @@
+"""Context parallelism: ring attention with global positions, on ``jax.shard_map``.
+
+Each device holds ``T / P`` consecutive (or zigzag-ordered) tokens of q, k and v and
+their *global* positions. :func:`ring_attention` passes the key/value blocks around
+the ring of the ``P`` devices of one mesh axis (``jax.lax.ppermute``), each device's
+queries attending to every block as it passes (Liu, Zaharia & Abbeel 2023, "Ring
+Attention with Blockwise Transformers for Near-Infinite Context", §3). Per-device
+memory is ``O(T / P)``: no device ever holds more than two key/value blocks.
+
+Every position scheme works as in the single-device :func:`jaxpos.attention`, because
+every term is computed from positions and the positions travel with their block:
+
+* the scheme's per-token transform (RoPE and its scalings, xPos) runs once on the local
+  q and k at their global positions, before the ring;
+* the scheme's score term and the user's score_mod and mask_mod (ALiBi, T5, KERPLE,
+  FIRE, Sandwich, FoX, captured tables, sliding windows, ...) and Shaw's content bias and
+  value term are evaluated per tile by the chunked path's machinery
+  (``jaxpos.attention._chunked_forward`` / ``_chunked_backward``), with the passing
+  block's global key positions;
+* the per-block outputs and log-sum-exps are merged exactly by log-sum-exp (the online
+  softmax of Milakov & Gimelshein 2018 applied across blocks), the attention sinks
+  joining the normaliser once, at the end.
+
+The backward pass is a ``jax.custom_vjp``: the FlashAttention-2 backward (Dao 2023,
+Alg. 2) needs only the *global* output and log-sum-exp of each query row, so every
+device recomputes each passing block's tiles with them, accumulates ``dq`` locally and
+adds its share of ``dk``/``dv`` to accumulators that travel with the block and arrive
+back at the block's owner after ``P`` hops. Gradients of replicated parameters (the T5
+table, ALiBi slopes, KERPLE/FIRE parameters, score_mod captures, sinks) are summed over
+the devices (``psum`` over the axes the parameter does not vary over).
+
+Causal load balancing: with a contiguous layout, device ``i`` sees ``i + 1`` of the
+``P`` blocks (the others are hidden by the causal mask and skipped with ``lax.cond``),
+so the last device does ``P`` times the first one's work. :func:`to_zigzag` lays the
+sequence out so that device ``i`` holds chunks ``i`` and ``2P - 1 - i`` of ``2P``
+(Brandon et al. 2023, "Striped Attention", discuss the same imbalance; the zigzag
+layout is the one of Megatron-LM's context parallelism and zhuzilin/ring-flash-attention):
+every device then has the same number of visible tiles. Because masks are computed from
+positions, a zigzag layout needs nothing but its positions: pass them
+(:func:`zigzag_permutation` gives them).
+
+See docs/parallel.md for when to use the batch, head, all-gather and ring layouts.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex
+
+from jaxpos import _checks
+from jaxpos.attention import (
+    _BLOCK_K,
+    _BLOCK_Q,
+    _SKIP,
+    _Cfg,
+    _check_inputs,
+    _check_sinks,
+    _chunk_inputs,
+    _chunked_backward,
+    _chunked_forward,
+    _make_terms,
+    _Masking,
+    _match_vma,
+    _merge_terms,
+    _segments,
+    _split_terms,
+    _Terms,
+    _tile_kind,
+    _unblocks,
+    _varying_axes,
+    _varying_zero,
+    _zero_cotangent,
+    sink_gradient,
+)
+from jaxpos.mods import ConvertedMod, compose_score_mods, convert_mod
+from jaxpos.scheme import PositionScheme, as_scheme
+
+__all__ = ["from_zigzag", "ring_attention", "shard_map", "to_zigzag", "zigzag_permutation"]
+
+try:  # JAX >= 0.6 (0.10, 0.11): the public jax.shard_map
+    from jax import shard_map as _shard_map
+except ImportError:  # pragma: no cover - older JAX
+    from jax.experimental.shard_map import shard_map as _shard_map
+
+#: ``jax.shard_map`` where it exists, else ``jax.experimental.shard_map.shard_map``.
+shard_map = _shard_map
+
+_NEG_INF = -jnp.inf
+RING_IMPLEMENTATIONS = ("chunked", "reference")
+
+
+# ----------------------------------------------------------------------------- zigzag
+def _check_zigzag_args(T, num_devices, t_name="T"):
+    T = _checks.check_positive_int(t_name, T)
+    num_devices = _checks.check_positive_int("num_devices", num_devices)
+    if T % (2 * num_devices):
+        raise ValueError(
+            f"{t_name}={T} is not divisible by 2 * num_devices = {2 * num_devices}: the zigzag "
+            f"layout cuts the sequence into 2 * num_devices equal chunks (device i holds chunks "
+            f"i and {2 * num_devices - 1} - i). Pad the sequence to a multiple of "
+            f"{2 * num_devices}.")
+    return T, num_devices
+
+
+def zigzag_permutation(T: int, num_devices: int) -> np.ndarray:
+    """The zigzag (load-balanced causal) order of ``T`` tokens over ``num_devices`` devices.
+
+    The sequence is cut into ``2P`` equal chunks (``P = num_devices``); device ``i`` holds
+    chunk ``i`` followed by chunk ``2P - 1 - i``, so every device holds as many early
+    (cheap) as late (expensive) query rows under a causal mask. ``perm[j]`` is the
+    original index of the token at zigzag index ``j``: ``x_zigzag = x[perm]``. Since
+    default positions are ``arange(T)``, ``perm`` is also the global positions of the
+    tokens in zigzag order (pass it, sharded like q, as ``q_positions`` / ``kv_positions``).
+
+    Args:
+      T: the global sequence length (positive int, a multiple of ``2 * num_devices``).
+      num_devices: ``P``, the size of the mesh axis the sequence is sharded over.
+
+    Returns:
+      int32 NumPy array ``[T]``, a permutation of ``arange(T)``.
+
+    Raises:
+      TypeError / ValueError: ``T`` or ``num_devices`` not a positive int; ``T`` not
+      divisible by ``2 * num_devices``.
+    """
+    T, P = _check_zigzag_args(T, num_devices)
+    c = T // (2 * P)
+    chunks = np.arange(T, dtype=np.int32).reshape(2 * P, c)
+    order = np.stack([np.arange(P), 2 * P - 1 - np.arange(P)], axis=1).reshape(-1)
+    return chunks[order].reshape(-1)
+
+
+def _zigzag_take(name, x, axis, num_devices, inverse):
+    x = jnp.asarray(x) if not hasattr(x, "shape") else x
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+        raise TypeError(f"axis must be an int; got {type(axis).__name__} {axis!r}.")
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis={axis} is out of range for {name} of shape {tuple(x.shape)} "
+                         f"(rank {x.ndim}).")
+    axis = int(axis) % x.ndim
+    perm = zigzag_permutation_checked(x.shape[axis], num_devices,
+                                      f"{name}.shape[{axis}] (the sequence length)")
+    if inverse:
+        perm = np.argsort(perm).astype(np.int32)
+    return jnp.take(x, jnp.asarray(perm), axis=axis)
+
+
+def zigzag_permutation_checked(T, num_devices, t_name):
+    """:func:`zigzag_permutation` with the length's error message naming ``t_name``."""
+    _check_zigzag_args(T, num_devices, t_name)
+    return zigzag_permutation(T, num_devices)
+
+
+def to_zigzag(x, axis: int, num_devices: int) -> jax.Array:
+    """Reorder the sequence axis of ``x`` into the zigzag layout (see
+    :func:`zigzag_permutation`): sharding the result's ``axis`` over ``num_devices``
+    devices gives device ``i`` chunks ``i`` and ``2P - 1 - i``.
+
+    Apply it to q, k, v, positions and segment ids alike (a positions array in zigzag
+    order is the global positions the ring needs); :func:`from_zigzag` undoes it.
+
+    Args:
+      x: an array whose ``axis`` is the global sequence (length a multiple of
+        ``2 * num_devices``); any dtype.
+      axis: the sequence axis (negative counts from the end).
+      num_devices: ``P``.
+
+    Returns:
+      ``x`` reordered along ``axis`` (same shape and dtype).
+
+    Raises:
+      TypeError / ValueError: ``axis`` not an int or out of range; the length of ``axis``
+      not divisible by ``2 * num_devices``.
+    """
+    return _zigzag_take("x", x, axis, num_devices, inverse=False)
+
+
+def from_zigzag(x, axis: int, num_devices: int) -> jax.Array:
+    """The inverse of :func:`to_zigzag`: zigzag order back to sequence order (e.g. the
+    output of :func:`ring_attention` gathered from the devices).
+
+    Args / Returns / Raises: as :func:`to_zigzag`.
+    """
+    return _zigzag_take("x", x, axis, num_devices, inverse=True)
+
+
+# ---------------------------------------------------------------------- validation
+def _bound_axes() -> tuple:
+    """Mesh axes bound by the enclosing ``shard_map`` (best effort; () if unknown)."""
+    try:
+        mesh = jax.sharding.get_abstract_mesh()
+        return tuple(getattr(mesh, "manual_axes", None) or getattr(mesh, "axis_names", ()) or ())
+    except Exception:  # noqa: BLE001 - only used to word an error message
+        return ()
+
+
+def _ring_size(axis_name) -> int:
+    """The size of the bound mesh axis ``axis_name``, or a clear ValueError/TypeError."""
+    if not isinstance(axis_name, str):
+        raise TypeError(f"axis_name must be the name (a str) of the mesh axis the sequence is "
+                        f"sharded over; got {type(axis_name).__name__} {axis_name!r}.")
+    try:
+        return int(jax.lax.axis_size(axis_name))
+    except NameError:
+        bound = _bound_axes()
+        if bound:
+            raise ValueError(
+                f"axis_name={axis_name!r} is not an axis of the enclosing shard_map's mesh "
+                f"(its axes: {list(bound)}); pass the name of the axis the sequence is sharded "
+                f"over.") from None
+        raise ValueError(
+            f"ring_attention must be called inside jax.shard_map with axis_name={axis_name!r} "
+            f"an axis of its mesh (the sequence sharded over it); the axis is not bound here. "
+            f"Wrap the call: jaxpos.parallel.shard_map(f, mesh=mesh, in_specs=..., "
+            f"out_specs=...).") from None
+
+
+def _check_scale(scale, H):
+    if scale is None:
+        return 1.0 / math.sqrt(H)
+    if isinstance(scale, (str, bytes)) or (
+            hasattr(scale, "dtype") and not jnp.issubdtype(scale.dtype, jnp.number)):
+        raise TypeError(f"scale must be a real number (default 1/sqrt(head_dim)); got "
+                        f"{type(scale).__name__} {scale!r}.")
+    if np.ndim(scale) != 0:
+        raise ValueError(f"scale must be a scalar (one factor for every score); got shape "
+                         f"{np.shape(scale)}.")
+    return scale
+
+
+def _local_positions(name, positions, B, T, what):
+    if positions is None:
+        raise ValueError(
+            f"{name} is required: ring_attention needs the GLOBAL positions of this device's "
+            f"{what} shard (a local arange would make every device believe it holds the start "
+            f"of the sequence). Shard the global positions like {what}.")
+    try:
+        return _checks.positions_2d(name, positions, B, T)
+    except ValueError as e:
+        raise ValueError(
+            f"{e} Inside shard_map, {name} are the global positions of this device's local "
+            f"{what} shard: local length {T}, sharded like {what}.") from None
+
+
+# ------------------------------------------------------------------ global transform
+def _transform_global(scheme: PositionScheme, q, k, q_pos, kv_pos, axis_name):
+    """``scheme.transform_qk`` on the local q and k at their global positions, as the
+    single-device call applies it to the whole sequence.
+
+    A transform may depend on the call's positions as a whole through their extremes
+    (dynamic NTK / LongRoPE: ``max(positions) + 1``; xPos: the centre of the smallest and
+    largest position). Two phantom tokens at the global smallest and largest positions
+    (``pmin``/``pmax`` over ``axis_name``, per batch row) are appended to the local q
+    and k for the transform and dropped after, so each device sees the global extremes.
+    Per-token transforms (RoPE with a fixed scaling) are unaffected."""
+    if type(scheme).transform_qk is PositionScheme.transform_qk:
+        return q, k
+    lo = jnp.minimum(jnp.min(q_pos, axis=-1, keepdims=True), jnp.min(kv_pos, axis=-1, keepdims=True))
+    hi = jnp.maximum(jnp.max(q_pos, axis=-1, keepdims=True), jnp.max(kv_pos, axis=-1, keepdims=True))
+    lo, hi = jax.lax.pmin(lo, axis_name), jax.lax.pmax(hi, axis_name)  # [B|1, 1]
+    ext = jnp.concatenate([lo, hi], axis=-1)
+
+    def aug(x, pos):
+        rows = max(pos.shape[0], ext.shape[0])
+        pos = jnp.concatenate([jnp.broadcast_to(pos, (rows, pos.shape[1])),
+                               jnp.broadcast_to(ext, (rows, 2))], axis=-1)
+        pad = jnp.zeros((x.shape[0], 2) + x.shape[2:], x.dtype)
+        return jnp.concatenate([x, pad], axis=1), pos
+
+    qa, qpa = aug(q, q_pos)
+    ka, kpa = aug(k, kv_pos)
+    qa, ka = scheme.transform_qk(qa, ka, qpa, kpa)
+    return qa[:, :q.shape[1]], ka[:, :k.shape[1]]
+
+
+# ---------------------------------------------------------- mods under varying types
+# Inside shard_map (default check_vma), every primitive needs operands that vary over the
+# same mesh axes; jax.numpy inserts the casts while tracing, but a converted mod is a
+# jaxpr traced once at the tile shape with unsharded types and re-evaluated primitive by
+# primitive on sharded tiles (varying scores and positions, unsharded literals, captured
+# tables and head indices). _VaryingMod evaluates the same jaxpr, casting each
+# primitive's operands to the union of their varying axes first.
+_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+def _inner_jaxpr(eqn):
+    """``(jaxpr, consts)`` of a call-like equation (jit, custom_jvp/vjp call, remat) that
+    can be evaluated inline, else None."""
+    for key in _CALL_PARAMS:
+        j = eqn.params.get(key)
+        if isinstance(j, jex.ClosedJaxpr):
+            return j.jaxpr, j.consts
+        if isinstance(j, jex.Jaxpr) and not j.constvars:
+            return j, ()
+    return None
+
+
+def _unify(xs):
+    """Cast every operand to vary over the union of the operands' varying mesh axes."""
+    axes = [_varying_axes(x) for x in xs]
+    union = frozenset().union(*axes)
+    if not union or all(a == union for a in axes):
+        return list(xs)
+    z = _varying_zero(xs)  # varies over the union
+    out = []
+    for x, a in zip(xs, axes):
+        if a != union:
+            x = jnp.asarray(x)
+            x = (x | z.astype(bool)) if x.dtype == jnp.bool_ else x + z.astype(x.dtype)
+        out.append(x)
+    return out
+
+
+def _eval_varying(jaxpr, consts, args):
+    """``jax.core.eval_jaxpr`` with :func:`_unify` before every primitive; call-like
+    equations are evaluated inline (a custom_jvp/custom_vjp rule inside a mod is then
+    differentiated through its primal computation)."""
+    env = {}
+
+    def read(v):
+        return v.val if isinstance(v, jex.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        inner = _inner_jaxpr(eqn)
+        if inner is not None:
+            n = len(inner[0].invars)
+            outs = _eval_varying(inner[0], inner[1], ins[len(ins) - n:])
+        else:
+            outs = eqn.primitive.bind(*_unify(ins), **eqn.params)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        for v, x in zip(eqn.outvars, outs):
+            if not isinstance(v, jex.DropVar):
+                env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+class _VaryingMod(ConvertedMod):
+    """A :class:`jaxpos.mods.ConvertedMod` whose jaxpr is evaluated with
+    :func:`_eval_varying` when any argument or captured array varies over a mesh axis
+    (the plain evaluation otherwise)."""
+
+    def __call__(self, *args):
+        if not any(_varying_axes(x) for x in (*args, *self.consts)):
+            return super().__call__(*args)
+        return _eval_varying(self.jaxpr, self.consts, args)[0]
+
+    def with_consts(self, consts):
+        return _VaryingMod(self.jaxpr, consts, self.kind, self.name)
+
+
+jax.tree_util.register_pytree_node(
+    _VaryingMod,
+    lambda m: (m.consts, (m.jaxpr, m.kind, m.name)),
+    lambda aux, consts: _VaryingMod(aux[0], consts, aux[1], aux[2]),
+)
+
+
+def _varying_terms(terms: _Terms) -> _Terms:
+    as_varying = lambda m: None if m is None else _VaryingMod(m.jaxpr, m.consts, m.kind, m.name)
+    return terms._replace(score=as_varying(terms.score), mask=as_varying(terms.mask))
+
+
+# ------------------------------------------------------------------------- the ring
+class _RingCfg(NamedTuple):
+    cfg: _Cfg  # the chunked path's static configuration for one (q shard, kv block) pair
+    axis_name: str
+    size: int  # P
+    groups: int  # query heads per key/value head
+
+
+def _shift(tree, rc: _RingCfg):
+    """Send every leaf to the next device of the ring (device i -> i + 1 mod P)."""
+    perm = [(i, (i + 1) % rc.size) for i in range(rc.size)]
+    return jax.tree_util.tree_map(lambda x: jax.lax.ppermute(x, rc.axis_name, perm), tree)
+
+
+def _expand(x, groups):
+    """Key/value heads to query heads (grouped-query attention), blocked ``[n, B, Nk, ...]``."""
+    return x if groups == 1 else jnp.repeat(x, groups, axis=2)
+
+
+def _fold(dx, groups):
+    """The transpose of :func:`_expand`: sum the query heads of each key/value head."""
+    if groups == 1:
+        return dx
+    n, B, N = dx.shape[:3]
+    return dx.reshape((n, B, N // groups, groups) + dx.shape[3:]).sum(axis=3)
+
+
+def _block_inputs(rc: _RingCfg, qs, loc, kv):
+    """The chunked path's blocked inputs for the local queries and one passing block."""
+    return {"qs": qs, "k": _expand(kv["k"], rc.groups), "v": _expand(kv["v"], rc.groups),
+            "q_pos": loc["q_pos"], "kv_pos": kv["kv_pos"], "kv_valid": loc["kv_valid"],
+            "seg_q": loc["seg_q"], "seg_kv": kv["seg_kv"], "mask": None}
+
+
+def _block_live(rc: _RingCfg, terms, loc, kv):
+    """bool scalar: may any local query see any key of the passing block? The chunked
+    path's tile classification applied to the whole block (causal: ``min(kv_pos) <=
+    max(q_pos)``; segments: the id ranges overlap); conservative."""
+    flat = lambda x: None if x is None else _unblocks(x, 1)
+    kind = _tile_kind(rc.cfg.causal, terms.mask is not None, flat(loc["q_pos"]),
+                      flat(kv["kv_pos"]), flat(loc["kv_valid"]), flat(loc["seg_q"]),
+                      flat(kv["seg_kv"]), None)
+    return kind != _SKIP
+
+
+def _merge(o1, l1, o2, l2):
+    """Exact merge of two normalised partial outputs by their log-sum-exps."""
+    lse = jnp.logaddexp(l1, l2)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    w1, w2 = jnp.exp(l1 - safe), jnp.exp(l2 - safe)
+    return o1 * w1[..., None] + o2 * w2[..., None], lse
+
+
+def _ring_forward(rc: _RingCfg, fl, il, sinks, qs, loc, kv):
+    """Global out ``[nq, B, N, bq, Hv]`` and lse ``[nq, B, N, bq]`` (with the sinks)."""
+    cfg = rc.cfg
+    terms = _merge_terms(cfg, fl, il)
+    nq, B, N, bq = qs.shape[:4]
+    Hv = kv["v"].shape[-1]
+
+    def block(kv):
+        z = _varying_zero(fl, qs, loc, kv)
+
+        def run(_):
+            o, l = _chunked_forward(terms, None, _block_inputs(rc, qs, loc, kv), cfg)
+            return o + z, l + z
+
+        def skip(_):
+            return (jnp.zeros((nq, B, N, bq, Hv), jnp.float32) + z,
+                    jnp.full((nq, B, N, bq), _NEG_INF, jnp.float32) + z)
+
+        return jax.lax.cond(_block_live(rc, terms, loc, kv), run, skip, None)
+
+    z = _varying_zero(fl, qs, loc, kv)
+    out = jnp.zeros((nq, B, N, bq, Hv), jnp.float32) + z
+    lse = jnp.full((nq, B, N, bq), _NEG_INF, jnp.float32) + z
+
+    def step(carry, _):
+        kv, out, lse = carry
+        o, l = block(kv)
+        kv = _shift(kv, rc)  # independent of the block's compute: the two can overlap
+        out, lse = _merge(out, lse, o, l)
+        return (kv, out, lse), None
+
+    # P steps, so the block compute is traced once; the P-th hop brings each block home.
+    (_, out, lse), _ = jax.lax.scan(step, (kv, out, lse), None, length=rc.size)
+    if sinks is not None:  # one more logit per head in every row's normaliser
+        s = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :, None], lse.shape)
+        new = jnp.logaddexp(lse, s)
+        out = out * jnp.exp(lse - new)[..., None]
+        lse = new
+    return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring_core(rc, fl, il, sinks, qs, loc, kv):
+    out, _ = _ring_forward(rc, fl, il, sinks, qs, loc, kv)
+    return out
+
+
+def _ring_core_fwd(rc, fl, il, sinks, qs, loc, kv):
+    out, lse = _ring_forward(rc, fl, il, sinks, qs, loc, kv)
+    return out, (fl, il, sinks, qs, loc, kv, out, lse)
+
+
+def _ring_core_bwd(rc, res, dout):
+    fl, il, sinks, qs, loc, kv, out, lse = res
+    cfg = rc.cfg
+    terms = _merge_terms(cfg, fl, il)
+    z = _varying_zero(fl, qs, loc, kv, out, lse, dout)
+    zeros = lambda x: jnp.zeros(jnp.shape(x), jnp.float32) + z
+
+    def block(kv):
+        """dq, dk, dv (key/value heads) and the terms' gradients from one passing block,
+        with the GLOBAL out and lse."""
+
+        def run(_):
+            dq, dk, dv, dfl = _chunked_backward(cfg, fl, il, _block_inputs(rc, qs, loc, kv),
+                                                out, lse, dout)
+            return (dq + z, _fold(dk, rc.groups) + z, _fold(dv, rc.groups) + z,
+                    [g + z for g in dfl])
+
+        def skip(_):
+            return zeros(qs), zeros(kv["k"]), zeros(kv["v"]), [zeros(x) for x in fl]
+
+        return jax.lax.cond(_block_live(rc, terms, loc, kv), run, skip, None)
+
+    def step(carry, _):
+        kv, (dk, dv), dq, dfl = carry
+        gq, gk, gv, gfl = block(kv)
+        dq, dfl = dq + gq, [a + b for a, b in zip(dfl, gfl)]
+        # the block moves on with its gradients; after P hops both are back at the owner
+        kv, dkv = _shift((kv, (dk + gk, dv + gv)), rc)
+        return (kv, dkv, dq, dfl), None
+
+    init = (kv, (zeros(kv["k"]), zeros(kv["v"])), zeros(qs), [zeros(x) for x in fl])
+    (_, (dk, dv), dq, dfl), _ = jax.lax.scan(step, init, None, length=rc.size)
+
+    dfl = [_match_vma(g.astype(jnp.result_type(x)), x) for g, x in zip(dfl, fl)]
+    dq = _match_vma(dq, qs)
+    dk = _match_vma(dk.astype(kv["k"].dtype), kv["k"])
+    dv = _match_vma(dv.astype(kv["v"].dtype), kv["v"])
+    dsinks = None
+    if sinks is not None:  # padded query rows have dout = 0, so delta = 0 there
+        delta = jnp.sum(dout * out, axis=-1)
+        dsinks = _match_vma(sink_gradient(sinks, lse, delta, 2).astype(sinks.dtype), sinks)
+    dil = [_zero_cotangent(x) for x in il]
+    dloc = jax.tree_util.tree_map(_zero_cotangent, loc)
+    dkv_tree = dict(kv, k=dk, v=dv, kv_pos=_zero_cotangent(kv["kv_pos"]),
+                    seg_kv=_zero_cotangent(kv["seg_kv"]))
+    return dfl, dil, dsinks, dq, dloc, dkv_tree
+
+
+_ring_core.defvjp(_ring_core_fwd, _ring_core_bwd)
+
+
+def _vary_like(tree, ref):
+    """``tree`` with every leaf varying over every mesh axis ``ref``'s leaves vary over
+    (ppermute and the loop carries need one type for the whole block)."""
+    z = _varying_zero(ref)
+    return jax.tree_util.tree_map(lambda x: x + z.astype(x.dtype), tree)
+
+
+def ring_attention(
+    q,
+    k,
+    v,
+    *,
+    axis_name: str,
+    position=None,
+    score_mod=None,
+    mask_mod=None,
+    q_positions,
+    kv_positions,
+    causal: bool = False,
+    segment_ids=None,
+    kv_segment_ids=None,
+    scale=None,
+    sinks=None,
+    implementation: str | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+):
+    """Ring attention (context parallelism) over the mesh axis ``axis_name``: call it
+    inside ``jax.shard_map`` with the sequence of q, k and v sharded over that axis.
+
+    The result on each device is its rows of ``jaxpos.attention(q, k, v, ...)`` of the
+    whole (unsharded) sequence with the same arguments, forward and backward, for every
+    position scheme, score_mod and mask_mod (Liu, Zaharia & Abbeel 2023, "Ring Attention
+    with Blockwise Transformers for Near-Infinite Context", §3; the blockwise online
+    softmax of Rabe & Staats 2021 and the FlashAttention-2 backward of Dao 2023, Alg. 2,
+    per passing block). Key/value blocks, with their global positions and segment ids,
+    travel around the ring with ``jax.lax.ppermute``, ``P`` hops each (the hop after the
+    last block's compute, independent of it, brings the block home; in the backward pass
+    the block's ``dk``/``dv`` travel with it and so arrive at its owner), so per-device
+    memory is ``O(T / P)``. Key/value blocks a causal or segment mask hides
+    from every local query are skipped (``lax.cond``), and hidden tiles inside a block
+    too. See the module docstring and docs/parallel.md.
+
+    All shapes are LOCAL (this device's shard):
+
+    Args:
+      q: ``[B, Tq, N, H]``; k: ``[B, Tk, N_kv, H]``; v: ``[B, Tk, N_kv, H_v]`` (float);
+        ``N`` a multiple of ``N_kv`` (grouped-query attention: k/v travel with ``N_kv``
+        heads). Every device holds the same local lengths.
+      axis_name: the mesh axis (a str) the sequence is sharded over; its size is ``P``.
+      position: a scheme (``jaxpos.scheme.REGISTRY``) or ``None``/``"none"``. Its arrays
+        are usually replicated over ``axis_name``; their gradients are summed over it.
+        A per-token transform runs on the local tokens at their global positions; one
+        that depends on the call's smallest/largest position (dynamic NTK, LongRoPE,
+        xPos) sees the global ones.
+      score_mod, mask_mod: as :func:`jaxpos.attention`, called with global positions;
+        captured arrays receive gradients (summed over the devices).
+      q_positions, kv_positions: REQUIRED integer ``[Tq]``/``[Tk]`` or ``[B, T]``, the
+        global positions of the local tokens (e.g. the shard of ``arange(T)``, or of
+        :func:`zigzag_permutation` for a zigzag layout).
+      causal: a query at position ``p`` sees keys at positions ``<= p``.
+      segment_ids, kv_segment_ids: integer ``[B, Tq]`` / ``[B, Tk]`` local shards of the
+        packed-sequence ids; ``kv_segment_ids`` defaults to ``segment_ids``. They travel
+        with their block.
+      scale: score scale (default ``1 / sqrt(H)``).
+      sinks: float ``[N]``, a logit per query head in every row's softmax denominator
+        (replicated; gradient summed over the devices).
+      implementation: ``"chunked"`` (default: each (local queries, passing block) pair is
+        computed in ``block_q x block_k`` tiles) or ``"reference"`` (one tile per pair).
+        ``"pallas"`` is not supported here (the kernel does not return its log-sum-exp).
+      block_q, block_k: chunked tile sizes (default 256, capped at the local lengths).
+        For a zigzag layout, tiles that divide ``T / (2P)`` let hidden tiles be skipped.
+
+    Returns:
+      ``[B, Tq, N, H_v]`` in q's dtype: this device's rows of the global attention. A
+      query with no visible key anywhere returns zeros.
+
+    Raises:
+      ValueError: called outside ``shard_map`` or with an axis name the mesh lacks;
+        positions or segment ids whose length is not the local q/k length; missing
+        positions; ``implementation="pallas"``; and every error of
+        :func:`jaxpos.attention` (shapes, scheme/head mismatches, bad mods, sinks).
+      TypeError: a non-str ``axis_name``; float positions; non-bool ``causal``; ...
+    """
+    P = _ring_size(axis_name)
+    B, Tq, Tk, N, Nk, H = _check_inputs(q, k, v)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a Python bool (static); got {type(causal).__name__}.")
+    causal = bool(causal)
+    if implementation is None:
+        implementation = "chunked"
+    if implementation == "pallas":
+        raise ValueError(
+            "implementation='pallas' is not supported by ring_attention: the ring merges each "
+            "block's output by its log-sum-exp, which jaxpos.kernels does not return; use "
+            "implementation='chunked' (the default) or 'reference'.")
+    _checks.check_choice("implementation", implementation, RING_IMPLEMENTATIONS)
+    scheme = as_scheme(position)
+    scheme.check(N, H)
+    scheme.check_causal(causal)
+    if scheme.has_value_term and v.shape[-1] != H:
+        raise ValueError(f"v must have head_dim {H}: {type(scheme).__name__}'s value term adds "
+                         f"vectors of width {H} to the output; got v {v.shape}.")
+    q_pos = _local_positions("q_positions", q_positions, B, Tq, "q")
+    kv_pos = _local_positions("kv_positions", kv_positions, B, Tk, "k/v")
+    if kv_segment_ids is None and segment_ids is not None:
+        if Tq != Tk:
+            raise ValueError(f"kv_segment_ids is required when the local Tq != Tk ({Tq} vs "
+                             f"{Tk}).")
+        kv_segment_ids = segment_ids
+    if (segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("segment_ids and kv_segment_ids must be given together; got only "
+                         + ("segment_ids." if kv_segment_ids is None else "kv_segment_ids."))
+    seg_q = _segments("segment_ids", segment_ids, B, Tq)
+    seg_kv = _segments("kv_segment_ids", kv_segment_ids, B, Tk)
+    sinks = _check_sinks(sinks, N)
+    scale = _check_scale(scale, H)
+    for name, blk in (("block_q", block_q), ("block_k", block_k)):
+        if blk is not None:
+            _checks.check_positive_int(name, blk)
+    all_score_mods = compose_score_mods(scheme.score_mod(), score_mod)
+    for fn, kind in ((all_score_mods, "score"), (mask_mod, "mask")):
+        if fn is not None:  # a bad return shape or dtype is reported here
+            convert_mod(fn, kind, 2, 3)
+    if Tq == 0 or Tk == 0:
+        return jnp.zeros((B, Tq, N, v.shape[-1]), q.dtype)
+
+    dtype = q.dtype
+    q, k = _transform_global(scheme, q, k, q_pos, kv_pos, axis_name)
+    to_bnth = lambda x: jnp.swapaxes(x.astype(jnp.float32), 1, 2)
+    qs = to_bnth(q) * jnp.float32(scale)
+    kk, vv = to_bnth(k), to_bnth(v)
+    if implementation == "reference":
+        bq, bk = Tq, Tk
+    else:
+        bq, bk = min(block_q or _BLOCK_Q, Tq), min(block_k or _BLOCK_K, Tk)
+    terms = _varying_terms(_make_terms(scheme, all_score_mods, mask_mod, bq, bk))
+    b, nq, nk = _chunk_inputs(qs, kk, vv, _Masking(q_pos, kv_pos, None, None, seg_q, seg_kv),
+                              bq, bk)
+    fl, il, is_f, treedef = _split_terms(terms)
+    rc = _RingCfg(_Cfg(causal, nq, nk, bq, bk, is_f, treedef), axis_name, P, N // Nk)
+    # One varying type for everything that meets in a tile (positions may be replicated
+    # and k/v may vary over fewer axes than q): ppermute, the loop carries and the traced
+    # mods need it.
+    every = (b["k"], b["qs"], b["q_pos"], b["kv_pos"])
+    loc = _vary_like({"q_pos": b["q_pos"], "seg_q": b["seg_q"], "kv_valid": b["kv_valid"]}, every)
+    kv = _vary_like({"k": b["k"], "v": b["v"], "kv_pos": b["kv_pos"], "seg_kv": b["seg_kv"]},
+                    every)
+    out = _ring_core(rc, fl, il, sinks, b["qs"], loc, kv)
+    out = _unblocks(out, 2)[:, :, :Tq]
+    return jnp.swapaxes(out, 1, 2).astype(dtype)

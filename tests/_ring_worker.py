@@ -1,0 +1,334 @@
+"""Ring-attention checks, run by tests/test_parallel.py in a subprocess with 8 CPU devices.
+
+``--xla_force_host_platform_device_count`` must be in ``XLA_FLAGS`` before JAX starts,
+so these checks live in their own process (as tests/_sharding_worker.py). Usage::
+
+    python tests/_ring_worker.py [--full] OUT.json
+
+Every check compares :func:`jaxpos.parallel.ring_attention` inside ``jax.shard_map``
+(default ``check_vma`` on) over an 8-device ``seq`` axis with the single-device
+:func:`jaxpos.attention` (``implementation="reference"``, the whole score matrix) on the
+unsharded sequence: the forward output and the gradients of a random linear function of
+it with respect to q, k, v, every array of the scheme, a score_mod's captured table and
+the attention sinks. Written to OUT.json as ``{check: max difference}`` (gradients
+relative to ``max(1, max |gradient|)`` per array) plus a few other numbers.
+
+The default run is a subset chosen to cover every mechanism once (about a minute of
+CPU); ``--full`` runs every scheme in both layouts, with and without packed segments,
+and the two-axis mesh.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import functools  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jaxpos import ALiBi, NoPE, RoPE, Shaw, T5Bias, YaRNScaling, attention  # noqa: E402
+from jaxpos.parallel import from_zigzag, ring_attention, shard_map, to_zigzag  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+NDEV = 8
+B, T, N, NK, H = 2, 64, 4, 2, 8  # local length 8 on each of 8 devices
+BLOCK = 4  # chunked tiles: 2 x 2 tiles per (local queries, passing block) pair
+R = 12  # the captured table's clipping radius
+
+
+def max_diff(a, b):
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+def rel_diff(a, b):
+    scale = float(np.max(np.abs(np.asarray(b, np.float64)))) if np.size(b) else 0.0
+    return max_diff(a, b) / max(scale, 1.0) if np.size(b) else 0.0
+
+
+def optional_schemes():
+    """Schemes from modules that may not exist in every checkout."""
+    out = {}
+    try:
+        from jaxpos.kerple import KERPLE
+        out["kerple"] = lambda: KERPLE.init(N, key=jax.random.key(3), kind="log")
+        out["kerple_power"] = lambda: KERPLE.init(N, key=jax.random.key(4), kind="power")
+    except ImportError:
+        pass
+    try:
+        from jaxpos.fire import FIRE
+        out["fire"] = lambda: FIRE.init(N, key=jax.random.key(5), mlp_width=4, init_L=16.0)
+    except ImportError:
+        pass
+    try:
+        from jaxpos.sandwich import Sandwich
+        out["sandwich"] = lambda: Sandwich(N, d_bar=8)
+    except ImportError:
+        pass
+    try:
+        from jaxpos.xpos import XPos
+        out["xpos"] = lambda: XPos(H, scale_base=16.0)
+    except ImportError:
+        pass
+    try:
+        from jaxpos.rope_scaling import DynamicNTKScaling
+        out["rope_dynamic_ntk"] = lambda: RoPE(rotary_dim=H, scaling=DynamicNTKScaling(
+            factor=2.0, original_max_position_embeddings=16))
+    except ImportError:
+        pass
+    return out
+
+
+def make_scheme(name):
+    r = np.random.default_rng(1)
+    f32 = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)
+    base = {
+        "nope": lambda: NoPE(),
+        "rope_yarn": lambda: RoPE(rotary_dim=H, scaling=YaRNScaling(
+            factor=4.0, original_max_position_embeddings=16)),
+        "alibi": lambda: ALiBi(num_heads=N),
+        "t5": lambda: T5Bias(f32(32, N), bidirectional=False, max_distance=20),
+        "t5_bidirectional": lambda: T5Bias(f32(32, N), bidirectional=True, max_distance=20),
+        "shaw": lambda: Shaw(f32(2 * 5 + 1, H) * 0.3, f32(2 * 5 + 1, H) * 0.3),
+    }
+    base.update(optional_schemes())
+    return base[name]()
+
+
+def inputs(seed=0):
+    r = np.random.default_rng(seed)
+    q = jnp.asarray(r.normal(size=(B, T, N, H)), jnp.float32)
+    k = jnp.asarray(r.normal(size=(B, T, NK, H)), jnp.float32)
+    v = jnp.asarray(r.normal(size=(B, T, NK, H)), jnp.float32)
+    w = jnp.asarray(r.normal(size=(B, T, N, H)), jnp.float32)  # the loss's weights
+    return q, k, v, w
+
+
+def packed(seed=0):
+    """Packed sequences: [B, T] segment ids and positions that restart in each segment."""
+    r = np.random.default_rng(seed)
+    seg = np.zeros((B, T), np.int32)
+    pos = np.zeros((B, T), np.int32)
+    for b in range(B):
+        cuts = np.sort(r.choice(np.arange(3, T - 3), size=3, replace=False))
+        ids = np.searchsorted(cuts, np.arange(T), side="right")
+        seg[b] = ids
+        starts = np.concatenate([[0], cuts])
+        pos[b] = np.arange(T) - starts[ids]
+    return jnp.asarray(seg), jnp.asarray(pos)
+
+
+def table_score_mod(table):
+    """A learned per-head bias over clipped offsets, captured by the score_mod."""
+
+    def mod(score, batch, head, q_pos, kv_pos):
+        return score + table[head, jnp.clip(kv_pos - q_pos, -R, R) + R]
+
+    return mod
+
+
+def window_mask_mod(batch, head, q_pos, kv_pos):
+    return jnp.abs(q_pos - kv_pos) < 20
+
+
+class Case:
+    """One comparison: a scheme and the options of the call."""
+
+    def __init__(self, scheme, *, causal=True, zigzag=False, segments=False, table=False,
+                 sinks=False, mask_mod=False, grad=True, batch_positions=False,
+                 implementation=None):
+        self.scheme, self.causal, self.zigzag, self.segments = scheme, causal, zigzag, segments
+        self.table, self.sinks, self.mask_mod, self.grad = table, sinks, mask_mod, grad
+        self.batch_positions, self.implementation = batch_positions, implementation
+
+    @property
+    def name(self):
+        parts = [self.scheme, "causal" if self.causal else "bidir",
+                 "zigzag" if self.zigzag else "contiguous"]
+        for flag in ("segments", "table", "sinks", "mask_mod", "batch_positions"):
+            if getattr(self, flag):
+                parts.append(flag)
+        if self.implementation:
+            parts.append(self.implementation)
+        return "/".join(parts)
+
+
+def run_case(case: Case, mesh, axis="seq", batch_axis=None, ndev=NDEV):
+    """{check: difference} for one case, the ring over the ``ndev`` devices of ``axis``."""
+    res = {}
+    q, k, v, w = inputs()
+    r = np.random.default_rng(7)
+    params = {"scheme": make_scheme(case.scheme)}
+    if case.table:
+        params["table"] = jnp.asarray(r.normal(size=(N, 2 * R + 1)) * 0.5, jnp.float32)
+    if case.sinks:
+        params["sinks"] = jnp.asarray(r.normal(size=(N,)), jnp.float32)
+    if case.segments:
+        seg, pos = packed()
+    elif case.batch_positions:
+        seg, pos = None, jnp.asarray(np.arange(T)[None] + 5 * np.arange(B)[:, None], jnp.int32)
+    else:
+        seg, pos = None, jnp.arange(T, dtype=jnp.int32)
+    mask_mod = window_mask_mod if case.mask_mod else None
+
+    def call(attn, prm, q, k, v, pos, seg, **kw):
+        return attn(q, k, v, position=prm["scheme"], q_positions=pos, kv_positions=pos,
+                    causal=case.causal, segment_ids=seg,
+                    score_mod=table_score_mod(prm["table"]) if "table" in prm else None,
+                    mask_mod=mask_mod, sinks=prm.get("sinks"), **kw)
+
+    def plain(prm, q, k, v):
+        return call(attention, prm, q, k, v, pos, seg, implementation="reference")
+
+    # the ring, on the sequence laid out for the devices (zigzag or contiguous)
+    zz = (lambda x, axis_: to_zigzag(x, axis_, ndev)) if case.zigzag else (lambda x, axis_: x)
+    unzz = (lambda x: from_zigzag(x, 1, ndev)) if case.zigzag else (lambda x: x)
+    pos_l = zz(pos, pos.ndim - 1)
+    seg_l = None if seg is None else zz(seg, 1)
+    seq_spec = P(batch_axis, axis)
+    pos_spec = P(batch_axis, axis) if pos.ndim == 2 else P(axis)
+
+    def local(prm, q, k, v, p, s):
+        return call(functools.partial(ring_attention, axis_name=axis, block_q=BLOCK,
+                                      block_k=BLOCK), prm, q, k, v, p, s,
+                    implementation=case.implementation)
+
+    ring_fn = shard_map(local, mesh=mesh,
+                        in_specs=(P(), seq_spec, seq_spec, seq_spec, pos_spec,
+                                  None if seg is None else seq_spec),
+                        out_specs=seq_spec)
+
+    def ring(prm, q, k, v):
+        return unzz(ring_fn(prm, zz(q, 1), zz(k, 1), zz(v, 1), pos_l, seg_l))
+
+    want = jax.jit(plain)(params, q, k, v)
+    got = jax.jit(ring)(params, q, k, v)
+    res[f"fwd/{case.name}"] = max_diff(got, want)
+    res[f"scale/{case.name}"] = float(np.max(np.abs(np.asarray(want))))
+    if case.grad:
+        loss = lambda f: lambda prm, q, k, v: jnp.sum(f(prm, q, k, v) * w)
+        g_want = jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2, 3)))(params, q, k, v)
+        g_got = jax.jit(jax.grad(loss(ring), argnums=(0, 1, 2, 3)))(params, q, k, v)
+        leaves_w = jax.tree_util.tree_leaves_with_path(g_want)
+        leaves_g = jax.tree_util.tree_leaves(g_got)
+        assert len(leaves_w) == len(leaves_g)
+        for (path, gw), gg in zip(leaves_w, leaves_g):
+            res[f"grad/{case.name}/{jax.tree_util.keystr(path)}"] = rel_diff(gg, gw)
+        # the scheme's arrays must receive nonzero gradients when they matter
+        res[f"grad_norm/{case.name}"] = float(sum(
+            np.sum(np.abs(np.asarray(x))) for x in jax.tree_util.tree_leaves(g_want[0])))
+    return res
+
+
+def local_positions_control(mesh, scheme):
+    """Negative control: every device passes arange(T / P) as its positions."""
+    q, k, v, _ = inputs()
+    pos = jnp.arange(T, dtype=jnp.int32)
+    sch = make_scheme(scheme)
+    want = attention(q, k, v, position=sch, q_positions=pos, kv_positions=pos, causal=True,
+                     implementation="reference")
+    loc = jnp.arange(T // NDEV, dtype=jnp.int32)
+    fn = shard_map(lambda s, q, k, v: ring_attention(q, k, v, axis_name="seq", position=s,
+                                                     q_positions=loc, kv_positions=loc,
+                                                     causal=True, block_q=BLOCK, block_k=BLOCK),
+                   mesh=mesh, in_specs=(P(), P(None, "seq"), P(None, "seq"), P(None, "seq")),
+                   out_specs=P(None, "seq"))
+    return max_diff(jax.jit(fn)(sch, q, k, v), want)
+
+
+def hidden_blocks_skipped(mesh):
+    """Keys/values of the last device's tokens are NaN: under a causal mask, devices 0..6
+    never see them, so their rows (and the gradients of everything but those NaN values)
+    are finite and equal the reference only if the hidden blocks are skipped (a computed
+    hidden tile would give 0 * NaN = NaN in ``p @ v``)."""
+    q, k, v, w = inputs()
+    pos = jnp.arange(T, dtype=jnp.int32)
+    sch = make_scheme("t5")
+    last = T - T // NDEV
+    v_nan = v.at[:, last:].set(jnp.nan)
+    want = attention(q[:, :last], k[:, :last], v[:, :last], position=sch,
+                     q_positions=pos[:last], kv_positions=pos[:last], causal=True,
+                     implementation="reference")
+    fn = shard_map(lambda s, q, k, v, p: ring_attention(q, k, v, axis_name="seq", position=s,
+                                                        q_positions=p, kv_positions=p,
+                                                        causal=True, block_q=8, block_k=8),
+                   mesh=mesh, in_specs=(P(), P(None, "seq"), P(None, "seq"), P(None, "seq"),
+                                        P("seq")),
+                   out_specs=P(None, "seq"))
+    got = jax.jit(fn)(sch, q, k, v_nan, pos)
+    loss = lambda q_: jnp.sum(fn(sch, q_, k, v_nan, pos)[:, :last] * w[:, :last])
+    dq = jax.jit(jax.grad(loss))(q)
+    return {"skip/fwd_rows_before_last_device": max_diff(got[:, :last], want),
+            "skip/dq_finite": float(np.all(np.isfinite(np.asarray(dq[:, :last]))))}
+
+
+DEFAULT_CASES = [
+    Case("t5", segments=True),  # packed sequences, bucketed table gradient
+    Case("rope_yarn", zigzag=True),  # a scaled rotation at global positions, zigzag
+    Case("alibi", causal=False, batch_positions=True),  # [B, T] positions, bidirectional
+    Case("shaw", zigzag=True, segments=True),  # content bias + value term
+    Case("nope", table=True, sinks=True, mask_mod=True),  # captured table, sinks, mask_mod
+    Case("kerple", zigzag=True),  # learnable kernel parameters
+]
+
+
+def full_cases(available):
+    cases = []
+    for s in ["nope", "rope_yarn", "alibi", "t5", "shaw"] + sorted(available):
+        for zigzag in (False, True):
+            for segments in (False, True):
+                cases.append(Case(s, zigzag=zigzag, segments=segments))
+    cases += [Case("t5_bidirectional", causal=False, zigzag=True),
+              Case("alibi", causal=False, zigzag=True, segments=True),
+              Case("rope_yarn", zigzag=True, table=True, sinks=True, mask_mod=True),
+              Case("t5", zigzag=True, implementation="reference"),
+              Case("shaw", causal=False, batch_positions=True)]
+    return cases
+
+
+def main(argv):
+    full = "--full" in argv
+    out_path = next(a for a in argv if not a.startswith("--"))
+    devices = jax.devices()
+    assert len(devices) == NDEV, devices
+    res = {"num_devices": len(devices)}
+    t0, cpu0 = time.time(), time.process_time()
+    mesh = Mesh(np.array(devices), ("seq",))
+    available = set(optional_schemes())
+    res["available/" + ",".join(sorted(available))] = 1.0
+    cases = full_cases(available) if full else [c for c in DEFAULT_CASES
+                                                if c.scheme in available or c.scheme in (
+                                                    "nope", "rope_yarn", "alibi", "t5", "shaw")]
+    for case in cases:
+        t1 = time.process_time()
+        res.update(run_case(case, mesh))
+        res[f"cpu_seconds/{case.name}"] = time.process_time() - t1
+    res["local_positions/rope_yarn"] = local_positions_control(mesh, "rope_yarn")
+    res["local_positions/t5"] = local_positions_control(mesh, "t5")
+    res.update(hidden_blocks_skipped(mesh))
+    if full:
+        # a (data=2) x (seq=4) mesh: batch over one axis, the ring over the other; the
+        # parameters' gradients are summed over both
+        mesh2 = Mesh(np.array(devices).reshape(2, 4), ("data", "seq"))
+        for case in (Case("t5", zigzag=True, segments=True), Case("shaw", table=True)):
+            res.update({k.replace("/", "/mesh2x4/", 1): v
+                        for k, v in run_case(case, mesh2, batch_axis="data", ndev=4).items()})
+    res["seconds"] = time.time() - t0
+    res["cpu_seconds"] = time.process_time() - cpu0
+    with open(out_path, "w") as fh:
+        json.dump(res, fh, indent=1, sort_keys=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
