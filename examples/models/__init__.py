@@ -6,10 +6,16 @@ each with a converter from a Hugging Face PyTorch state dict (``from_hf``):
 * :mod:`examples.models.t5`: T5 encoder-decoder, bucketed relative bias per stack.
 * :mod:`examples.models.bloom`: BLOOM decoder, ALiBi.
 * :mod:`examples.models.gpt2`: GPT-2 decoder, learned absolute positions.
+* :mod:`examples.models.qwen3`: Qwen3 (dense) decoder, QK-norm, optional sliding-window
+  layers (``tests/test_parity_qwen3_gemma3_llama4.py``).
+* :mod:`examples.models.gemma3`: Gemma 3 text decoder, local sliding-window / global layers
+  with per-layer RoPE, QK-norm, ``query_pre_attn_scalar``, final logit soft-capping.
+* :mod:`examples.models.llama4`: Llama 4 text decoder, iRoPE (chunked RoPE layers, NoPE
+  layers with attention temperature tuning), QK L2-norm, mixture of experts.
 * :mod:`examples.models.common`: padding -> positions and segment ids, the KV cache, and
   the checked state-dict loader.
 
 ``tests/test_parity_models.py`` compares all four with transformers on CPU PyTorch.
 """
 
-__all__ = ["bloom", "common", "gpt2", "llama", "t5"]
+__all__ = ["bloom", "common", "gemma3", "gpt2", "llama", "llama4", "qwen3", "t5"]
