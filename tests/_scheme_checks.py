@@ -26,16 +26,19 @@ def qkv(seed=0, B=2, T=12, N=4, H=8, Nk=None, Tk=None):
             jax.random.normal(ks[2], (B, Tk, Nk, H), jnp.float32))
 
 
-def dense64(q, k, v, bias=None, *, q_pos=None, kv_pos=None, causal=False, scale=None):
+def dense64(q, k, v, bias=None, *, q_pos=None, kv_pos=None, causal=False, scale=None,
+            scores=None):
     """float64 ``softmax(scale q.k + bias) v`` per head; ``bias`` broadcastable to
-    ``[B, N, Tq, Tk]``; causal by positions (a query at p sees keys at <= p)."""
+    ``[B, N, Tq, Tk]``; causal by positions (a query at p sees keys at <= p). ``scores``
+    (``[B, N, Tq, Tk]``) replaces ``q.k`` when given (a transform of q and k computed
+    by the caller)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     B, Tq, N, H = q.shape
     Tk = k.shape[1]
     g = N // k.shape[2]
     k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
     scale = 1.0 / np.sqrt(H) if scale is None else scale
-    s = np.einsum("bqnh,bknh->bnqk", q, k) * scale
+    s = (np.einsum("bqnh,bknh->bnqk", q, k) if scores is None else np.asarray(scores)) * scale
     if bias is not None:
         s = s + np.asarray(bias, np.float64)
     if causal:
