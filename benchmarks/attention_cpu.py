@@ -9,6 +9,12 @@ repeats, so that a noisy (shared) machine affects them alike; the table reports 
 and the ratio to ``chunked`` of the same row. Forward (``fwd``) and forward+backward
 (``fwd+bwd``: gradients of ``sum(out * g)`` with respect to q, k and v).
 
+``chunked_mod`` is the chunked path given the same score term as a user-written
+``score_mod`` (``position=None``): its ``x chunked`` column is the cost of programmable
+attention against the built-in scheme. For T5 it computes the bucket per score;
+``chunked_mod_vec`` instead gathers from a per-head vector over clipped offsets built once
+per call, as the built-in T5 does (for ALiBi the two are the same function).
+
 Memory: for the JAX implementations, the compiled program's temporary buffer size
 (``jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes``), which needs
 no execution, so ``--memory-lengths`` can go to T = 32768 cheaply. PyTorch memory is
@@ -43,7 +49,7 @@ import numpy as np
 import jaxpos
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "attention_cpu.md"
-JAX_IMPLS = ("chunked", "reference", "jax_dpa")
+JAX_IMPLS = ("chunked", "chunked_mod", "chunked_mod_vec", "reference", "jax_dpa")
 TORCH_IMPLS = ("torch_sdpa", "torch_flex")
 
 
@@ -61,9 +67,30 @@ def _dense_bias(scheme, T):
     return jaxpos.t5_bias(pos, pos, scheme.table, bidirectional=False)[None]
 
 
+def _user_score_mod(scheme, vector=False):
+    """The scheme's score term written by a user as a score_mod, FlexAttention style. T5:
+    the bucket computed per score (``vector=False``, a logarithm per score), or a gather
+    from the per-head vector over clipped offsets computed once per call (``vector=True``,
+    what the built-in does and what the torch_flex row does)."""
+    if isinstance(scheme, jaxpos.ALiBi):
+        slopes = scheme.slopes
+        return lambda s, b, h, qp, kp: s + slopes[h] * (kp - qp).astype(jnp.float32)
+    table = scheme.table
+    if not vector:
+        return lambda s, b, h, qp, kp: s + table[jaxpos.t5_bucket(kp - qp, False), h]
+    R = 128
+    rel = jnp.arange(-R, R + 1)
+    vec = table[jaxpos.t5_bucket(rel, False)].T  # [N, 2R + 1]
+    return lambda s, b, h, qp, kp: s + vec[h][jnp.clip(kp - qp, -R, R) + R]
+
+
 @functools.cache
 def _jax_fn(impl, mode, block_q, block_k):
     def fwd(q, k, v, scheme):
+        if impl.startswith("chunked_mod"):  # the same scores through score_mod=, not position=
+            mod = _user_score_mod(scheme, vector=impl.endswith("_vec"))
+            return jaxpos.attention(q, k, v, score_mod=mod, causal=True,
+                                    implementation="chunked", block_q=block_q, block_k=block_k)
         if impl == "jax_dpa":
             # The bias is materialised inside the program, as a user would build it.
             return jax.nn.dot_product_attention(q, k, v, bias=_dense_bias(scheme, q.shape[1]),
