@@ -78,7 +78,8 @@ def main(implementations):
     hf, model = tds._build(cfg, seed=1)
     c = model.config
     measure("DeepSeek-V3", hf, model, tds.VOCAB, implementations,
-            [("rope in the half layout", {"rope": tds.deepseek_v3.rope_from_config(c, layout="half")}),
+            [("rope in the half layout",
+              {"rope": tds.deepseek_v3.rope_from_config(c, layout="half")}),
              ("no mscale**2", {"scale": c.qk_head_dim ** -0.5})])
 
 

@@ -99,9 +99,9 @@ def test_yarn_frequencies_with_truncate_false_equal_hf(pair):
                                rtol=1e-6, atol=0)
     assert rope.attention_factor == pytest.approx(hf.model.rotary_emb.attention_scaling, rel=1e-12)
     assert rope.attention_factor == pytest.approx(0.1 * np.log(32.0) + 1)  # Peng et al. §3.4
+    yarn = {k: v for k, v in YARN.items() if k not in ("rope_type", "rope_theta")}
     truncated = jaxpos.RoPE(rotary_dim=16, base=150000.0, layout="half",
-                            scaling=jaxpos.YaRNScaling(**{k: v for k, v in YARN.items() if k not in
-                                                          ("rope_type", "rope_theta")} | {"truncate": True}))
+                            scaling=jaxpos.YaRNScaling(**{**yarn, "truncate": True}))
     assert np.abs(np.asarray(truncated.inv_freq) - np.asarray(rope.inv_freq)).max() > 1e-4
 
 

@@ -128,7 +128,8 @@ class SlidingWindowMask:
     window: int
 
     def __post_init__(self):
-        object.__setattr__(self, "window", _checks.check_positive_int("sliding_window", self.window))
+        window = _checks.check_positive_int("sliding_window", self.window)
+        object.__setattr__(self, "window", window)
 
     def __call__(self, batch, head, q_pos, kv_pos):
         return q_pos - kv_pos < self.window
