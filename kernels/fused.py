@@ -446,7 +446,9 @@ def _const_inputs(prefix, conv, smem_ok):
     out = []
     for i, c in enumerate(conv.consts):
         x = jnp.asarray(c)
-        x = x.reshape(1) if x.ndim == 0 else x  # (0-d captured arrays travel as [1])
+        # Captured arrays travel at least 2-D (leading 1s): TPU blocks of rank < 2 need
+        # device information to check; the kernel indexes the added axes with 0.
+        x = x.reshape((1,) * (2 - x.ndim) + x.shape) if x.ndim < 2 else x
         out.append(_In(f"{prefix}{i}", x, _whole, smem=smem_ok[i], pow2=True))
     return out
 

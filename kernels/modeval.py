@@ -100,14 +100,17 @@ class Loader:
             else:
                 idx.append(pl.ds(e.start, e.size))
         ref = self.refs[view.slot]
-        if len(ref.shape) == len(view.entries) + 1:  # a 0-d array passed as [1]
-            idx = [0] + idx
-        return ref[tuple(idx)]
+        return ref[tuple(_lead(ref, view) + idx)]
 
     def gather(self, view: _View, per_dim: list, shape, dtype):
         """``per_dim[d]``: a scalar or an int32 array (of ``shape``, or a _Bcast) per ref
         dim, already clamped in range. Returns the gathered values, ``shape``."""
         raise NotImplementedError
+
+
+def _lead(ref, view):
+    """Indices of the leading size-1 axes a kernel adds to low-rank captured arrays."""
+    return [0] * (len(ref.shape) - len(view.entries))
 
 
 def _materialize_index(x, shape):
@@ -120,9 +123,10 @@ class RefLoader(Loader):
     """Indexed loads (Triton's pointer-tensor loads; gathers in interpret mode)."""
 
     def gather(self, view, per_dim, shape, dtype):
-        idx = tuple(_materialize_index(x, shape) if _is_array(x) else
-                    jnp.broadcast_to(x, shape) for x in per_dim)
-        return self.refs[view.slot][idx]
+        ref = self.refs[view.slot]
+        lead = [jnp.zeros(shape, jnp.int32)] * (len(ref.shape) - len(view.entries))
+        idx = tuple(lead + [_materialize_index(x, shape) for x in per_dim])
+        return ref[idx]
 
 
 def _is_array(x):
@@ -140,6 +144,8 @@ class LoopLoader(Loader):
         arrays = [d for d, x in enumerate(per_dim) if _is_array(x) and not isinstance(x, _Bcast)]
         scal = [x.scalar if isinstance(x, _Bcast) else x for x in per_dim]
         ref = self.refs[view.slot]
+        scal = _lead(ref, view) + scal
+        d = None if not arrays else arrays[0] + len(scal) - len(per_dim)
         if not arrays:
             return jnp.broadcast_to(ref[tuple(scal)], shape)
         if len(arrays) > 1:
@@ -148,8 +154,7 @@ class LoopLoader(Loader):
                 "array at once (e.g. table[q_pos, kv_pos]); the TPU kernel gathers along one "
                 "axis only. Index one axis with a scalar (batch, head) or use "
                 "implementation='chunked'.")
-        d = arrays[0]
-        ix = jnp.broadcast_to(per_dim[d], shape)
+        ix = jnp.broadcast_to(per_dim[arrays[0]], shape)
 
         def step(r, acc):
             at = list(scal)
