@@ -15,7 +15,6 @@ every mask crosses several windows, chunks and 4 x 4 tiles.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import inspect
@@ -30,7 +29,6 @@ import pytest
 from flax import nnx
 
 import jaxpos
-from jaxpos import irope
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -348,3 +346,52 @@ def test_llama4_needs_interleaved_rope(llama4_family, monkeypatch):
     wrong, _ = _jit(model, fresh=True)(jnp.asarray(ids), attention_mask=jnp.asarray(mask),
                                        implementation="reference")
     assert _max_diff(wrong, ref, mask) > MISS
+
+
+# ------------------------------------------------------------------------- bad input
+def _dict(hf_config, **changes):
+    d = hf_config.to_dict()
+    d["rope_parameters"] = hf_config.rope_parameters
+    d.update(changes)
+    return d
+
+
+def test_bad_configs_raise_naming_the_field(qwen3_family, gemma3_family, llama4_family):
+    q_cfg, g_cfg, l_cfg = (fam[0].config for fam in (qwen3_family, gemma3_family, llama4_family))
+    cases = [
+        (lambda: common.ChunkedAttentionMask(0), ("attention_chunk_size",)),
+        (lambda: common.SlidingWindowMask(-2), ("sliding_window",)),
+        (lambda: qwen3.Qwen3Config.from_hf(_dict(q_cfg, sliding_window=0)), ("sliding_window",)),
+        (lambda: gemma3.Gemma3Config.from_hf(_dict(
+            g_cfg, layer_types=["sliding_attention", "linear_attention"])),
+         ("layer_types[1]", "linear_attention")),
+        (lambda: gemma3.Gemma3Config.from_hf(_dict(
+            g_cfg, layer_types=["chunked_attention", "full_attention"])), ("layer_types",)),
+        (lambda: gemma3.Gemma3Config.from_hf(_dict(g_cfg, use_bidirectional_attention=True)),
+         ("use_bidirectional_attention",)),
+        (lambda: gemma3.from_hf({}, _dict(g_cfg, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "warp", "rope_theta": 1e6}})), ("rope_type", "warp")),
+        (lambda: gemma3.softcap(0.0), ("attn_logit_softcapping",)),
+        (lambda: llama4.Llama4Config.from_hf(_dict(l_cfg, attention_chunk_size=0)),
+         ("attention_chunk_size",)),
+        (lambda: llama4.Llama4Config.from_hf(_dict(l_cfg, no_rope_layers=[1, 0, 0])),
+         ("no_rope_layers",)),
+        (lambda: llama4.Llama4Config.from_hf(_dict(l_cfg, hidden_act="gelu")), ("hidden_act",)),
+    ]
+    for call, words in cases:
+        with pytest.raises(ValueError) as e:
+            call()
+        for w in words:
+            assert w in str(e.value), (w, str(e.value))
+
+
+def test_converters_reject_the_wrong_checkpoint(gemma3_family, llama4_family):
+    """A Gemma 3 state dict is not a Llama 4 one; a missing expert tensor is named."""
+    g_hf, l_hf = gemma3_family[0], llama4_family[0]
+    with pytest.raises(ValueError, match="feed_forward|not used"):
+        llama4.from_hf(g_hf.state_dict(), l_hf.config)
+    sd = dict(l_hf.state_dict())
+    del sd["model.layers.1.feed_forward.experts.gate_up_proj"]
+    with pytest.raises(ValueError, match="experts.gate_up_proj"):
+        llama4.from_hf(sd, l_hf.config)

@@ -231,7 +231,8 @@ def test_llama4_irope_layers_from_hf_config():
     schemes = jaxpos.hf.rope_per_layer_from_hf_config(cfg)
     assert [type(s).__name__ for s in schemes] == ["RoPE", "TemperatureTunedNoPE"] * 2
     assert (schemes[1].attn_scale, schemes[1].floor_scale) == (0.5, 4.0)
-    assert schemes[0].layout == "interleaved" and isinstance(schemes[0].scaling, jaxpos.Llama3Scaling)
+    assert schemes[0].layout == "interleaved"
+    assert isinstance(schemes[0].scaling, jaxpos.Llama3Scaling)
     assert jaxpos.hf.hf_layer_types(cfg) == ["chunked_attention", "full_attention"] * 2
     off = jaxpos.hf.rope_per_layer_from_hf_config(_llama4_config(attn_temperature_tuning=False))
     assert type(off[1]).__name__ == "NoPE"

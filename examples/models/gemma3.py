@@ -199,7 +199,8 @@ class Gemma3Attention(nnx.Module):
             k, v = cache.write(layer, k, v)
             kv_positions = jax.lax.dynamic_update_slice(cache.positions, positions,
                                                         (0, cache.index))
-        out = jaxpos.attention(q, k, v, position=rope, q_positions=positions, kv_positions=kv_positions, causal=True,
+        out = jaxpos.attention(q, k, v, position=rope, q_positions=positions,
+                               kv_positions=kv_positions, causal=True,
                                segment_ids=segments, kv_segment_ids=kv_segments,
                                scale=self.scale, **attn_kw)
         return self.o_proj(out.reshape(B, T, -1)), (k, v)
@@ -294,8 +295,8 @@ class Gemma3ForCausalLM(nnx.Module):
 
         Returns:
           ``(logits [B, T, vocab_size] float32, cache)``; soft-capped when
-          ``final_logit_softcapping`` is set; logits at padding positions are meaningless; a traced call that overflows the
-          cache gives NaN logits.
+          ``final_logit_softcapping`` is set; logits at padding positions are
+          meaningless; a traced call that overflows the cache gives NaN logits.
 
         Raises:
           ValueError / TypeError: bad ids, mask shape, a full cache, bad implementation or
