@@ -523,10 +523,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-lens", type=_int_list, default=None,
                    help="comma-separated evaluation lengths in bytes (absolute, not multiples); "
                         "default: 1, 2, 4, 8 and 16 times --train-len")
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--d-model", type=int, default=64, help="model width")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--batch-size", type=int, default=16, help="training sequences per step")
     p.add_argument("--t5-max-distance", type=int, default=None,
                    help="T5's max_distance; default max(32, min(128, --train-len)), so that every "
                         "bucket is trained, as in Press et al. (trained on 512+ tokens)")
