@@ -31,6 +31,10 @@ NEEDS_PALLAS = pytest.mark.skipif(
 # Pallas runs in interpret mode on CPU and compiles slowly: its cases run with -m slow.
 IMPLEMENTATIONS = ["reference", "chunked",
                    pytest.param("pallas", marks=[NEEDS_PALLAS, pytest.mark.slow])]
+# Decoding compiles a prefill and a one-token step per implementation: the default run
+# keeps the chunked path (online softmax, block masks, sinks), the others run with -m slow.
+DECODE_IMPLEMENTATIONS = [pytest.param("reference", marks=pytest.mark.slow), "chunked",
+                          pytest.param("pallas", marks=[NEEDS_PALLAS, pytest.mark.slow])]
 
 
 def randomize(model, seed: int, *, std: float = 0.3, embed_std: float = 0.5,

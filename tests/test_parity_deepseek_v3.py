@@ -38,6 +38,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _parity_common import (  # noqa: E402
     BLOCKS,
+    DECODE_IMPLEMENTATIONS,
     IMPLEMENTATIONS,
     MISS,
     TOL,
@@ -131,7 +132,7 @@ def test_logits_left_padded(pair, batch, implementation):
     assert max_diff(logits, ref, mask) <= TOL
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", DECODE_IMPLEMENTATIONS)
 def test_latent_kv_cache_decoding_equals_hf_generation(pair, batch, implementation):
     """Prefill the left-padded prompts into the latent cache, then one token per call:
     every step equals HF's own cached decoding and our full pass."""

@@ -297,24 +297,21 @@ class GptOssForCausalLM(nnx.Module):
 
     def layer_masks(self, positions, kv_positions, *, implementation=None, block_q=None,
                     block_k=None, sliding_window: int | None = None) -> dict:
-        """``{layer type: keyword arguments for jaxpos.attention}``: ``{}`` for full layers;
-        for sliding layers ``mask_mod=SlidingWindowMask(window)``, or, with both block sizes
+        """``{layer type: keyword arguments for jaxpos.attention}``
+        (:func:`examples.models.common.mask_kwargs`): the block sizes for full layers; for
+        sliding layers ``mask_mod=SlidingWindowMask(window)``, or, with both block sizes
         given and a tiled implementation, a :class:`jaxpos.BlockMask` of it (empty tiles
         skipped) built once for all sliding layers of the call.
 
         ``sliding_window`` overrides ``config.sliding_window`` (for experiments).
         """
-        window = self.config.sliding_window if sliding_window is None else sliding_window
-        masks = {"full_attention": {}}
-        if "sliding_attention" not in self.config.layer_types:
-            return masks
-        mask = common.SlidingWindowMask(window)
-        if implementation in ("chunked", "pallas") and block_q and block_k:
-            bm = jaxpos.create_block_mask(mask, q_positions=positions, kv_positions=kv_positions,
-                                          block_q=block_q, block_k=block_k)
-            masks["sliding_attention"] = {"block_mask": bm}
-        else:
-            masks["sliding_attention"] = {"mask_mod": mask}
+        kw = dict(q_positions=positions, kv_positions=kv_positions,
+                  implementation=implementation, block_q=block_q, block_k=block_k)
+        masks = {"full_attention": common.mask_kwargs(None, **kw)}
+        if "sliding_attention" in self.config.layer_types:
+            window = self.config.sliding_window if sliding_window is None else sliding_window
+            masks["sliding_attention"] = common.mask_kwargs(common.SlidingWindowMask(window),
+                                                            **kw)
         return masks
 
     def __call__(self, input_ids, *, attention_mask=None, positions=None, cache=None,
@@ -367,10 +364,9 @@ class GptOssForCausalLM(nnx.Module):
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             mask_kw = masks[self.config.layer_types[i]]
-            blocks = {} if "block_mask" in mask_kw else {"block_q": block_q, "block_k": block_k}
             x, (k, v) = layer(x, rope=rope, positions=positions, segments=segments,
                               kv_segments=kv_segments, cache=cache, layer=i, mask_kw=mask_kw,
-                              attn_kw={**attn_kw, **blocks}, use_sinks=use_sinks)
+                              attn_kw=attn_kw, use_sinks=use_sinks)
             new_k.append(k)
             new_v.append(v)
         x = self.norm(x)
