@@ -14,7 +14,7 @@ position only:
   ``k^R_t = W^{KR} h_t`` shared by every query head (computed from the hidden state, not
   from the latent) and cached next to the latent;
 * values ``v_{t,i}`` have their own width ``v_head_dim``;
-* scores ``q_{t,i} . k_{j,i} / sqrt(qk_nope_head_dim + qk_rope_head_dim)`` (eq. 17),
+* scores ``q_{t,i} . k_{j,i} / sqrt(qk_nope_head_dim + qk_rope_head_dim)``,
   times ``mscale**2`` when the rotary uses YaRN with ``mscale_all_dim`` (below).
 
 This module builds those queries and keys for :func:`jaxpos.attention`. It puts the rope
@@ -66,7 +66,7 @@ def mla_softmax_scale(qk_nope_head_dim: int, qk_rope_head_dim: int, *,
                       rope_parameters: Mapping[str, Any] | None = None) -> float:
     """The softmax scale of MLA: ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, times
     ``mscale**2`` with ``mscale = 0.1 * mscale_all_dim * ln(factor) + 1`` when the rotary
-    scaling is not ``"default"`` and sets ``mscale_all_dim`` (DeepSeek-V2 §2.1.3, eq. 17,
+    scaling is not ``"default"`` and sets ``mscale_all_dim`` (DeepSeek-V2 §2.1.3,
     and its YaRN long-context extension; Hugging Face's ``yarn_apply_mscale`` in
     ``modeling_deepseek_v3.py``). ``mscale = 1`` when ``factor <= 1``.
 
@@ -134,7 +134,7 @@ def split_nope_rope(x, qk_nope_head_dim: int, qk_rope_head_dim: int):
 
 
 def mla_qk(q_nope, q_rope, k_nope, k_rope):
-    """Queries and keys of decoupled-RoPE MLA (DeepSeek-V2 §2.1.3, eqs. 14-16), rope part
+    """Queries and keys of decoupled-RoPE MLA (DeepSeek-V2 §2.1.3), rope part
     first: ``q = [q_rope | q_nope]``, ``k = [k_rope (shared, broadcast to every head) |
     k_nope]``.
 
@@ -167,7 +167,7 @@ def mla_qk(q_nope, q_rope, k_nope, k_rope):
     if len(kr) == 4:
         if kr[2] != 1:
             raise ValueError(f"k_rope must have one head (the rope key is shared by every "
-                             f"query head, DeepSeek-V2 eq. 15): shape [B, Tk, 1, Dr]; got {kr}.")
+                             f"query head, DeepSeek-V2 §2.1.3): shape [B, Tk, 1, Dr]; got {kr}.")
         k_rope = k_rope[:, :, 0]
         kr = kr[:2] + kr[3:]
     if qr[:3] != qn[:3]:

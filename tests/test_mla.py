@@ -29,7 +29,7 @@ def _rope_np(x, pos, inv_freq, af):
 
 
 def _mla_np(q_nope, q_rope, k_nope, k_rope, v, q_pos, kv_pos, inv_freq, af, scale):
-    """DeepSeek-V2 eqs. 14-19: q_{t,i} = [q^C; R q^R], k_{j,i} = [k^C; R k^R_j] with k^R
+    """DeepSeek-V2 §2.1.3: q_{t,i} = [q^C; R q^R], k_{j,i} = [k^C; R k^R_j] with k^R
     shared by every head, causal softmax(scale * q . k) v."""
     qr = _rope_np(q_rope, q_pos, inv_freq, af)  # [B, Tq, N, Dr]
     kr = _rope_np(k_rope[:, :, None], kv_pos, inv_freq, af)[:, :, 0]  # [B, Tk, Dr]

@@ -276,7 +276,7 @@ class DeepseekV3MLP(nnx.Module):
 
 def route(logits, bias, *, n_group: int, topk_group: int, top_k: int, norm_topk_prob: bool,
           routed_scaling_factor: float):
-    """DeepSeek-V3's router (§2.1.2, eqs. 13-16 with the bias of §2.1.2 "auxiliary-loss-free
+    """DeepSeek-V3's router (§2.1.2, with the bias of its "auxiliary-loss-free
     load balancing"; HF's ``DeepseekV3TopkRouter``).
 
     Args:

@@ -1,7 +1,7 @@
 """GPT-OSS in Flax NNX on :func:`jaxpos.attention`, with a converter from a Hugging Face
 ``GptOssForCausalLM`` state dict.
 
-Architecture (OpenAI 2025, "gpt-oss-120b & gpt-oss-20b Model Card", §2.1-2.2; HF
+Architecture (OpenAI 2025, "gpt-oss-120b & gpt-oss-20b Model Card", the architecture section; HF
 ``modeling_gpt_oss.py``): pre-norm RMSNorm blocks; grouped-query attention with biases on
 every projection; rotary positions in the ``"half"`` layout with YaRN scaling (Peng et al.
 2024; ``rope_type="yarn"``, ``truncate=False`` in the released configs, which jaxpos's
