@@ -196,6 +196,42 @@ def test_packed_evaluation_equals_separate_windows(lg, position):
     np.testing.assert_allclose(np.asarray(packed), np.asarray(separate), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("name", ["kerple_log", "kerple_power", "fire", "sandwich", "xpos",
+                                  "fox"])
+def test_scheme_object_rows_pack_and_train(lg, name):
+    """The main job's KERPLE, FIRE, Sandwich, xPos and FoX rows (SchemeLM): packed
+    evaluation equals separate windows (FoX indexes its gates by token index, so this is
+    where a wrong position would show), and the scheme's own parameters are trained."""
+    import argparse
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    assert name in lg.SCHEME_OBJECTS
+    args = argparse.Namespace(d_model=16, layers=1, heads=2, train_len=8, seed=0,
+                              implementation="reference", t5_max_distance=32)
+    model = lg.build_model(name, args)
+    P, L = 16, 8
+    x = jax.random.randint(jax.random.PRNGKey(1), (2, P), 0, 256)
+    pos, seg = lg.packed_positions(P, L)
+    packed = model(x, positions=jnp.broadcast_to(pos, (2, P)),
+                   segment_ids=jnp.broadcast_to(seg, (2, P)))
+    separate = model(x.reshape(2 * P // L, L)).reshape(2, P, 256)
+    np.testing.assert_allclose(np.asarray(packed), np.asarray(separate), rtol=2e-5, atol=2e-5)
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    loss = lambda p: lg.cross_entropy_nats(nnx.merge(graphdef, p, rest)(x[:, :-1]),
+                                           x[:, 1:]).mean()
+    grads = nnx.to_flat_state(jax.grad(loss)(params))
+    own = {k: v for k, v in grads if k[0] in ("params", "gates")}
+    assert bool(own) == (name not in ("sandwich", "xpos"))
+    for path, g in own.items():
+        assert float(jnp.max(jnp.abs(g[...]))) > 0, path
+    with pytest.raises(SystemExit):
+        lg.parse_args(["--schemes", "kerple"])
+
+
 # --------------------------------------------------------------------- dog bites man
 def test_dog_bites_man(tmp_path):
     dbm = _load("dog_bites_man")
