@@ -395,3 +395,27 @@ def test_converters_reject_the_wrong_checkpoint(gemma3_family, llama4_family):
     del sd["model.layers.1.feed_forward.experts.gate_up_proj"]
     with pytest.raises(ValueError, match="experts.gate_up_proj"):
         llama4.from_hf(sd, l_hf.config)
+
+
+def test_window_and_chunk_masks_skip_tiles():
+    """The layers' masks become block masks whose empty tiles (skipped by the tiled
+    implementations) are exactly the tiles with no visible pair (NumPy count), e.g. 3/4 of
+    the tiles for chunks of 16 over 64 tokens in tiles of 8."""
+    T, blk = 64, 8
+    pos = np.arange(T)
+    sparsity = []
+    for mask_mod, vis in ((common.ChunkedAttentionMask(16), pos[:, None] // 16 == pos // 16),
+                          (common.SlidingWindowMask(8), pos[:, None] - pos < 8)):
+        kw = common.mask_kwargs(mask_mod, q_positions=jnp.asarray(pos[None], jnp.int32),
+                                kv_positions=jnp.asarray(pos[None], jnp.int32),
+                                implementation="chunked", block_q=blk, block_k=blk)
+        tiles = vis.reshape(T // blk, blk, T // blk, blk).any(axis=(1, 3))
+        sparsity.append(kw["block_mask"].sparsity())
+        assert sparsity[-1] == pytest.approx(1 - tiles.mean())
+    # (the sliding band alone also admits later keys; causal=True hides those tiles too)
+    assert sparsity[0] == 0.75
+    assert common.ChunkedAttentionMask(16).__call__(0, 0, np.array([[15]]), np.array([[16]])) == 0
+    assert common.mask_kwargs(mask_mod, q_positions=jnp.asarray(pos[None], jnp.int32),
+                              kv_positions=jnp.asarray(pos[None], jnp.int32),
+                              implementation="reference", block_q=blk, block_k=blk) == {
+        "mask_mod": mask_mod, "block_q": blk, "block_k": blk}
