@@ -64,6 +64,9 @@ _MIN_WIDTH = 16  # smallest feature width (Triton dots need K >= 16)
 # POISON_OUTPUTS: every kernel output starts as NaN (aliased NaN-filled inputs), so an
 # element a kernel fails to write shows up as NaN.
 POISON_OUTPUTS = False
+# INTERPRET_STYLE: how the interpreter reads captured arrays by index: "load" (indexed
+# loads, the GPU form) or "loop" (the TPU form), so both forms are checked on CPU.
+INTERPRET_STYLE = "load"
 # Bytes of float32 score block the captured-array gradient pass holds per step.
 CONST_GRAD_BLOCK_BYTES = 1 << 27
 
@@ -388,7 +391,7 @@ def _pallas(kernel, cfg, grid, ins: list[_In], outs: list[tuple[str, Any, Any]],
     n_in, n_out = len(args), len(out_shape)
 
     def build(platform, interpret, compiler_params=None):
-        style = "loop" if platform == "tpu" else "load"
+        style = {"tpu": "loop", "cpu": INTERPRET_STYLE}.get(platform, "load")
 
         def f(*a):
             a = list(a[:n_in])
