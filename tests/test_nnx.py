@@ -143,7 +143,7 @@ def test_t5_table_is_one_parameter_shared_by_every_layer(num_layers):
     # One [num_buckets=32, N] table for the whole stack, whatever the depth.
     assert num_params(model) == BASE + num_layers * PER_BLOCK + 32 * N
     tables = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(
-        nnx.state(model, nnx.Param).to_pure_dict()) if x.shape == (32, N)]
+        nnx.to_pure_dict(nnx.state(model, nnx.Param))) if x.shape == (32, N)]
     assert tables == ["['rel_position']['table']"], tables
 
 
@@ -205,7 +205,7 @@ def _grads_reference_and_chunked(model, tokens, weights):
 
 def _position_grads(grads):
     flat = {jax.tree_util.keystr(p): np.asarray(g)
-            for p, g in jax.tree_util.tree_leaves_with_path(grads.to_pure_dict())}
+            for p, g in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(grads))}
     return {k: g for k, g in flat.items()
             if any(n in k for n in ("abs_position", "rel_position", "position_module"))}
 
