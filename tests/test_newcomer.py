@@ -26,10 +26,10 @@ def test_subpackages_are_attributes_after_a_plain_import():
     # A fresh interpreter: in this one another test may already have imported them.
     code = (
         "import sys, jaxpos\n"
-        "assert 'jaxpos.nnx' not in sys.modules and 'flax' not in sys.modules\n"
         "assert callable(jaxpos.nnx.DecoderLM) and callable(jaxpos.linen.params_from_nnx)\n"
         "assert callable(jaxpos.testing.assert_equal_under_jit)\n"
-        "assert callable(jaxpos.kernels.fused_attention) and jaxpos.mods is sys.modules['jaxpos.mods']\n"
+        "assert callable(jaxpos.kernels.fused_attention)\n"
+        "assert jaxpos.mods is sys.modules['jaxpos.mods']\n"
         "assert {'nnx', 'linen', 'testing', 'kernels', 'mods'} <= set(dir(jaxpos))\n"
         "try:\n"
         "    jaxpos.no_such_thing\n"
