@@ -56,10 +56,11 @@ _NEEDS_PALLAS = pytest.mark.skipif(
     not _pallas_available(),
     reason="jaxpos.kernels.attention_via_kernel (implementation='pallas') is not in this build")
 # Pallas runs in interpret mode on CPU and compiles slowly: its cases run with -m slow.
-IMPLEMENTATIONS = ["reference", "chunked",
+# Each case compiles the model anew; the default run covers every implementation once per
+# family (full pass: "reference"; KV-cache decoding, a multi-token prefill over cache slots
+# with block masks, then one-token steps: "chunked"); the rest run with -m slow.
+IMPLEMENTATIONS = ["reference", pytest.param("chunked", marks=pytest.mark.slow),
                    pytest.param("pallas", marks=[_NEEDS_PALLAS, pytest.mark.slow])]
-# KV-cache decoding compiles a prefill and a one-token step per implementation: by default
-# only "chunked" (block masks over cache positions) runs; the others run with -m slow.
 DECODE_IMPLEMENTATIONS = [pytest.param("reference", marks=pytest.mark.slow), "chunked",
                           pytest.param("pallas", marks=[_NEEDS_PALLAS, pytest.mark.slow])]
 
