@@ -768,9 +768,9 @@ def is_additive(conv) -> bool:
     return jaxpr.outvars[0] is jaxpr.invars[1]
 
 
-def _prepare(q, k, v, *, score_mod, mask_mod, block_mask, sinks, q_positions, kv_positions,
-             causal, segment_ids, kv_segment_ids, scale, block_q, block_k, mode,
-             count_tiles=False):
+def _prepare(q, k, v, *, q_positions, kv_positions, score_mod=None, mask_mod=None,
+             block_mask=None, sinks=None, causal=False, segment_ids=None, kv_segment_ids=None,
+             scale=None, block_q=None, block_k=None, mode="auto", count_tiles=False):
     """Validate, lay out and classify: ``(cfg, q, k, v, ints, sched, smod, mmod, sinks)``
     in kernel layout."""
     B, Tq, N, H = q.shape

@@ -13,11 +13,11 @@ Causal visibility is ``kv_pos <= q_pos`` on the tokens' positions, so a tile is 
 when its smallest key position exceeds its largest query position and FULL when its
 largest key position is at most its smallest query position. Segments: EMPTY when the
 id ranges of the two tiles do not overlap, FULL when both tiles hold one and the same
-id. A key tile holding padding is never FULL. These rules are exact for monotone
-positions (the ``arange`` default: the forward loop of query tile ``i`` then stops at
-the diagonal, and the dk/dv loop of key tile ``j`` starts there) and conservative for
-arbitrary positions (a tile that might hold a visible pair is visited and masked), so
-one rule serves both. A user's :class:`jaxpos.mods.BlockMask` is combined tile by tile
+id. A key tile holding padding is never FULL. Causal classification is exact for
+monotone positions (the ``arange`` default: the forward loop of query tile ``i`` then
+stops at the diagonal, and the dk/dv loop of key tile ``j`` starts there); every rule is
+conservative otherwise (a tile that might hold a visible pair is visited and masked), so
+one rule serves arbitrary positions too. A user's :class:`jaxpos.mods.BlockMask` is combined tile by tile
 (EMPTY if either is EMPTY, FULL if both are FULL); a mask_mod without a block mask
 makes every tile PARTIAL.
 
