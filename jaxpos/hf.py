@@ -28,6 +28,7 @@ It follows HF's own rules (``modeling_rope_utils.py``, ``standardize_rope_params
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from jaxpos import rope_scaling
@@ -190,27 +191,30 @@ def rope_from_hf_config(config: Any, *, layer_type: str | None = None,
     s.pop("head_dim")
     if not s["mrope_interleaved"]:
         s.pop("mrope_interleaved")
+    elif "mrope_interleaved" not in inspect.signature(RoPE).parameters:
+        # This RoPE class cannot rotate [3, B, T] positions in the interleaved layout: keep
+        # the text case (1-D positions, where every M-RoPE layout is plain RoPE) and let
+        # RoPE.rotate refuse M-RoPE positions loudly rather than rotate them contiguously.
+        s.pop("mrope_interleaved")
+        s["mrope_section"] = None
     return RoPE(angle_precision=angle_precision, **s)
 
 
 def softmax_scale_from_hf_config(config: Any) -> float:
     """The softmax scale HF uses: ``head_dim ** -0.5``, or for DeepSeek-V2/V3 (MLA)
     ``qk_head_dim ** -0.5 * mscale**2`` with ``mscale = 0.1 * mscale_all_dim * ln(factor) + 1``
-    when the rope scaling has ``mscale_all_dim`` (HF's ``yarn_apply_mscale``).
+    when the rope scaling is not ``"default"`` and has ``mscale_all_dim`` (HF's
+    ``yarn_apply_mscale``; :func:`jaxpos.mla.mla_softmax_scale`).
 
     Raises:
       The errors of :func:`hf_rope_settings`.
     """
     d = _as_dict(config)
     if d.get("qk_rope_head_dim") is not None:
-        qk = int(d.get("qk_nope_head_dim", 0)) + int(d["qk_rope_head_dim"])
-        scale = qk ** -0.5
-        params = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        mad = params.get("mscale_all_dim", 0)
-        if mad and params.get("factor"):
-            m = rope_scaling.yarn_get_mscale(float(params["factor"]), float(mad))
-            scale = scale * m * m
-        return float(scale)
+        from jaxpos.mla import mla_softmax_scale
+
+        return mla_softmax_scale(int(d.get("qk_nope_head_dim", 0)), int(d["qk_rope_head_dim"]),
+                                 rope_parameters=d.get("rope_parameters") or d.get("rope_scaling"))
     return float(hf_rope_settings(config)["head_dim"] ** -0.5)
 
 
