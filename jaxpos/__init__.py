@@ -68,7 +68,7 @@ __all__ = [
 # Subpackages imported on first use, so that ``import jaxpos`` stays light (no Flax, no
 # Pallas) while ``jaxpos.nnx.DecoderLM`` and ``jaxpos.linen.params_from_nnx`` work after
 # a plain ``import jaxpos`` (PEP 562, module ``__getattr__``).
-_LAZY_SUBMODULES = ("kernels", "linen", "mods", "nnx", "parallel", "testing")
+_LAZY_SUBMODULES = ("irope", "kernels", "linen", "mla", "mods", "nnx", "parallel", "testing")
 
 
 def __getattr__(name: str):
