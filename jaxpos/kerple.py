@@ -140,20 +140,24 @@ class KERPLE(PositionScheme):
         the power variant) with a straight-through gradient, as the authors' in-place
         clamp (module docstring). Concrete values must be finite and > 0 (and
         ``r2 <= 2`` for the power variant) when the scheme is built.
-      kind: ``"log"`` or ``"power"``.
+      kind: ``"log"`` or ``"power"`` (default ``"log"``; fixed by the registered
+        subclasses :class:`KERPLELog` and :class:`KERPLEPower`).
       eps: the clamp's lower bound (the authors' 1e-2).
 
     Use ``causal=True`` for a decoder, as in the paper; the bias itself is symmetric.
 
     Raises:
-      TypeError / ValueError: as :func:`kerple_bias` for ``r1``/``r2``/``kind``; ``eps``
-      not a finite number > 0.
+      TypeError / ValueError: as :func:`kerple_bias` for ``r1``/``r2``/``kind``; a
+      ``kind`` other than a subclass's own; ``eps`` not a finite number > 0.
     """
 
     _children = ("r1", "r2")
     _static = ("kind", "eps")
+    #: The variant a subclass is registered for (None: chosen by ``kind``).
+    fixed_kind: str | None = None
 
-    def __init__(self, r1, r2, *, kind: str = "log", eps: float = EPS):
+    def __init__(self, r1, r2, *, kind: str | None = None, eps: float = EPS):
+        kind = self._kind(kind)
         _check_params(r1, r2, kind)
         eps = _checks.check_positive_float("eps", eps)
         self._set(r1=jnp.asarray(r1, jnp.float32), r2=jnp.asarray(r2, jnp.float32), kind=kind,
@@ -173,19 +177,23 @@ class KERPLE(PositionScheme):
           A scheme of this class.
         """
         n = _checks.check_positive_int("num_heads", num_heads)
-        kind = cls._fixed_kind() or kind or "log"
-        _checks.check_choice("kind", kind, KINDS)
+        kind = cls._kind(kind)
         k1, k2 = jax.random.split(key)
         u2 = jnp.maximum(2.0 * jax.random.uniform(k1, (n,), jnp.float32), eps)
         u1 = jnp.maximum(jax.random.uniform(k2, (n,), jnp.float32), eps)
         r1, r2 = (u2, u1) if kind == "log" else (u1, u2)
-        if cls._fixed_kind():
-            return cls(r1, r2, eps=eps)
         return cls(r1, r2, kind=kind, eps=eps)
 
     @classmethod
-    def _fixed_kind(cls) -> str | None:
-        return None
+    def _kind(cls, kind: str | None) -> str:
+        """``kind`` checked against the class's own variant (default: that, or "log")."""
+        if kind is None:
+            return cls.fixed_kind or "log"
+        _checks.check_choice("kind", kind, KINDS)
+        if cls.fixed_kind is not None and kind != cls.fixed_kind:
+            raise ValueError(f"{cls.__name__} is KERPLE's {cls.fixed_kind!r} variant; got "
+                             f"kind={kind!r} (use KERPLE(..., kind={kind!r})).")
+        return kind
 
     def check(self, num_heads, head_dim):
         if _checks.shape_of(self.r1)[0] != num_heads:
@@ -215,21 +223,11 @@ class KERPLE(PositionScheme):
 class KERPLELog(KERPLE):
     """KERPLE's logarithmic variant, ``-r1 * log(1 + r2 |m - n|)`` (see :class:`KERPLE`)."""
 
-    def __init__(self, r1, r2, *, eps: float = EPS):
-        super().__init__(r1, r2, kind="log", eps=eps)
-
-    @classmethod
-    def _fixed_kind(cls):
-        return "log"
+    fixed_kind = "log"
 
 
 @register("kerple_power")
 class KERPLEPower(KERPLE):
     """KERPLE's power variant, ``-r1 * |m - n| ** r2`` (see :class:`KERPLE`)."""
 
-    def __init__(self, r1, r2, *, eps: float = EPS):
-        super().__init__(r1, r2, kind="power", eps=eps)
-
-    @classmethod
-    def _fixed_kind(cls):
-        return "power"
+    fixed_kind = "power"

@@ -179,21 +179,28 @@ def test_bad_arguments_exit_with_a_message(lg, capsys):
 def test_packed_evaluation_equals_separate_windows(lg, position):
     """The script scores length L as windows packed into one row with restarted positions
     and segment ids; that must equal running each window as its own sequence."""
-    import jax
-    import jax.numpy as jnp
     from flax import nnx
 
     from jaxpos.nnx import DecoderLM
 
     model = DecoderLM(256, d_model=16, num_layers=1, num_heads=2, position=position,
                       rngs=nnx.Rngs(0))
-    P, L = 24, 8
+    _assert_packed_equals_separate(lg, model, P=24, L=8)
+
+
+def _assert_packed_equals_separate(lg, model, *, P, L):
+    """Two rows of P tokens scored as packed windows of L (the script's evaluation) equal
+    the same windows run as separate sequences; returns the token ids."""
+    import jax
+    import jax.numpy as jnp
+
     x = jax.random.randint(jax.random.PRNGKey(1), (2, P), 0, 256)
     pos, seg = lg.packed_positions(P, L)
     packed = model(x, positions=jnp.broadcast_to(pos, (2, P)),
                    segment_ids=jnp.broadcast_to(seg, (2, P)))
     separate = model(x.reshape(2 * P // L, L)).reshape(2, P, 256)
     np.testing.assert_allclose(np.asarray(packed), np.asarray(separate), rtol=2e-5, atol=2e-5)
+    return x
 
 
 @pytest.mark.parametrize("name", ["kerple_log", "kerple_power", "fire", "sandwich", "xpos",
@@ -212,13 +219,7 @@ def test_scheme_object_rows_pack_and_train(lg, name):
     args = argparse.Namespace(d_model=16, layers=1, heads=2, train_len=8, seed=0,
                               implementation="reference", t5_max_distance=32)
     model = lg.build_model(name, args)
-    P, L = 16, 8
-    x = jax.random.randint(jax.random.PRNGKey(1), (2, P), 0, 256)
-    pos, seg = lg.packed_positions(P, L)
-    packed = model(x, positions=jnp.broadcast_to(pos, (2, P)),
-                   segment_ids=jnp.broadcast_to(seg, (2, P)))
-    separate = model(x.reshape(2 * P // L, L)).reshape(2, P, 256)
-    np.testing.assert_allclose(np.asarray(packed), np.asarray(separate), rtol=2e-5, atol=2e-5)
+    x = _assert_packed_equals_separate(lg, model, P=16, L=8)
 
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     loss = lambda p: lg.cross_entropy_nats(nnx.merge(graphdef, p, rest)(x[:, :-1]),

@@ -161,6 +161,8 @@ def test_bad_input():
         KERPLELog(np.ones(4, np.int32), R2)
     with pytest.raises(TypeError, match="q_positions must hold integer"):
         kerple_bias(np.arange(3.0), np.arange(3), R1, R2)
+    with pytest.raises(ValueError, match="KERPLELog is KERPLE's 'log' variant; got kind='power'"):
+        KERPLELog(R1, R2, kind="power")
     with pytest.raises(ValueError, match="eps must be a finite number > 0"):
         KERPLELog(R1, R2, eps=0.0)
     q, k, v = qkv(0, N=3)

@@ -43,7 +43,7 @@ def np_xpos_scores(q, k, q_pos, kv_pos, scale_base=SB):
     d = q.shape[-1]
     g = q.shape[2] // k.shape[2]
     qc, kc = complex_pairs(q), complex_pairs(np.repeat(np.asarray(k), g, axis=2))
-    rel = (np.asarray(q_pos, np.float64)[..., :, None] - np.asarray(kv_pos, np.float64)[..., None, :])
+    rel = np.asarray(q_pos, np.float64)[..., :, None] - np.asarray(kv_pos, np.float64)[..., None, :]
     rel = np.broadcast_to(rel, (q.shape[0],) + rel.shape[-2:])
     phase = np.exp(1j * rel[..., None] * np_theta(d)) * np_zeta(d) ** (rel[..., None] / scale_base)
     return np.real(np.einsum("bqni,bkni,bqki->bnqk", qc, np.conj(kc), phase))
