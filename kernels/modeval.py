@@ -378,3 +378,45 @@ def eval_converted(conv, args: Sequence[Any], loader: Loader):
 def mod_function(conv, loader: Loader) -> Callable:
     """``eval_converted`` as a function of the mod's own arguments."""
     return lambda *args: eval_converted(conv, args, loader)
+
+
+# -------------------------------------------------------- evaluation inside shard_map
+def eval_varying(conv, args: Sequence[Any], cast: Callable):
+    """Evaluate a converted mod on ``args`` inside ``shard_map`` (``check_vma=True``).
+
+    The mod's jaxpr was traced outside ``shard_map``, so its primitives (and literals)
+    carry no varying mesh axes; binding them on a mix of varying and replicated operands
+    is refused. Here every operand of every equation (literals and captured arrays
+    included) goes through ``cast`` (a cast to the varying axes of the call) first.
+    Calls (``jit``, ``custom_jvp_call``, ...) are inlined: a custom derivative rule is
+    replaced by the derivative of its primal (they differ only where the rule chooses a
+    subgradient, e.g. ``relu`` at exactly 0)."""
+
+    def run(jaxpr, consts, vals):
+        env = {}
+
+        def read(v):
+            return cast(jnp.asarray(v.val, v.aval.dtype)) if isinstance(v, jex.Literal) else env[v]
+
+        for v, c in zip(jaxpr.constvars, consts):
+            env[v] = cast(jnp.asarray(c))
+        for v, a in zip(jaxpr.invars, vals):
+            env[v] = cast(a)
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            if isinstance(inner, jex.ClosedJaxpr):
+                outs = run(inner.jaxpr, inner.consts, ins)
+            elif isinstance(inner, jex.Jaxpr):
+                outs = run(inner, (), ins)
+            else:
+                bp = eqn.primitive.get_bind_params(eqn.params)
+                subfuns, params = bp if isinstance(bp, tuple) else ((), bp)
+                outs = eqn.primitive.bind(*subfuns, *ins, **params)
+                outs = outs if eqn.primitive.multiple_results else [outs]
+            for v, o in zip(eqn.outvars, outs):
+                if not isinstance(v, jex.DropVar):
+                    env[v] = o
+        return [read(v) for v in jaxpr.outvars]
+
+    return run(conv.jaxpr, conv.consts, list(args))[0]

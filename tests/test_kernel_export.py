@@ -1,14 +1,18 @@
 """The fused kernel compiles for GPU and TPU: export forward and backward on this CPU machine.
 
 ``jax.export.export(jax.jit(f), platforms=[...])`` runs the Pallas lowering for the target
-without the hardware: Pallas Triton for ``cuda`` (the kernel selects it through
-``jax.experimental.pallas.triton.CompilerParams``; Mosaic GPU, the default, does not lower
-a generic ``dot_general``) and Mosaic TPU for ``tpu``. So a construct that either compiler
-rejects (a gather, an illegal block shape, an unsupported primitive) fails here. This
-proves lowering only; running on the hardware is not claimed.
+without the hardware: Pallas Triton for ``cuda`` (selected through
+``jax.experimental.pallas.triton.CompilerParams``) and Mosaic TPU for ``tpu``. So a
+construct that either compiler rejects (a gather on values, an illegal block shape, an
+unsupported primitive) fails here. This proves lowering only; running on the hardware
+is not claimed.
 
-Block shapes are the defaults (128 x 128, legal for TPU's 8 x 128 tiles and Triton's
-powers of two), with a length of 192 so the padding path is lowered too.
+The score_mods cover the three ways a captured array is read: ALiBi's ``slopes[head]``
+(a scalar load), a T5-style per-head offset vector and a user's ``[offsets, heads]``
+table gathered at the clipped offset (one indexed load per tile on GPU; a loop over the
+tile's offsets reading TPU scalar memory on TPU). The backward exports include the
+captured arrays' and the sinks' gradients. Block shapes are the defaults (128 x 128),
+with a length of 192 so the padding path is lowered too.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from jaxpos.kernels import fused_attention
+from jaxpos.kernels import attention_via_kernel, fused_attention
+from jaxpos.mods import create_block_mask
 
 B, T, N, NKV, H = 1, 192, 4, 2, 128
+R = 128
 _TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
@@ -29,63 +35,82 @@ def _export(fn, args, platform):
     return exp.mlir_module()
 
 
-def _functions(angle_precision, with_rope=True, dtype=jnp.bfloat16):
-    """Forward and backward of one call using every kernel feature at once."""
-    sds = jax.ShapeDtypeStruct
-    args = (sds((B, T, N, H), dtype), sds((B, T, NKV, H), dtype), sds((B, T, NKV, H), dtype), sds((T,), jnp.int32), sds((B, T), jnp.int32),
-            sds((H // 2,), jnp.float32), sds((N,), jnp.float32), sds((N, 257), jnp.float32))
-
-    def fwd(q, k, v, pos, seg, inv_freq, slopes, offset_bias):
-        return fused_attention(q, k, v, q_positions=pos, kv_positions=pos,
-                               inv_freq=inv_freq if with_rope else None,
-                               angle_precision=angle_precision, alibi_slopes=slopes,
-                               offset_bias=offset_bias, causal=True, segment_ids=seg,
-                               kv_segment_ids=seg, interpret=False)
-
-    def loss(*a):
-        return jnp.sum(fwd(*a).astype(jnp.float32))
-
-    bwd = jax.grad(loss, argnums=(0, 1, 2, 6, 7))
-    return fwd, bwd, args
-
-
 def _kernel_calls(mlir, platform):
     marker = "tpu_custom_call" if platform == "tpu" else "xla.gpu.triton"
     return mlir.count(f'call_target_name = "{marker}"') or mlir.count(marker)
 
 
+def _args(dtype):
+    sds = jax.ShapeDtypeStruct
+    return (sds((B, T, N, H), dtype), sds((B, T, NKV, H), dtype), sds((B, T, NKV, H), dtype),
+            sds((T,), jnp.int32), sds((B, T), jnp.int32), sds((N,), jnp.float32),
+            sds((N, 2 * R + 1), jnp.float32), sds((2 * R + 1, N), jnp.float32))
+
+
+def _biases(slopes, vec, table):
+    def mod(s, b, h, qp, kp):
+        rel = kp - qp
+        idx = jnp.clip(rel, -R, R) + R
+        return s + slopes[h] * rel.astype(jnp.float32) + vec[h][idx] + table[idx, h]
+    return mod
+
+
+def _programmable(q, k, v, pos, seg, slopes, vec, table):
+    """Every bias form at once, with segments, GQA, causal and padding."""
+    return attention_via_kernel(q, k, v, score_mod=_biases(slopes, vec, table),
+                                q_positions=pos, kv_positions=pos, causal=True,
+                                segment_ids=seg, kv_segment_ids=seg, interpret=False)
+
+
+def _masked(q, k, v, pos, seg, slopes, vec, table):
+    """A block mask with a sliding-window mask_mod, sinks, and a soft-capped score (a
+    score_mod whose derivative in the score is not 1)."""
+    bm = create_block_mask(lambda b, h, qp, kp: (qp - kp) < 64, q_positions=pos,
+                           kv_positions=pos, block_q=128, block_k=128)
+    mod = lambda s, b, h, qp, kp: 30.0 * jnp.tanh(s / 30.0) + vec[h][jnp.clip(kp - qp, -R, R) + R]
+    return attention_via_kernel(q, k, v, score_mod=mod, block_mask=bm, sinks=slopes,
+                                q_positions=pos, kv_positions=pos, causal=True, interpret=False)
+
+
+def _grad(fwd):
+    return jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums=(0, 1, 2, 5, 6, 7))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_export_alibi_t5_segments_gqa(platform, dtype):
-    """ALiBi + offset-bias vector + segments + GQA + causal + padding: forward is one
-    kernel, backward three (forward for the residuals, dq, dk/dv). float32 inputs use
-    HIGHEST-precision dots (IEEE on Triton rather than TF32)."""
-    fwd, bwd, args = _functions("high", with_rope=False, dtype=dtype)
-    assert _kernel_calls(_export(fwd, args, platform), platform) >= 1
-    assert _kernel_calls(_export(bwd, args, platform), platform) >= 3
+def test_export_score_mods_segments_gqa(platform, dtype):
+    """Forward is one kernel; backward three (forward for the residuals, dq, dk/dv) plus
+    the captured arrays' gradient pass in plain XLA. float32 inputs use HIGHEST-precision
+    dots (IEEE on Triton rather than TF32)."""
+    args = _args(dtype)
+    assert _kernel_calls(_export(_programmable, args, platform), platform) == 1
+    assert _kernel_calls(_export(_grad(_programmable), args, platform), platform) == 3
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_export_rope_float32_angles(platform):
-    fwd, bwd, args = _functions("float32")
-    assert _kernel_calls(_export(fwd, args, platform), platform) >= 1
-    assert _kernel_calls(_export(bwd, args, platform), platform) >= 3
+def test_export_block_mask_sinks_soft_cap(platform):
+    args = _args(jnp.bfloat16)
+    assert _kernel_calls(_export(_masked, args, platform), platform) == 1
+    assert _kernel_calls(_export(_grad(_masked), args, platform), platform) == 3
 
 
-def test_export_rope_high_precision_angles_tpu():
-    fwd, bwd, args = _functions("high")
-    assert _kernel_calls(_export(fwd, args, "tpu"), "tpu") >= 1
-    assert _kernel_calls(_export(bwd, args, "tpu"), "tpu") >= 3
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_export_fused_attention_rope(platform):
+    """fused_attention's RoPE (applied before the kernel, default angle_precision="high")
+    plus ALiBi slopes and an offset vector given as arrays."""
+    sds = jax.ShapeDtypeStruct
 
+    def f(q, k, v, pos, inv_freq, slopes, ob):
+        return fused_attention(q, k, v, q_positions=pos, kv_positions=pos, inv_freq=inv_freq,
+                               alibi_slopes=slopes, offset_bias=ob, causal=True,
+                               interpret=False)
 
-def test_export_rope_high_precision_angles_cuda():
-    # jaxpos.rope's extended-precision angle reduction (floor-based, no lax.round) lowers
-    # through Pallas Triton, so the default angle_precision="high" compiles for GPU too.
-    fwd, bwd, args = _functions("high")
-    assert _kernel_calls(_export(fwd, args, "cuda"), "cuda") >= 1
-    assert _kernel_calls(_export(bwd, args, "cuda"), "cuda") >= 3
-
-
+    args = (sds((B, T, N, H), jnp.bfloat16), sds((B, T, NKV, H), jnp.bfloat16),
+            sds((B, T, NKV, H), jnp.bfloat16), sds((T,), jnp.int32), sds((H // 2,), jnp.float32),
+            sds((N,), jnp.float32), sds((N, 2 * R + 1), jnp.float32))
+    bwd = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2, 4, 5, 6))
+    assert _kernel_calls(_export(f, args, platform), platform) == 1
+    assert _kernel_calls(_export(bwd, args, platform), platform) == 3
 
 
 # ----------------------------------------------------------- inside shard_map, check_vma=True
@@ -102,20 +127,19 @@ def _sharded(fn, n_args):
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_export_inside_shard_map_with_check_vma(platform):
-    """Sharded q/k/v/segments with replicated positions, slopes and offset bias: the kernel
+    """Sharded q/k/v/segments with replicated positions and captured arrays: the kernel
     casts its inputs to one set of varying axes, declares its outputs' axes, and sums the
     gradients of replicated inputs over the axes they do not vary over (the chunked path's
     rule), so forward and backward lower without ``check_vma=False``."""
-    fwd, _, args = _functions("high", dtype=jnp.bfloat16)
-    sharded, mesh = _sharded(fwd, len(args))
+    args = _args(jnp.bfloat16)
+    sharded, mesh = _sharded(_programmable, len(args))
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     args = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
         mesh, P("b") if i in (0, 1, 2, 4) else P())) for i, a in enumerate(args))
-    bwd = jax.grad(lambda *a: jnp.sum(sharded(*a).astype(jnp.float32)), argnums=(0, 1, 2, 6, 7))
     assert _kernel_calls(_export(sharded, args, platform), platform) >= 1
-    assert _kernel_calls(_export(bwd, args, platform), platform) >= 3
+    assert _kernel_calls(_export(_grad(sharded), args, platform), platform) >= 3
 
 
 def test_interpret_mode_inside_shard_map_with_check_vma_raises_clearly():
@@ -123,13 +147,11 @@ def test_interpret_mode_inside_shard_map_with_check_vma_raises_clearly():
     error says so and names both ways out, instead of an interpreter scan-carry error."""
     import numpy as np
 
-    import jaxpos
-
     q = jnp.asarray(np.random.default_rng(0).normal(size=(1, 8, 2, 8)), jnp.float32)
 
     def f(q, k, v, pos, seg):
-        return jaxpos.attention(q, k, v, position=jaxpos.ALiBi(2), q_positions=pos,
-                                kv_positions=pos, causal=True, implementation="pallas")
+        return attention_via_kernel(q, k, v, q_positions=pos, kv_positions=pos, causal=True,
+                                    segment_ids=seg, kv_segment_ids=seg)
 
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
