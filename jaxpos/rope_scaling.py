@@ -106,7 +106,16 @@ def default_inv_freq(rotary_dim: int, base: float) -> np.ndarray:
     HF computes it in float32 (the power is correctly rounded here; PyTorch's ``pow`` may
     differ from it by one ulp in about 1% of entries)."""
     exps = np.arange(0, rotary_dim, 2).astype(np.float32) / np.float32(rotary_dim)
-    return (np.float32(1.0) / (np.float32(base) ** exps)).astype(np.float32)
+    return (np.float32(1.0) / pow32(base, exps)).astype(np.float32)
+
+
+def pow32(base, exps) -> np.ndarray:
+    """float32 ``base ** exps``, correctly rounded: computed in float64 from the float32
+    operands and rounded once. NumPy's own float32 power may use a vectorised routine
+    that is one ulp off in some entries (AVX-512 builds), which would make the
+    frequencies depend on the CPU."""
+    b = np.float64(np.float32(base))
+    return (b ** np.asarray(exps, np.float32).astype(np.float64)).astype(np.float32)
 
 
 def check_rotary_dim(rotary_dim, head_dim=None) -> int:
@@ -335,7 +344,7 @@ def _dynamic(s: DynamicNTKScaling, dim: int, base: float, seq_len):
         return default_inv_freq(dim, base), 1.0
     # HF with a Python int seq_len: the new base in float64, the powers in float32.
     new_base = base * ((s.factor * seq_len / L) - (s.factor - 1)) ** (dim / (dim - 2))
-    return _recip(_f32(new_base) ** _exps(dim)), 1.0
+    return _recip(pow32(new_base, _exps(dim))), 1.0
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -378,7 +387,7 @@ def _yarn(s: YaRNScaling, dim: int, base: float, seq_len):
         high += 0.001  # HF: prevent a zero-width ramp
     ramp = np.clip((np.arange(dim // 2, dtype=_f32) - _f32(low)) / _f32(high - low), 0, 1)
     extrapolation_factor = (_f32(1) - ramp.astype(_f32)).astype(_f32)
-    pos_freqs = (_f32(base) ** _exps(dim)).astype(_f32)
+    pos_freqs = pow32(base, _exps(dim))
     inv_extrapolation = _recip(pos_freqs)
     inv_interpolation = _recip(_f32(s.factor) * pos_freqs)
     inv_freq = (inv_interpolation * (_f32(1) - extrapolation_factor)
@@ -414,7 +423,7 @@ def _longrope_inv_freq(s: LongRoPEScaling, dim: int, base: float, long: bool):
     if ext.shape[0] != dim // 2:
         raise ValueError(f"LongRoPEScaling factors must have rotary_dim // 2 = {dim // 2} "
                          f"entries; got {ext.shape[0]}.")
-    return _recip(ext * (_f32(base) ** _exps(dim)))
+    return _recip(ext * pow32(base, _exps(dim)))
 
 
 @_register(LongRoPEScaling)
@@ -427,7 +436,7 @@ def _longrope(s: LongRoPEScaling, dim: int, base: float, seq_len):
 def _proportional(s: ProportionalScaling, dim: int, base: float, seq_len):
     n_rot = int(s.partial_rotary_factor * dim // 2)
     exps = np.arange(0, 2 * n_rot, 2).astype(_f32) / _f32(dim)
-    inv = np.concatenate([_recip(_f32(base) ** exps), np.zeros(dim // 2 - n_rot, _f32)])
+    inv = np.concatenate([_recip(pow32(base, exps)), np.zeros(dim // 2 - n_rot, _f32)])
     return (inv / _f32(s.factor)).astype(_f32), 1.0
 
 
