@@ -1,9 +1,19 @@
-"""Flax Linen twins of the modules in :mod:`jaxpos.nnx`.
+"""Flax Linen twins of the modules in :mod:`jaxpos.nnx`, derived from them.
 
-Same names, same arguments (as dataclass fields), the same parameter tree and the same
-pure functions underneath (the helpers of :mod:`jaxpos.nnx`), so given the same weights
-a Linen module and its NNX twin produce the same outputs. :func:`params_from_nnx` turns
+Same names, same arguments (as dataclass fields), the same parameter tree, and the same
+code: every computation (attention, the block, the stacks, decoding, building a scheme
+from the registry) is the NNX module's, inherited from the ``*Core`` classes of
+:mod:`jaxpos.nnx`; a Linen module here only declares its parameters (in ``setup``) and
+its fields. Given the same weights a Linen module and its NNX twin therefore produce the
+same outputs, and they accept the same position names (:func:`jaxpos.nnx.stack_positions`,
+every registered scheme that implements ``from_params``). :func:`params_from_nnx` turns
 an NNX model's parameters into the Linen ``params`` collection.
+
+Why not :func:`flax.nnx.bridge.to_linen`: a bridged module keeps NNX's parameter paths
+(``blocks/0/...``) under its own scope and cannot take a position module defined in a
+Linen parent (a stack's shared T5 table), expose ``decode_step`` to ``apply(...,
+method=...)`` with the same tree, or build ``init_cache`` without parameters; sharing the
+code and declaring the parameters keeps all of those.
 
 Usage::
 
@@ -17,11 +27,12 @@ Usage::
 
 See :mod:`jaxpos.nnx` for the architecture (pre-LN RMSNorm blocks, GELU MLP, tied
 embeddings scaled by ``sqrt(d_model)``, ``scale = 1/sqrt(head_dim)`` for every scheme,
-one T5 table per stack, Shaw tables per layer) and for the KV-cache convention.
+stack-level or per-layer scheme parameters) and for the KV-cache convention.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -30,44 +41,37 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from jaxpos import _checks
-from jaxpos import schemes as _schemes
 from jaxpos.alibi import alibi_bias
-from jaxpos.attention import attention
-from jaxpos.learned import learned_positions
 from jaxpos.nnx import (
-    ATTENTION_POSITIONS,
-    POSITIONS,
+    ABSOLUTE_POSITIONS,
+    AttentionCore,
+    BlockCore,
+    DecoderCore,
+    EncoderCore,
     KVCache,
+    LearnedCore,
+    PositionCore,
+    SinusoidalCore,
+    StackCore,
     attention_dims,
-    attention_inputs,
-    check_attention_input,
+    attention_positions,
     check_attention_options,
-    check_learned_length,
+    check_module_dims,
     check_position_name,
-    check_tokens,
-    default_positions,
-    embed_tokens,
-    init_kv_cache,
+    collect_options,
+    freeze_options,
+    has_params,
+    init_scheme_params,
     learned_table_init,
-    merge_heads,
-    mlp,
-    no_rope_scaling,
-    poison_rows,
-    project_heads,
-    rms_norm,
-    rope_scheme,
-    rotate_at_write,
-    shaw_table_init,
-    sinusoidal_embedding,
-    t5_table_init,
-    tied_logits,
+    stack_plan,
     token_embedding_init,
-    update_kv_cache,
 )
 from jaxpos.rope import apply_rope, check_rotary_dim
+from jaxpos.scheme import REGISTRY
 from jaxpos.t5 import check_bucket_args, t5_bias
 
 __all__ = [
+    "ABSOLUTE_POSITIONS",
     "POSITIONS",
     "ALiBi",
     "DecoderLM",
@@ -75,6 +79,7 @@ __all__ = [
     "KVCache",
     "LearnedPositionalEmbedding",
     "MultiHeadAttention",
+    "PositionModule",
     "RotaryEmbedding",
     "ShawRelativePosition",
     "SinusoidalEmbedding",
@@ -84,6 +89,15 @@ __all__ = [
 ]
 
 Dtype = Any
+
+
+def __getattr__(name: str):
+    # POSITIONS / ATTENTION_POSITIONS as in jaxpos.nnx: derived from the registry.
+    if name in ("POSITIONS", "ATTENTION_POSITIONS"):
+        from jaxpos import nnx as _nnx
+
+        return getattr(_nnx, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def params_from_nnx(model) -> dict:
@@ -135,26 +149,12 @@ def params_from_nnx(model) -> dict:
 
 
 # ================================================================== parameter holders
-# One parameter each, so the trees match NNX's ``q_proj.kernel``, ``attn_norm.scale``,
-# ``embed.embedding``; the computation is the shared pure functions.
-
-class _Kernel(nn.Module):
-    shape: tuple[int, ...]
-    param_dtype: Dtype = jnp.float32
-    name_in_tree: str = "kernel"
-    init_fn: Callable = nn.initializers.lecun_normal()
-
-    def setup(self):
-        self.value = self.param(self.name_in_tree, self.init_fn, self.shape, self.param_dtype)
-
-
-def _linear(in_features, out_features, param_dtype, name):
-    return _Kernel((in_features, out_features), param_dtype, "kernel", name=name)
-
+# Named as Flax NNX names them (``q_proj.kernel``, ``attn_norm.scale``,
+# ``embed.embedding``) and read by the shared code as the same attributes.
 
 class _Dense(nn.Module):
-    """``kernel [in, out]`` and, with ``use_bias``, ``bias [out]`` (zeros), as
-    :class:`flax.nnx.Linear` names them."""
+    """``kernel [in, out]`` (LeCun normal) and, with ``use_bias``, ``bias [out]`` (zeros),
+    as :class:`flax.nnx.Linear` names and initialises them."""
     in_features: int
     out_features: int
     use_bias: bool = False
@@ -167,13 +167,30 @@ class _Dense(nn.Module):
                                 self.param_dtype) if self.use_bias else None)
 
 
-def _norm(features, param_dtype, name):
-    return _Kernel((features,), param_dtype, "scale", nn.initializers.ones, name=name)
+class _Norm(nn.Module):
+    """RMSNorm ``scale [features]`` (ones), as :class:`flax.nnx.RMSNorm`."""
+    features: int
+    param_dtype: Dtype = jnp.float32
+
+    def setup(self):
+        self.scale = self.param("scale", nn.initializers.ones, (self.features,),
+                                self.param_dtype)
+
+
+class _Embed(nn.Module):
+    """Token table ``embedding [vocab, d_model]``, as :class:`flax.nnx.Embed`."""
+    num_embeddings: int
+    features: int
+    param_dtype: Dtype = jnp.float32
+
+    def setup(self):
+        self.embedding = self.param("embedding", token_embedding_init(self.features),
+                                    (self.num_embeddings, self.features), self.param_dtype)
 
 
 # ================================================================== position modules
 
-class SinusoidalEmbedding(nn.Module):
+class SinusoidalEmbedding(SinusoidalCore, nn.Module):
     """Linen twin of :class:`jaxpos.nnx.SinusoidalEmbedding` (Vaswani et al. 2017, §3.5):
     no parameters; ``positions [T] | [B, T]`` -> ``[..., T, d_model]``."""
 
@@ -184,10 +201,11 @@ class SinusoidalEmbedding(nn.Module):
 
     def __call__(self, positions) -> jax.Array:
         _checks.check_positive_int("d_model", self.d_model)
-        return sinusoidal_embedding(positions, self.d_model, self.base, self.layout, self.dtype)
+        _checks.check_choice("layout", self.layout, ("interleaved", "concat"))
+        return SinusoidalCore.__call__(self, positions)
 
 
-class LearnedPositionalEmbedding(nn.Module):
+class LearnedPositionalEmbedding(LearnedCore, nn.Module):
     """Linen twin of :class:`jaxpos.nnx.LearnedPositionalEmbedding`: parameter ``table
     [max_len, d_model]``; ``positions`` -> rows; out-of-range policy ``out_of_range``."""
 
@@ -204,11 +222,68 @@ class LearnedPositionalEmbedding(nn.Module):
         self.table = self.param("table", self.embedding_init or learned_table_init(),
                                 (self.max_len, self.d_model), self.param_dtype)
 
-    def __call__(self, positions) -> jax.Array:
-        return learned_positions(self.table, positions, out_of_range=self.out_of_range)
+    __call__ = LearnedCore.__call__
 
 
-class RotaryEmbedding(nn.Module):
+class _PositionBase(PositionCore, nn.Module):
+    """Parameter declarations of a Linen position module: one ``self.param`` per entry of
+    the scheme's ``init_params`` (same names as the NNX module's). Subclasses give
+    ``_spec()`` (as :class:`jaxpos.nnx.PositionCore`) and ``_init_spec()`` ->
+    ``(d_model, param_init, param_dtype)``."""
+
+    def setup(self):
+        position, num_heads, head_dim, causal, options = self._spec()
+        d_model, param_init, param_dtype = self._init_spec()
+        check_module_dims(num_heads, head_dim, d_model)
+        names = ()
+        if has_params(REGISTRY[position]):
+            init = functools.partial(init_scheme_params, position, num_heads=num_heads,
+                                     head_dim=head_dim, d_model=d_model, causal=causal,
+                                     options=options, param_dtype=param_dtype)
+            shapes = jax.eval_shape(init, jax.random.key(0))
+            for n, sd in shapes.items():
+                if param_init is None:
+                    fn = lambda key, n=n: init(key)[n]
+                else:
+                    fn = lambda key, sd=sd: param_init(key, sd.shape, sd.dtype)
+                setattr(self, n, self.param(n, fn))
+            names = tuple(shapes)
+        self._param_names = names
+
+    def _scheme_params(self):
+        return {n: getattr(self, n) for n in self._param_names}
+
+    scheme = PositionCore.scheme
+
+
+class PositionModule(_PositionBase):
+    """Linen twin of :class:`jaxpos.nnx.PositionModule`: the attention-position module of
+    any registered scheme (fields as the NNX arguments; ``options`` a dict or the tuple of
+    :func:`jaxpos.nnx.collect_options`). Parameters: the scheme's ``init_params``, same
+    names. ``scheme(rope_scaling=None, *, x=None, positions=None)`` -> the scheme."""
+
+    position: str
+    num_heads: int | None = None
+    head_dim: int | None = None
+    d_model: int | None = None
+    causal: bool = False
+    options: Any = None
+    param_init: Callable | None = None
+    param_dtype: Dtype = jnp.float32
+
+    def _spec(self):
+        name = check_position_name("position", self.position, attention_positions())
+        return name, self.num_heads, self.head_dim, bool(self.causal), freeze_options(
+            self.options)
+
+    def _init_spec(self):
+        return self.d_model, self.param_init, self.param_dtype
+
+    def __call__(self, rope_scaling=None, *, x=None, positions=None):
+        return self.scheme(rope_scaling, x=x, positions=positions)
+
+
+class RotaryEmbedding(_PositionBase):
     """Linen twin of :class:`jaxpos.nnx.RotaryEmbedding` (Su et al. 2024, §3.4): no
     parameters; ``scheme(scaling)`` -> :class:`jaxpos.RoPE`; call rotates ``x [B, T, N, H]``."""
 
@@ -217,10 +292,23 @@ class RotaryEmbedding(nn.Module):
     layout: str = "half"
     scaling: Any = None
 
-    def scheme(self, scaling=None) -> _schemes.RoPE:
+    def setup(self):
         check_rotary_dim(self.rotary_dim)
-        return rope_scheme(self.rotary_dim, self.base, self.layout,
-                           self.scaling if scaling is None else scaling)
+        _checks.check_choice("layout", self.layout, ("half", "interleaved"))
+        _checks.check_positive_float("base", self.base)
+        super().setup()
+
+    def _spec(self):
+        return "rope", None, self.rotary_dim, False, collect_options(
+            rotary_dim=self.rotary_dim, rope_base=self.base,
+            scheme_options={"rope_layout": self.layout, "rope_scaling": self.scaling})
+
+    def _init_spec(self):
+        return None, None, jnp.float32
+
+    def scheme(self, scaling=None, *, x=None, positions=None):
+        """The RoPE scheme, with ``scaling`` (this call) or the module's default."""
+        return PositionCore.scheme(self, scaling, x=x, positions=positions)
 
     def __call__(self, x, positions, *, scaling=None) -> jax.Array:
         s = self.scheme(scaling)
@@ -229,22 +317,25 @@ class RotaryEmbedding(nn.Module):
         return apply_rope(x, pos, inv_freq, layout=self.layout, attention_factor=af)
 
 
-class ALiBi(nn.Module):
+class ALiBi(_PositionBase):
     """Linen twin of :class:`jaxpos.nnx.ALiBi` (Press et al. 2022, §3): no parameters;
     ``scheme()`` -> :class:`jaxpos.ALiBi`; call -> bias float32 ``[N, Tq, Tk]``."""
 
     num_heads: int
     bidirectional: bool = False
 
-    def scheme(self) -> _schemes.ALiBi:
-        return _schemes.ALiBi(self.num_heads, bidirectional=self.bidirectional)
+    def _spec(self):
+        return "alibi", self.num_heads, None, not self.bidirectional, ()
+
+    def _init_spec(self):
+        return None, None, jnp.float32
 
     def __call__(self, q_positions, kv_positions) -> jax.Array:
         return alibi_bias(q_positions, kv_positions, self.scheme().slopes,
                           bidirectional=self.bidirectional)
 
 
-class T5RelativeBias(nn.Module):
+class T5RelativeBias(_PositionBase):
     """Linen twin of :class:`jaxpos.nnx.T5RelativeBias` (Raffel et al. 2020, §2.1):
     parameter ``table [num_buckets, num_heads]``; ``scheme()`` -> :class:`jaxpos.T5Bias`;
     call -> bias float32 ``[N, Tq, Tk]``. Define it once in a stack to share it."""
@@ -260,23 +351,24 @@ class T5RelativeBias(nn.Module):
     def setup(self):
         _checks.check_positive_int("num_heads", self.num_heads)
         check_bucket_args(self.num_buckets, self.max_distance, self.bidirectional)
-        init = self.embedding_init or t5_table_init(self.d_model or self.num_heads)
-        self.table = self.param("table", init, (self.num_buckets, self.num_heads),
-                                self.param_dtype)
+        super().setup()
 
-    def scheme(self) -> _schemes.T5Bias:
-        return _schemes.T5Bias(self.table, bidirectional=self.bidirectional,
-                               num_buckets=self.num_buckets, max_distance=self.max_distance)
+    def _spec(self):
+        return "t5", self.num_heads, None, not self.bidirectional, collect_options(
+            num_buckets=self.num_buckets, max_distance=self.max_distance)
+
+    def _init_spec(self):
+        return self.d_model or self.num_heads, self.embedding_init, self.param_dtype
 
     def __call__(self, q_positions, kv_positions) -> jax.Array:
         return t5_bias(q_positions, kv_positions, self.table, bidirectional=self.bidirectional,
                        num_buckets=self.num_buckets, max_distance=self.max_distance)
 
 
-class ShawRelativePosition(nn.Module):
+class ShawRelativePosition(_PositionBase):
     """Linen twin of :class:`jaxpos.nnx.ShawRelativePosition` (Shaw et al. 2018, §3):
     parameters ``rel_k`` (and ``rel_v`` when ``values``) ``[2 * max_distance + 1,
-    head_dim]``; ``scheme()`` -> :class:`jaxpos.Shaw`."""
+    head_dim]``; ``scheme()`` (or the call) -> :class:`jaxpos.Shaw`."""
 
     head_dim: int
     max_distance: int = 16
@@ -286,46 +378,37 @@ class ShawRelativePosition(nn.Module):
 
     def setup(self):
         _checks.check_positive_int("head_dim", self.head_dim)
-        K = _checks.check_positive_int("max_distance", self.max_distance)
-        init = self.embedding_init or shaw_table_init()
-        shape = (2 * K + 1, self.head_dim)
-        self.rel_k = self.param("rel_k", init, shape, self.param_dtype)
-        self.rel_v = self.param("rel_v", init, shape, self.param_dtype) if self.values else None
+        _checks.check_positive_int("max_distance", self.max_distance)
+        super().setup()
+        if "rel_v" not in self._param_names:
+            self.rel_v = None
 
-    def scheme(self) -> _schemes.Shaw:
-        return _schemes.Shaw(self.rel_k, self.rel_v)
+    def _spec(self):
+        return "shaw", None, self.head_dim, False, collect_options(
+            max_distance=self.max_distance, scheme_options={"values": bool(self.values)})
+
+    def _init_spec(self):
+        return None, self.embedding_init, self.param_dtype
 
     def __call__(self):
         return self.scheme()
 
 
-_POSITION_MODULES = (RotaryEmbedding, ALiBi, T5RelativeBias, ShawRelativePosition)
-
-
-def _scheme_of(module, rope_scaling):
-    if module is None:
-        no_rope_scaling("nope", rope_scaling)
-        return _schemes.NoPE()
-    if isinstance(module, RotaryEmbedding):
-        return module.scheme(rope_scaling)
-    no_rope_scaling(type(module).__name__, rope_scaling)
-    return module.scheme()
-
-
 # ================================================================== attention
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(AttentionCore, nn.Module):
     """Linen twin of :class:`jaxpos.nnx.MultiHeadAttention`: grouped-query self- or
-    cross-attention with any position scheme over :func:`jaxpos.attention`.
+    cross-attention with any registered position scheme over :func:`jaxpos.attention`.
 
     Fields as the NNX arguments (``d_model``, ``num_heads``, ``num_kv_heads``, ``head_dim``,
-    ``position`` (a name, or a Linen position module, shared if defined in a parent),
-    ``causal``, ``rotary_dim``, ``rope_base``, ``num_buckets``, ``max_distance``,
-    ``scale``, ``implementation``, ``use_bias``, ``dtype``, ``param_dtype``). Parameters
-    ``q_proj/k_proj/v_proj/o_proj.kernel`` (and ``.bias`` with ``use_bias``) and
-    ``position_module/...`` for a position given by name. A position module passed in lives where it was defined: once in the parent
-    that defined it in ``setup`` (shared by every layer it was passed to, like a stack's T5
-    table), or under ``position/...`` when it was created unbound for this layer.
+    ``position`` (a registered name, or a Linen position module, shared if defined in a
+    parent), ``causal``, ``rotary_dim``, ``rope_base``, ``num_buckets``, ``max_distance``,
+    ``scale``, ``implementation``, ``use_bias``, ``dtype``, ``param_dtype``,
+    ``scheme_options``). Parameters ``q_proj/k_proj/v_proj/o_proj.kernel`` (and ``.bias``
+    with ``use_bias``) and ``position_module/...`` for a position given by name. A
+    position module passed in lives where it was defined: once in the parent that defined
+    it in ``setup`` (shared by every layer it was passed to, like a stack's T5 table), or
+    under ``position/...`` when it was created unbound for this layer.
 
     Call: ``x [B, T, D]`` -> ``[B, T, D]`` (keywords ``context``, ``positions``,
     ``kv_positions``, ``mask``, ``segment_ids``, ``kv_segment_ids``, ``scheme``,
@@ -349,97 +432,41 @@ class MultiHeadAttention(nn.Module):
     use_bias: bool = False
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    scheme_options: Any = None
 
     def _dims(self):
         return attention_dims(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim)
 
+    def _position(self):
+        return self._pos
+
     def setup(self):
         D, N, Nk, H = self._dims()
         check_attention_options(self.implementation, self.use_bias)
+        options = collect_options(rotary_dim=self.rotary_dim, rope_base=self.rope_base,
+                                  num_buckets=self.num_buckets, max_distance=self.max_distance,
+                                  scheme_options=self.scheme_options)
         dense = lambda i, o, name: _Dense(i, o, self.use_bias, self.param_dtype, name=name)
         self.q_proj = dense(D, N * H, "q_proj")
         self.k_proj = dense(D, Nk * H, "k_proj")
         self.v_proj = dense(D, Nk * H, "v_proj")
         self.o_proj = dense(N * H, D, "o_proj")
         pos = self.position
-        if isinstance(pos, _POSITION_MODULES) or pos is None:
+        if pos is None or isinstance(pos, _PositionBase):
             self._pos = pos
             return
-        name = check_position_name("position", pos, ATTENTION_POSITIONS)
-        if name == "nope":
-            self._pos = None
-        elif name == "rope":
-            self._pos = RotaryEmbedding(H if self.rotary_dim is None else self.rotary_dim,
-                                        base=self.rope_base, name="position_module")
-        elif name == "alibi":
-            self._pos = ALiBi(N, bidirectional=not self.causal, name="position_module")
-        elif name == "t5":
-            self._pos = T5RelativeBias(
-                N, num_buckets=self.num_buckets,
-                max_distance=128 if self.max_distance is None else self.max_distance,
-                bidirectional=not self.causal, d_model=D, param_dtype=self.param_dtype,
-                name="position_module")
-        else:
-            self._pos = ShawRelativePosition(
-                H, max_distance=16 if self.max_distance is None else self.max_distance,
-                param_dtype=self.param_dtype, name="position_module")
+        name = check_position_name("position", pos, attention_positions())
+        self._pos = PositionModule(name, num_heads=N, head_dim=H, d_model=D,
+                                   causal=bool(self.causal), options=options,
+                                   param_dtype=self.param_dtype, name="position_module")
 
-    def _proj(self, layer, x, heads):
-        _, _, _, H = self._dims()
-        return project_heads(x, layer.kernel, heads, H, self.dtype, layer.bias)
-
-    def _out(self, o):
-        return merge_heads(o, self.o_proj.kernel, self.dtype, self.o_proj.bias)
-
-    def _qkv(self, x, context=None):
-        D, N, Nk, _ = self._dims()
-        check_attention_input("x", x, D)
-        src = x if context is None else context
-        return (self._proj(self.q_proj, x, N), self._proj(self.k_proj, src, Nk),
-                self._proj(self.v_proj, src, Nk))
-
-    def __call__(self, x, *, context=None, positions=None, kv_positions=None, mask=None,
-                 segment_ids=None, kv_segment_ids=None, scheme=None, rope_scaling=None,
-                 implementation=None) -> jax.Array:
-        pos, kv_pos = attention_inputs(x, context, positions, kv_positions, kv_segment_ids,
-                                       self._dims()[0])
-        q, k, v = self._qkv(x, context)
-        if scheme is None:
-            scheme = _scheme_of(self._pos, rope_scaling)
-        o = attention(q, k, v, position=scheme, q_positions=pos, kv_positions=kv_pos,
-                      causal=self.causal, mask=mask, segment_ids=segment_ids,
-                      kv_segment_ids=kv_segment_ids, scale=self.scale,
-                      implementation=implementation or self.implementation)
-        return self._out(o)
-
-    @nn.nowrap
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
-        """An empty :class:`jaxpos.nnx.KVCache` (no parameters needed)."""
-        _, _, Nk, H = self._dims()
-        return init_kv_cache(batch, max_len, Nk, H, dtype or self.dtype)
-
-    def decode(self, x, cache: KVCache, *, positions=None, scheme=None, rope_scaling=None,
-               implementation=None):
-        """As :meth:`jaxpos.nnx.MultiHeadAttention.decode`: ``(y [B, T, D], cache)``."""
-        q, k, v = self._qkv(x)
-        B, T = x.shape[:2]
-        if positions is None:
-            positions = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)
-        pos = _checks.positions_2d("positions", positions, B, T)
-        if scheme is None:
-            scheme = _scheme_of(self._pos, rope_scaling)
-        q, k, scheme = rotate_at_write(scheme, q, k, pos)
-        cache, seg, kv_seg, overflow = update_kv_cache(cache, k, v, pos)
-        o = attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), position=scheme,
-                      q_positions=pos, kv_positions=cache.positions, causal=self.causal,
-                      segment_ids=seg, kv_segment_ids=kv_seg, scale=self.scale,
-                      implementation=implementation or self.implementation)
-        return poison_rows(self._out(o), overflow), cache
+    __call__ = AttentionCore.__call__
+    decode = AttentionCore.decode
 
 
 # ================================================================== blocks and stacks
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(BlockCore, nn.Module):
     """Linen twin of :class:`jaxpos.nnx.TransformerBlock` (pre-LN, RMSNorm, GELU MLP).
     Fields as :class:`MultiHeadAttention` plus ``mlp_dim`` (default ``4 * d_model``)."""
 
@@ -458,36 +485,28 @@ class TransformerBlock(nn.Module):
     implementation: str | None = None
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    scheme_options: Any = None
 
     def setup(self):
         D = _checks.check_positive_int("d_model", self.d_model)
         F = 4 * D if self.mlp_dim is None else _checks.check_positive_int("mlp_dim", self.mlp_dim)
-        self.attn_norm = _norm(D, self.param_dtype, "attn_norm")
+        self.attn_norm = _Norm(D, self.param_dtype, name="attn_norm")
         self.attn = MultiHeadAttention(
             D, self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             position=self.position, causal=self.causal, rotary_dim=self.rotary_dim,
             rope_base=self.rope_base, num_buckets=self.num_buckets,
             max_distance=self.max_distance, scale=self.scale,
             implementation=self.implementation, dtype=self.dtype,
-            param_dtype=self.param_dtype, name="attn")
-        self.mlp_norm = _norm(D, self.param_dtype, "mlp_norm")
-        self.mlp_in = _linear(D, F, self.param_dtype, "mlp_in")
-        self.mlp_out = _linear(F, D, self.param_dtype, "mlp_out")
+            param_dtype=self.param_dtype, scheme_options=self.scheme_options, name="attn")
+        self.mlp_norm = _Norm(D, self.param_dtype, name="mlp_norm")
+        self.mlp_in = _Dense(D, F, False, self.param_dtype, name="mlp_in")
+        self.mlp_out = _Dense(F, D, False, self.param_dtype, name="mlp_out")
 
-    def _mlp(self, x):
-        h = rms_norm(x, self.mlp_norm.value)
-        return x + mlp(h, self.mlp_in.value, self.mlp_out.value, self.dtype)
-
-    def __call__(self, x, **kw) -> jax.Array:
-        x = x + self.attn(rms_norm(x, self.attn_norm.value), **kw)
-        return self._mlp(x)
-
-    def decode(self, x, cache: KVCache, **kw):
-        a, cache = self.attn.decode(rms_norm(x, self.attn_norm.value), cache, **kw)
-        return self._mlp(x + a), cache
+    __call__ = BlockCore.__call__
+    decode = BlockCore.decode
 
 
-class _Stack(nn.Module):
+class _Stack(StackCore, nn.Module):
     vocab_size: int
     d_model: int
     num_layers: int
@@ -503,84 +522,55 @@ class _Stack(nn.Module):
     implementation: str | None = None
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    scheme_options: Any = None
 
     _causal = True
 
-    def _name(self):
+    def _position_name(self):
         return check_position_name("position", self.position)
+
+    def _cache_dims(self):
+        _, _, Nk, H = attention_dims(self.d_model, self.num_heads, self.num_kv_heads, None)
+        return _checks.check_positive_int("num_layers", self.num_layers), Nk, H
 
     def setup(self):
         V = _checks.check_positive_int("vocab_size", self.vocab_size)
         D, N, Nk, H = attention_dims(self.d_model, self.num_heads, self.num_kv_heads, None)
         L = _checks.check_positive_int("num_layers", self.num_layers)
-        name, causal = self._name(), self._causal
         if self.max_len is not None:
             _checks.check_positive_int("max_len", self.max_len)
-        self.embed = _Kernel((V, D), self.param_dtype, "embedding", token_embedding_init(D),
-                             name="embed")
-        self.abs_position = None
-        self.rel_position = None
-        if name == "sinusoidal":
+        plan = stack_plan(self.position, max_len=self.max_len, rope_base=self.rope_base,
+                          prefixed={"t5_num_buckets": self.t5_num_buckets,
+                                    "t5_max_distance": self.t5_max_distance,
+                                    "shaw_max_distance": self.shaw_max_distance},
+                          scheme_options=self.scheme_options)
+        causal = self._causal
+        self.embed = _Embed(V, D, self.param_dtype, name="embed")
+        if plan.absolute == "sinusoidal":
             self.abs_position = SinusoidalEmbedding(D, dtype=self.dtype, name="abs_position")
-        elif name == "learned":
-            if self.max_len is None:
-                raise ValueError("position='learned' needs max_len (the number of table rows); "
-                                 "got max_len=None.")
+        elif plan.absolute == "learned":
             self.abs_position = LearnedPositionalEmbedding(
                 self.max_len, D, param_dtype=self.param_dtype, name="abs_position")
-        elif name == "rope":
-            self.rel_position = RotaryEmbedding(H, base=self.rope_base, name="rel_position")
-        elif name == "alibi":
-            self.rel_position = ALiBi(N, bidirectional=not causal, name="rel_position")
-        elif name == "t5":
-            self.rel_position = T5RelativeBias(
-                N, num_buckets=self.t5_num_buckets, max_distance=self.t5_max_distance,
-                bidirectional=not causal, d_model=D, param_dtype=self.param_dtype,
-                name="rel_position")
-        layer_pos = name if name == "shaw" else "nope"
+        else:
+            self.abs_position = None
+        self.rel_position = None if plan.per_layer else PositionModule(
+            plan.scheme, num_heads=N, head_dim=H, d_model=D, causal=causal, options=plan.options,
+            param_dtype=self.param_dtype, name="rel_position")
+        layer_position = plan.scheme if plan.per_layer else "nope"
+        layer_options = dict(plan.options) if plan.per_layer else None
         self.blocks = [
-            TransformerBlock(D, N, num_kv_heads=Nk, mlp_dim=self.mlp_dim, position=layer_pos,
-                             causal=causal,
-                             max_distance=self.shaw_max_distance if layer_pos == "shaw" else None,
-                             implementation=self.implementation, dtype=self.dtype,
-                             param_dtype=self.param_dtype, name=f"blocks_{i}")
+            TransformerBlock(D, N, num_kv_heads=Nk, mlp_dim=self.mlp_dim,
+                             position=layer_position, causal=causal,
+                             scheme_options=layer_options, implementation=self.implementation,
+                             dtype=self.dtype, param_dtype=self.param_dtype,
+                             name=f"blocks_{i}")
             for i in range(L)]
-        self.final_norm = _norm(D, self.param_dtype, "final_norm")
-
-    def _embed(self, tokens, pos):
-        tokens = check_tokens(tokens, self.vocab_size)
-        x = embed_tokens(self.embed.value, tokens, self.d_model, self.dtype)
-        if self.abs_position is not None:
-            x = x + self.abs_position(pos).astype(self.dtype)
-        return x
-
-    def _scheme(self, rope_scaling):
-        name = self._name()
-        if name == "shaw":
-            no_rope_scaling("shaw", rope_scaling)
-            return None
-        if self.rel_position is None:
-            no_rope_scaling(name, rope_scaling)
-            return _schemes.NoPE()
-        return _scheme_of(self.rel_position, rope_scaling)
-
-    def _hidden(self, tokens, positions, rope_scaling, implementation, mask=None,
-                segment_ids=None):
-        _checks.check_rank("tokens", tokens, (2,), "[batch, seq] token ids")
-        check_learned_length(self._name(), self.max_len, _checks.shape_of(tokens)[1], positions)
-        pos = default_positions(_checks.shape_of(tokens), positions)
-        x = self._embed(tokens, pos)
-        scheme = self._scheme(rope_scaling)
-        impl = implementation or self.implementation
-        for block in self.blocks:
-            x = block(x, positions=pos, mask=mask, segment_ids=segment_ids, scheme=scheme,
-                      implementation=impl)
-        return rms_norm(x, self.final_norm.value)
+        self.final_norm = _Norm(D, self.param_dtype, name="final_norm")
 
 
-class DecoderLM(_Stack):
+class DecoderLM(DecoderCore, _Stack):
     """Linen twin of :class:`jaxpos.nnx.DecoderLM`: a causal decoder-only language model
-    with any position scheme (fields = the NNX constructor's arguments).
+    with any registered position scheme (fields = the NNX constructor's arguments).
 
     ``__call__(tokens [B, T], *, positions=None, rope_scaling=None, implementation=None,
     segment_ids=None)`` -> float32 logits ``[B, T, vocab_size]``;
@@ -592,49 +582,15 @@ class DecoderLM(_Stack):
     position: str = "rope"
     _causal = True
 
-    def __call__(self, tokens, *, positions=None, rope_scaling=None, implementation=None,
-                 segment_ids=None) -> jax.Array:
-        h = self._hidden(tokens, positions, rope_scaling, implementation,
-                         segment_ids=segment_ids)
-        return tied_logits(h, self.embed.value)
-
-    @nn.nowrap
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> tuple[KVCache, ...]:
-        """One empty :class:`jaxpos.nnx.KVCache` per layer."""
-        _, _, Nk, H = attention_dims(self.d_model, self.num_heads, self.num_kv_heads, None)
-        L = _checks.check_positive_int("num_layers", self.num_layers)
-        return tuple(init_kv_cache(batch, max_len, Nk, H, dtype or self.dtype) for _ in range(L))
-
-    def decode_step(self, tokens, cache, *, positions=None, rope_scaling=None,
-                    implementation=None):
-        """As :meth:`jaxpos.nnx.DecoderLM.decode_step`."""
-        if not isinstance(cache, (tuple, list)) or len(cache) != self.num_layers:
-            raise ValueError(f"cache must be a tuple of {self.num_layers} KVCache (from "
-                             f"init_cache); got {type(cache).__name__}.")
-        _checks.check_rank("tokens", tokens, (2,), "[batch, seq] token ids")
-        B, T = _checks.shape_of(tokens)
-        if positions is None:
-            positions = cache[0].length[:, None] + jnp.arange(T, dtype=jnp.int32)
-        pos = _checks.positions_2d("positions", positions, B, T)
-        x = self._embed(tokens, pos)
-        scheme = self._scheme(rope_scaling)
-        impl = implementation or self.implementation
-        new = []
-        for block, c in zip(self.blocks, cache):
-            x, c = block.decode(x, c, positions=pos, scheme=scheme, implementation=impl)
-            new.append(c)
-        h = rms_norm(x, self.final_norm.value)
-        return tied_logits(h, self.embed.value), tuple(new)
+    __call__ = DecoderCore.__call__
+    decode_step = DecoderCore.decode_step
 
 
-class Encoder(_Stack):
+class Encoder(EncoderCore, _Stack):
     """Linen twin of :class:`jaxpos.nnx.Encoder`: bidirectional stack, default
     ``position="nope"``; returns final-normalised hidden states ``[B, T, d_model]``."""
 
     position: str = "nope"
     _causal = False
 
-    def __call__(self, tokens, *, positions=None, mask=None, segment_ids=None,
-                 rope_scaling=None, implementation=None) -> jax.Array:
-        return self._hidden(tokens, positions, rope_scaling, implementation, mask=mask,
-                            segment_ids=segment_ids)
+    __call__ = EncoderCore.__call__

@@ -1,24 +1,33 @@
 """Flax NNX modules over the jaxpos functions: position modules, attention, blocks and
 small decoder / encoder stacks.
 
-Position modules (each wraps the pure functions of one scheme; those that act inside
-attention also build the scheme object that :func:`jaxpos.attention` takes, with
-``.scheme()``):
+Every attention-position scheme reaches the modules through the scheme registry
+(:data:`jaxpos.REGISTRY`, :mod:`jaxpos.scheme`): a name such as ``"rope"``, ``"t5"`` or
+``"kerple_log"`` selects a scheme class, whose ``init_params`` gives the learned
+parameters that :class:`PositionModule` holds (as :class:`flax.nnx.Param` attributes)
+and whose ``from_params`` builds the scheme object that :func:`jaxpos.attention` takes,
+once per call. No attention, block or stack code here names a scheme: a scheme
+registered anywhere (one file, see ``docs/architecture.md``) is accepted by
+:class:`MultiHeadAttention`, :class:`TransformerBlock`, :class:`DecoderLM` and
+:class:`Encoder`.
 
 =============================  ============================  ==============================
 module                         parameters                    enters the model
 =============================  ============================  ==============================
 :class:`SinusoidalEmbedding`   none (the table is computed)  added to the token embeddings
 :class:`LearnedPositionalEmbedding`  ``table [max_len, d]``  added to the token embeddings
+:class:`PositionModule`        the scheme's ``init_params``  inside attention (any scheme)
 :class:`RotaryEmbedding`       none                          rotates q and k
 :class:`ALiBi`                 none (fixed slopes)           score bias
 :class:`T5RelativeBias`        ``table [num_buckets, N]``    score bias, one table per stack
 :class:`ShawRelativePosition`  ``rel_k, rel_v [2K+1, H]``    key and value terms, per layer
 =============================  ============================  ==============================
 
-Then :class:`MultiHeadAttention` (``position=...``), :class:`TransformerBlock`,
-:class:`DecoderLM` and :class:`Encoder`. The Linen twins in :mod:`jaxpos.linen` share the
-parameter names and the numerics, so :func:`jaxpos.linen.params_from_nnx` moves weights
+The last four are :class:`PositionModule` for ``"rope"``, ``"alibi"``, ``"t5"`` and
+``"shaw"`` with their classic constructor arguments. Then :class:`MultiHeadAttention`
+(``position=...``), :class:`TransformerBlock`, :class:`DecoderLM` and :class:`Encoder`.
+The Linen twins in :mod:`jaxpos.linen` run the same code (the ``*Core`` classes here)
+over Linen parameter declarations, so :func:`jaxpos.linen.params_from_nnx` moves weights
 across and both give the same outputs.
 
 Design choices of the stacks (documented once here, used by both twins):
@@ -33,22 +42,26 @@ Design choices of the stacks (documented once here, used by both twins):
 * Every scheme uses the usual ``scale = 1/sqrt(head_dim)``, T5 included (T5 itself uses
   1.0 with unscaled initialisation); a comparison between schemes then differs in the
   position term only. :class:`MultiHeadAttention` takes ``scale=`` to change it.
-* Stack-level position modules (RoPE, ALiBi, T5) are owned by the stack and their
-  scheme is built once per call and passed to every layer: the T5 table is one
-  parameter shared by all layers, as in T5 (Raffel et al. 2020, §2.1). Shaw tables are
-  per layer (Shaw et al. 2018, §3.1, share them across heads, not layers).
+* A scheme whose class says ``params_per_layer = False`` (RoPE, ALiBi, T5, every scheme
+  without parameters) is owned by the stack (``rel_position``): its scheme is built once
+  per call and passed to every layer, so the T5 table is one parameter shared by all
+  layers, as in T5 (Raffel et al. 2020, §2.1). ``params_per_layer = True`` (Shaw et al.
+  2018, §3.1, whose tables are shared across heads, not layers) gives each layer its own
+  :class:`PositionModule` (``blocks[i].attn.position_module``).
 
 KV-cache decoding: ``cache = model.init_cache(batch, max_len)`` then
 ``logits, cache = model.decode_step(tokens, cache, positions=...)`` with any number of
-new tokens per step. A cache (:class:`KVCache`) holds raw (unrotated) keys and values,
-their positions and a per-row fill count, so rows may sit at different offsets and
-positions are just integers: RoPE rotates cached keys from their stored positions, and
-ALiBi / T5 / Shaw read offsets from them.
+new tokens per step. A cache (:class:`KVCache`) holds what the scheme's
+:meth:`~jaxpos.PositionScheme.cache_write` stores (raw keys for every built-in scheme but
+RoPE with a length-dependent scaling), their positions and a per-row fill count, so rows
+may sit at different offsets and positions are just integers: RoPE rotates cached keys
+from their stored positions, and ALiBi / T5 / Shaw read offsets from them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -56,16 +69,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpos import _checks
-from jaxpos import schemes as _schemes
+# Importing a scheme module registers its schemes; ``import jaxpos`` loads the built-in
+# ones, these load the rest of the library's schemes.
+from jaxpos import _checks, fire, fox, irope, kerple, sandwich, xpos  # noqa: F401
 from jaxpos.alibi import alibi_bias
 from jaxpos.attention import IMPLEMENTATIONS, attention
 from jaxpos.learned import learned_positions
 from jaxpos.rope import apply_rope, check_rotary_dim
+from jaxpos.scheme import REGISTRY, NoPE, PositionScheme
 from jaxpos.sinusoidal import sinusoidal_pe
 from jaxpos.t5 import check_bucket_args, t5_bias
 
 __all__ = [
+    "ABSOLUTE_POSITIONS",
+    "ATTENTION_POSITIONS",
     "POSITIONS",
     "ALiBi",
     "DecoderLM",
@@ -73,18 +90,50 @@ __all__ = [
     "KVCache",
     "LearnedPositionalEmbedding",
     "MultiHeadAttention",
+    "PositionModule",
     "RotaryEmbedding",
     "ShawRelativePosition",
     "SinusoidalEmbedding",
     "T5RelativeBias",
     "TransformerBlock",
+    "attention_positions",
+    "position_scheme",
     "rotate_at_write",
+    "stack_positions",
 ]
 
-#: Position names accepted by the stacks.
-POSITIONS = ("nope", "sinusoidal", "learned", "rope", "alibi", "t5", "shaw")
-#: Position names accepted by :class:`MultiHeadAttention` (those that act in attention).
-ATTENTION_POSITIONS = ("nope", "rope", "alibi", "t5", "shaw")
+#: Absolute position names: vectors added to the token embeddings, not attention schemes.
+ABSOLUTE_POSITIONS = ("sinusoidal", "learned")
+
+
+def buildable(cls) -> bool:
+    """True when the Flax modules can build scheme class ``cls`` (it implements
+    :meth:`jaxpos.PositionScheme.from_params`)."""
+    return getattr(cls.from_params, "__func__", None) is not PositionScheme.from_params.__func__
+
+
+def attention_positions() -> tuple[str, ...]:
+    """The names :class:`MultiHeadAttention` accepts now: every registered scheme that
+    implements ``from_params``, ``"nope"`` first, then sorted (the registry may grow after
+    import: :func:`jaxpos.scheme.register`)."""
+    names = sorted(n for n, cls in REGISTRY.items() if n != "nope" and buildable(cls))
+    return ("nope", *names)
+
+
+def stack_positions() -> tuple[str, ...]:
+    """The names :class:`DecoderLM` / :class:`Encoder` accept now:
+    :func:`attention_positions` plus :data:`ABSOLUTE_POSITIONS`."""
+    nope, *rest = attention_positions()
+    return (nope, *ABSOLUTE_POSITIONS, *rest)
+
+
+def __getattr__(name: str):
+    # POSITIONS / ATTENTION_POSITIONS are derived from the registry at each access (PEP 562).
+    if name == "POSITIONS":
+        return stack_positions()
+    if name == "ATTENTION_POSITIONS":
+        return attention_positions()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ================================================================== shared helpers
@@ -100,25 +149,33 @@ def learned_table_init():
     return jax.nn.initializers.normal(stddev=math.sqrt(0.5))
 
 
-def t5_table_init(d_model: int):
-    """``N(0, 1/d_model)``, as Hugging Face's T5 initialises ``relative_attention_bias``."""
-    return jax.nn.initializers.normal(stddev=d_model ** -0.5)
+def check_position_name(name: str, value: Any, choices=None) -> str:
+    """Lower-cased position name (``"none"`` means ``"nope"``).
 
+    ``choices`` defaults to :func:`stack_positions` (derived from the registry).
 
-def shaw_table_init():
-    """Glorot uniform, the tensor2tensor default for Shaw's relative embeddings."""
-    return jax.nn.initializers.glorot_uniform()
-
-
-def check_position_name(name: str, value: Any, choices=POSITIONS) -> str:
-    """Lower-cased position name (``"none"`` means ``"nope"``); ``TypeError`` for a
-    non-string, ``ValueError`` naming ``choices`` for an unknown name."""
+    Raises:
+      TypeError: ``value`` is not a string.
+      ValueError: an unknown name (the message lists ``choices``), or a registered scheme
+        whose class does not implement ``from_params`` (the message names the class).
+    """
+    if choices is None:
+        choices = stack_positions()
+    choices = tuple(choices)
     if not isinstance(value, str):
         raise TypeError(f"{name} must be one of {choices} (a string); got "
                         f"{type(value).__name__} {value!r}.")
     value = value.lower()
     if value == "none":
         value = "nope"
+    if value not in choices and value in REGISTRY and not buildable(REGISTRY[value]):
+        cls = REGISTRY[value]
+        raise ValueError(
+            f"{name}={value!r} is a registered scheme ({cls.__module__}.{cls.__name__}) that "
+            f"the Flax modules cannot build: {cls.__name__} does not implement "
+            f"from_params (and init_params, if it has learned parameters), the hooks of "
+            f"jaxpos.PositionScheme that the modules call. Build the scheme yourself and "
+            f"pass it at call time (scheme=...), or choose one of {choices}.")
     _checks.check_choice(name, value, choices)
     return value
 
@@ -175,24 +232,132 @@ def check_learned_length(position: str, max_len, T: int, positions) -> None:
                          f"absolute positions cannot run past their table.")
 
 
-def rope_scheme(rotary_dim: int, base: float, layout: str, scaling) -> _schemes.RoPE:
-    """:class:`jaxpos.RoPE` with ``scaling`` (a :mod:`jaxpos.rope_scaling` dataclass or None)."""
-    return _schemes.RoPE(rotary_dim=rotary_dim, base=base, layout=layout, scaling=scaling)
-
-
 def no_rope_scaling(position: str, rope_scaling) -> None:
-    """``ValueError`` when ``rope_scaling`` is given to a model without RoPE."""
+    """``ValueError`` when ``rope_scaling`` is given to a model whose scheme ``position``
+    (a name, for the message) does not take it."""
     if rope_scaling is not None:
         raise ValueError(f"rope_scaling applies to RoPE models only; this model uses "
                          f"position={position!r}. Got rope_scaling={rope_scaling!r}.")
+
+
+def collect_options(*, rotary_dim=None, rope_base=None, num_buckets=None, max_distance=None,
+                    scheme_options=None) -> tuple:
+    """A module's scheme options: the named ones (``rotary_dim``, ``rope_base``,
+    ``num_buckets``, ``max_distance``; None where unset), then ``scheme_options`` (a dict,
+    or any mapping, with string keys, e.g. a new scheme's own options) on top.
+
+    Returns a tuple of ``(name, value)`` pairs sorted by name: static, hashable module
+    data; a scheme's ``init_params`` / ``from_params`` receive it as a dict.
+
+    Raises:
+      TypeError: ``scheme_options`` is not a dict with string keys.
+    """
+    opts = {"rotary_dim": rotary_dim, "rope_base": rope_base, "num_buckets": num_buckets,
+            "max_distance": max_distance}
+    if scheme_options is not None:
+        if not isinstance(scheme_options, Mapping) or not all(
+                isinstance(k, str) for k in scheme_options):
+            raise TypeError(f"scheme_options must be a dict with string keys (a scheme's "
+                            f"options) or None; got {type(scheme_options).__name__} "
+                            f"{scheme_options!r}.")
+        opts.update(scheme_options)
+    return tuple(sorted(opts.items(), key=lambda kv: kv[0]))
+
+
+def freeze_options(options) -> tuple:
+    """``options`` (a dict, a tuple of pairs from :func:`collect_options`, or None) as a
+    sorted tuple of ``(name, value)`` pairs. ``TypeError`` for anything else."""
+    if options is None:
+        return ()
+    if isinstance(options, Mapping):
+        return collect_options(scheme_options=options) if options else ()
+    if isinstance(options, tuple) and all(
+            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in options):
+        return tuple(sorted(options, key=lambda kv: kv[0]))
+    raise TypeError(f"options must be a dict of scheme options or None; got "
+                    f"{type(options).__name__} {options!r}.")
+
+
+def stack_options(position: str, *, rope_base, prefixed: dict, scheme_options) -> tuple:
+    """The scheme options of a stack (:class:`DecoderLM`, :class:`Encoder`).
+
+    ``rope_base`` is passed as is; an argument of ``prefixed`` named
+    ``<scheme>_<option>`` (the stacks' ``t5_num_buckets``, ``t5_max_distance``,
+    ``shaw_max_distance``) is the option ``<option>`` of the scheme registered as
+    ``<scheme>`` and is ignored by every other scheme; ``scheme_options`` go on top
+    (:func:`collect_options`, which raises ``TypeError`` for a bad ``scheme_options``).
+    """
+    collect_options(scheme_options=scheme_options)  # validates it
+    extra = {}
+    for key, val in prefixed.items():
+        scheme, _, option = key.partition("_")
+        if scheme == position and val is not None:
+            extra[option] = val
+    extra.update(scheme_options or {})
+    return collect_options(rope_base=rope_base, scheme_options=extra)
+
+
+def has_params(cls) -> bool:
+    """True when scheme class ``cls`` declares learned parameters (overrides
+    :meth:`jaxpos.PositionScheme.init_params`)."""
+    return getattr(cls.init_params, "__func__", None) is not PositionScheme.init_params.__func__
+
+
+def init_scheme_params(position: str, key, *, num_heads, head_dim, d_model, causal,
+                       options: tuple, param_dtype) -> dict:
+    """``REGISTRY[position].init_params(...)``: the scheme's initial parameters, a dict of
+    arrays (``{}`` for none).
+
+    Raises:
+      TypeError: the scheme returned something other than a dict of arrays.
+    """
+    cls = REGISTRY[position]
+    params = cls.init_params(key, num_heads=num_heads, head_dim=head_dim, d_model=d_model,
+                             causal=causal, param_dtype=param_dtype, options=dict(options))
+    if not isinstance(params, dict) or not all(
+            isinstance(k, str) and hasattr(v, "shape") for k, v in params.items()):
+        raise TypeError(f"{cls.__name__}.init_params must return a dict of arrays keyed by "
+                        f"parameter name; got {params!r}.")
+    return params
+
+
+def build_scheme(position: str, params: dict, *, num_heads, head_dim, causal, options: tuple,
+                 rope_scaling=None, x=None, positions=None) -> PositionScheme:
+    """The scheme of one call: ``REGISTRY[position].from_params(params, ...)``.
+
+    Args:
+      position: a registered name. params: the module's parameter values.
+      num_heads, head_dim, causal: the layer's (heads and width may be None for a module
+        built without them). options: from :func:`collect_options`.
+      rope_scaling: a :mod:`jaxpos.rope_scaling` dataclass for this call only, passed as
+        option ``"rope_scaling"``.
+      x: ``[B, T, D]`` the layer's input; positions: int32 ``[B|1, T]`` (for schemes
+        computed from the tokens).
+
+    Raises:
+      ValueError: ``rope_scaling`` given to a scheme that does not take it (the scheme it
+        built has no ``scaling`` holding it, e.g. ALiBi).
+    """
+    cls = REGISTRY[position]
+    opts = dict(options)
+    if rope_scaling is not None:
+        opts["rope_scaling"] = rope_scaling
+    scheme = cls.from_params(dict(params), num_heads=num_heads, head_dim=head_dim,
+                             causal=causal, options=opts, x=x, positions=positions)
+    if rope_scaling is not None and getattr(scheme, "scaling", None) is not rope_scaling:
+        raise ValueError(f"rope_scaling applies to schemes that take a RoPE scaling (RoPE); "
+                         f"this layer uses position={position!r} ({cls.__name__}), which does "
+                         f"not. Got rope_scaling={rope_scaling!r}.")
+    return scheme
 
 
 class KVCache(NamedTuple):
     """The KV cache of one attention layer (a pytree; pass it through ``jit``).
 
     Attributes:
-      k: ``[B, S, N_kv, H]`` raw keys (not rotated: RoPE is applied from ``positions``
-        inside :func:`jaxpos.attention` at every step).
+      k: ``[B, S, N_kv, H]`` keys as the scheme's ``cache_write`` stores them (raw for
+        every built-in scheme but RoPE with a length-dependent scaling: RoPE is applied
+        from ``positions`` inside :func:`jaxpos.attention` at every step).
       v: ``[B, S, N_kv, H]`` values.
       positions: int32 ``[B, S]`` position of each filled slot.
       length: int32 ``[B]`` number of filled slots per row; slots ``>= length`` are masked.
@@ -349,7 +514,20 @@ def attention_dims(d_model, num_heads, num_kv_heads, head_dim):
 
 # ================================================================== position modules
 
-class SinusoidalEmbedding(nnx.Module):
+def _value(v):
+    """The array of an :class:`flax.nnx.Variable` (NNX) or the array itself (Linen)."""
+    return v[...] if isinstance(v, nnx.Variable) else v
+
+
+class SinusoidalCore:
+    """The call of :class:`SinusoidalEmbedding` and its Linen twin (fields ``d_model``,
+    ``base``, ``layout``, ``dtype``)."""
+
+    def __call__(self, positions) -> jax.Array:
+        return sinusoidal_embedding(positions, self.d_model, self.base, self.layout, self.dtype)
+
+
+class SinusoidalEmbedding(SinusoidalCore, nnx.Module):
     """Sinusoidal absolute positions (Vaswani et al. 2017, §3.5), computed from the
     positions at every call: the table is **not** a parameter (the module has no state)
     and has no length limit.
@@ -370,11 +548,16 @@ class SinusoidalEmbedding(nnx.Module):
         _checks.check_choice("layout", layout, ("interleaved", "concat"))
         self.base, self.layout, self.dtype = float(base), layout, dtype
 
+
+class LearnedCore:
+    """The call of :class:`LearnedPositionalEmbedding` and its Linen twin (``table``,
+    ``out_of_range``)."""
+
     def __call__(self, positions) -> jax.Array:
-        return sinusoidal_embedding(positions, self.d_model, self.base, self.layout, self.dtype)
+        return learned_positions(_value(self.table), positions, out_of_range=self.out_of_range)
 
 
-class LearnedPositionalEmbedding(nnx.Module):
+class LearnedPositionalEmbedding(LearnedCore, nnx.Module):
     """Learned absolute positions (Gehring et al. 2017; GPT-2, BERT): a trained table
     ``[max_len, d_model]`` whose row ``t`` is added at position ``t``.
 
@@ -399,12 +582,113 @@ class LearnedPositionalEmbedding(nnx.Module):
         self.table = nnx.Param(init(rngs.params(), (max_len, d_model), param_dtype))
         self.max_len, self.d_model, self.out_of_range = max_len, d_model, out_of_range
 
-    def __call__(self, positions) -> jax.Array:
-        return learned_positions(self.table[...], positions, out_of_range=self.out_of_range)
+
+class PositionCore:
+    """``scheme()`` of :class:`PositionModule` and its Linen twin. Subclasses give
+    ``_spec()`` -> ``(position, num_heads, head_dim, causal, options)`` and
+    ``_scheme_params()`` -> ``{name: array}``."""
+
+    def scheme(self, rope_scaling=None, *, x=None, positions=None) -> PositionScheme:
+        """The scheme object for one call (:func:`build_scheme`): built from the module's
+        parameters by the scheme class's ``from_params`` (gradients flow to them).
+
+        Args:
+          rope_scaling: a :mod:`jaxpos.rope_scaling` dataclass for this call only
+            (``ValueError`` for a scheme that does not take it).
+          x: ``[B, T, D]`` the layer's input; positions: int ``[B|1, T]``; both optional,
+            for schemes computed from the tokens (FoX's forget gates).
+
+        Returns:
+          a :class:`jaxpos.PositionScheme`.
+        """
+        position, num_heads, head_dim, causal, options = self._spec()
+        return build_scheme(position, self._scheme_params(), num_heads=num_heads,
+                            head_dim=head_dim, causal=causal, options=options,
+                            rope_scaling=rope_scaling, x=x, positions=positions)
 
 
-class RotaryEmbedding(nnx.Module):
-    """Rotary position embedding (Su et al. 2024, §3.4); no parameters.
+def check_module_dims(num_heads, head_dim, d_model) -> None:
+    """``num_heads``, ``head_dim``, ``d_model``: positive ints or None (unknown to a
+    module built for one scheme, e.g. ALiBi needs no ``head_dim``)."""
+    for arg, val in (("num_heads", num_heads), ("head_dim", head_dim), ("d_model", d_model)):
+        if val is not None:
+            _checks.check_positive_int(arg, val)
+
+
+class PositionModule(PositionCore, nnx.Module):
+    """The attention-position module of any registered scheme: holds the scheme's learned
+    parameters (``init_params``) as :class:`flax.nnx.Param` attributes of the same names
+    (``table`` for T5, ``rel_k``/``rel_v`` for Shaw, ...) and builds the scheme for each
+    call with ``from_params`` (:meth:`scheme`).
+
+    Args:
+      position: a registered name (:func:`attention_positions`; ``"none"`` = ``"nope"``).
+      num_heads, head_dim: the attention layer's query heads and head width (None where
+        the scheme does not need them). d_model: model width (initialisers use it).
+      causal: the layer is causal (T5 then uses causal buckets, ALiBi ``m (kv - q)``).
+      options: the scheme's options, a dict (``rotary_dim``, ``rope_base``,
+        ``rope_layout``, ``rope_scaling`` (the default for every call), ``num_buckets``,
+        ``max_distance``, or a new scheme's own; None where unset).
+      param_init: an initialiser ``(key, shape, dtype)`` replacing the scheme's for every
+        parameter; default: the scheme's ``init_params``.
+      param_dtype: parameter dtype. rngs: :class:`flax.nnx.Rngs` (``params`` stream),
+        required when the scheme has parameters.
+
+    The scheme is built once at construction (with a one-token input) so that bad
+    options raise here, not at the first call.
+
+    Raises:
+      ValueError: unknown name, a registered scheme without ``from_params``, a scheme
+        with parameters and no ``rngs``, options the scheme rejects (its own message).
+      TypeError: non-int sizes, ``options`` not a dict.
+    """
+
+    def __init__(self, position: str, *, num_heads: int | None = None,
+                 head_dim: int | None = None, d_model: int | None = None,
+                 causal: bool = False, options: dict | None = None, param_init=None,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        name = check_position_name("position", position, attention_positions())
+        check_module_dims(num_heads, head_dim, d_model)
+        options = freeze_options(options)
+        self.position_name, self.num_heads, self.head_dim = name, num_heads, head_dim
+        self.d_model, self.causal, self.options = d_model, bool(causal), options
+        cls = REGISTRY[name]
+        params = {}
+        if has_params(cls):
+            if rngs is None:
+                raise ValueError(f"position={name!r} ({cls.__name__}) has learned parameters; "
+                                 f"pass rngs=nnx.Rngs(...).")
+            params = init_scheme_params(name, rngs.params(), num_heads=num_heads,
+                                        head_dim=head_dim, d_model=d_model, causal=self.causal,
+                                        options=options, param_dtype=param_dtype)
+            if param_init is not None:
+                params = {n: param_init(rngs.params(), v.shape, v.dtype)
+                          for n, v in params.items()}
+        for n, v in params.items():
+            if hasattr(self, n):
+                raise ValueError(f"{cls.__name__}.init_params returned a parameter named "
+                                 f"{n!r}, which is an attribute of PositionModule; rename it.")
+            setattr(self, n, nnx.Param(v))
+        self.param_names = tuple(params)
+        self._validate(param_dtype)
+
+    def _spec(self):
+        return (self.position_name, self.num_heads, self.head_dim, self.causal, self.options)
+
+    def _scheme_params(self):
+        return {n: getattr(self, n)[...] for n in self.param_names}
+
+    def _validate(self, dtype):
+        x = None if self.d_model is None else jnp.zeros((1, 1, self.d_model), dtype)
+        scheme = self.scheme(x=x, positions=jnp.zeros((1, 1), jnp.int32))
+        scheme.check_causal(self.causal)
+        if self.num_heads is not None and self.head_dim is not None:
+            scheme.check(self.num_heads, self.head_dim)
+
+
+class RotaryEmbedding(PositionModule):
+    """Rotary position embedding (Su et al. 2024, §3.4); no parameters. The
+    :class:`PositionModule` of ``"rope"``.
 
     Args:
       rotary_dim: rotated features per head (even); the rest pass through.
@@ -419,15 +703,17 @@ class RotaryEmbedding(nnx.Module):
 
     def __init__(self, rotary_dim: int, *, base: float = 10000.0, layout: str = "half",
                  scaling=None):
-        self.rotary_dim = check_rotary_dim(rotary_dim)
+        rotary_dim = check_rotary_dim(rotary_dim)
         _checks.check_choice("layout", layout, ("half", "interleaved"))
-        _checks.check_positive_float("base", base)
-        self.base, self.layout, self.scaling = float(base), layout, scaling
+        base = _checks.check_positive_float("base", base)
+        self.rotary_dim, self.base, self.layout, self.scaling = rotary_dim, base, layout, scaling
+        super().__init__("rope", head_dim=rotary_dim, options={
+            "rotary_dim": rotary_dim, "rope_base": base, "rope_layout": layout,
+            "rope_scaling": scaling})
 
-    def scheme(self, scaling=None) -> _schemes.RoPE:
+    def scheme(self, scaling=None, *, x=None, positions=None):
         """The RoPE scheme, with ``scaling`` (this call) or the module's default."""
-        return rope_scheme(self.rotary_dim, self.base, self.layout,
-                           self.scaling if scaling is None else scaling)
+        return super().scheme(scaling, x=x, positions=positions)
 
     def __call__(self, x, positions, *, scaling=None) -> jax.Array:
         s = self.scheme(scaling)
@@ -436,9 +722,9 @@ class RotaryEmbedding(nnx.Module):
         return apply_rope(x, pos, inv_freq, layout=self.layout, attention_factor=af)
 
 
-class ALiBi(nnx.Module):
+class ALiBi(PositionModule):
     """ALiBi (Press et al. 2022, §3): fixed per-head slopes, a linear score bias; no
-    parameters.
+    parameters. The :class:`PositionModule` of ``"alibi"``.
 
     Args:
       num_heads: query heads (slopes by :func:`jaxpos.alibi_slopes`).
@@ -449,21 +735,19 @@ class ALiBi(nnx.Module):
     """
 
     def __init__(self, num_heads: int, *, bidirectional: bool = False):
-        self.num_heads = _checks.check_positive_int("num_heads", num_heads)
+        num_heads = _checks.check_positive_int("num_heads", num_heads)
         self.bidirectional = bool(bidirectional)
-
-    def scheme(self) -> _schemes.ALiBi:
-        """The :class:`jaxpos.ALiBi` scheme with the paper's slopes."""
-        return _schemes.ALiBi(self.num_heads, bidirectional=self.bidirectional)
+        super().__init__("alibi", num_heads=num_heads, causal=not self.bidirectional)
 
     def __call__(self, q_positions, kv_positions) -> jax.Array:
         return alibi_bias(q_positions, kv_positions, self.scheme().slopes,
                           bidirectional=self.bidirectional)
 
 
-class T5RelativeBias(nnx.Module):
+class T5RelativeBias(PositionModule):
     """T5 bucketed relative bias (Raffel et al. 2020, §2.1): one learned scalar per
-    (bucket, head), one table shared by every layer of a stack.
+    (bucket, head), one table shared by every layer of a stack. The
+    :class:`PositionModule` of ``"t5"``.
 
     Args:
       num_heads: query heads.
@@ -484,122 +768,176 @@ class T5RelativeBias(nnx.Module):
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         num_heads = _checks.check_positive_int("num_heads", num_heads)
         check_bucket_args(num_buckets, max_distance, bidirectional)
-        init = embedding_init or t5_table_init(d_model or num_heads)
-        self.table = nnx.Param(init(rngs.params(), (num_buckets, num_heads), param_dtype))
-        self.num_heads, self.num_buckets, self.max_distance = num_heads, num_buckets, max_distance
+        self.num_buckets, self.max_distance = num_buckets, max_distance
         self.bidirectional = bool(bidirectional)
-
-    def scheme(self) -> _schemes.T5Bias:
-        """The :class:`jaxpos.T5Bias` scheme holding this table (gradients flow to it)."""
-        return _schemes.T5Bias(self.table[...], bidirectional=self.bidirectional,
-                               num_buckets=self.num_buckets, max_distance=self.max_distance)
+        super().__init__("t5", num_heads=num_heads, d_model=d_model or num_heads,
+                         causal=not self.bidirectional,
+                         options={"num_buckets": num_buckets, "max_distance": max_distance},
+                         param_init=embedding_init, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, q_positions, kv_positions) -> jax.Array:
         return t5_bias(q_positions, kv_positions, self.table[...], bidirectional=self.bidirectional,
                        num_buckets=self.num_buckets, max_distance=self.max_distance)
 
 
-class ShawRelativePosition(nnx.Module):
+class ShawRelativePosition(PositionModule):
     """Relative keys and values of Shaw et al. 2018, §3: ``2K + 1`` learned vectors of head
-    width per table, for clipped offsets ``clip(kv - q, -K, K)``, shared by the heads.
+    width per table, for clipped offsets ``clip(kv - q, -K, K)``, shared by the heads. The
+    :class:`PositionModule` of ``"shaw"``.
 
     Args:
       head_dim: width of each vector.
       max_distance: the clipping distance ``K`` (the paper finds ``K >= 2`` enough).
       values: also learn the value table ``rel_v`` (the paper's full form).
+      embedding_init: another initialiser (default Glorot uniform, tensor2tensor's).
       rngs: :class:`flax.nnx.Rngs`.
 
-    Parameters ``rel_k`` (and ``rel_v``) float ``[2K + 1, head_dim]``; row ``r + K`` is
-    offset ``r``. ``scheme()`` returns :class:`jaxpos.Shaw`.
+    Parameters ``rel_k`` (and ``rel_v``, else ``rel_v is None``) float ``[2K + 1,
+    head_dim]``; row ``r + K`` is offset ``r``. ``scheme()`` returns :class:`jaxpos.Shaw`.
     """
 
     def __init__(self, head_dim: int, *, max_distance: int = 16, values: bool = True,
                  embedding_init=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         head_dim = _checks.check_positive_int("head_dim", head_dim)
         K = _checks.check_positive_int("max_distance", max_distance)
-        init = embedding_init or shaw_table_init()
-        self.rel_k = nnx.Param(init(rngs.params(), (2 * K + 1, head_dim), param_dtype))
-        self.rel_v = (nnx.Param(init(rngs.params(), (2 * K + 1, head_dim), param_dtype))
-                      if values else None)
-        self.head_dim, self.max_distance = head_dim, K
-
-    def scheme(self) -> _schemes.Shaw:
-        """The :class:`jaxpos.Shaw` scheme holding these tables (gradients flow to them)."""
-        return _schemes.Shaw(self.rel_k[...], None if self.rel_v is None else self.rel_v[...])
+        self.max_distance = K
+        super().__init__("shaw", head_dim=head_dim,
+                         options={"max_distance": K, "values": bool(values)},
+                         param_init=embedding_init, param_dtype=param_dtype, rngs=rngs)
+        if "rel_v" not in self.param_names:
+            self.rel_v = None
 
 
-def _make_attention_position(position, *, num_heads, head_dim, causal, rotary_dim, rope_base,
-                             num_buckets, max_distance, d_model, param_dtype, rngs):
-    """An attention-position module from a name (or pass a module through)."""
-    if isinstance(position, (RotaryEmbedding, ALiBi, T5RelativeBias, ShawRelativePosition)):
+def make_position_module(position, *, num_heads, head_dim, d_model, causal, options,
+                         param_dtype, rngs):
+    """The attention-position module of a layer: a :class:`PositionModule` for a name
+    (``"nope"`` included), a module passed in as it is (shared by reference), None for
+    None."""
+    if position is None or isinstance(position, PositionModule):
         return position
-    if position is None:
-        return None
-    name = check_position_name("position", position, ATTENTION_POSITIONS)
-    if name == "nope":
-        return None
-    if name == "rope":
-        return RotaryEmbedding(head_dim if rotary_dim is None else rotary_dim, base=rope_base)
-    if name == "alibi":
-        return ALiBi(num_heads, bidirectional=not causal)
-    if name == "t5":
-        return T5RelativeBias(num_heads, num_buckets=num_buckets,
-                              max_distance=128 if max_distance is None else max_distance,
-                              bidirectional=not causal, d_model=d_model,
-                              param_dtype=param_dtype, rngs=rngs)
-    return ShawRelativePosition(head_dim, max_distance=16 if max_distance is None else max_distance,
-                                param_dtype=param_dtype, rngs=rngs)
+    name = check_position_name("position", position, attention_positions())
+    return PositionModule(name, num_heads=num_heads, head_dim=head_dim, d_model=d_model,
+                          causal=causal, options=options, param_dtype=param_dtype, rngs=rngs)
 
 
 def rotate_at_write(scheme, q, k, positions):
-    """``(q, k, scheme)`` for a KV-cache write: RoPE with a length-dependent scaling
-    (dynamic NTK, LongRoPE) rotates ``q`` and ``k`` here, with the frequencies of this call
-    (``max(positions) + 1``), and returns :class:`jaxpos.NoPE` for the attention call, so
-    each cached key keeps the rotation of the call that wrote it. That is Hugging Face's
-    decoding (its cache holds rotated keys; ``dynamic_rope_update``), which jaxpos's Llama
-    port matches step by step. Any other scheme is returned unchanged, to be applied inside
-    attention (and inside the fused kernel) from the cached positions. Dynamic NTK: bloc97
-    2023 / HF ``_compute_dynamic_ntk_parameters``; LongRoPE: Ding et al. 2024, §3.
+    """``scheme.cache_write(q, k, positions)`` (:meth:`jaxpos.PositionScheme.cache_write`):
+    what a KV cache stores for the new tokens and the scheme that reads it.
+
+    For RoPE with a length-dependent scaling (dynamic NTK, LongRoPE) that rotates ``q``
+    and ``k`` here, with the frequencies of this call (``max(positions) + 1``), and
+    returns :class:`jaxpos.NoPE` for the attention call, so each cached key keeps the
+    rotation of the call that wrote it: Hugging Face's decoding (its cache holds rotated
+    keys; ``dynamic_rope_update``), which jaxpos's Llama port matches step by step. The
+    built-in schemes otherwise return the inputs and themselves, applied inside attention
+    (and inside the fused kernel) from the cached positions. Dynamic NTK: bloc97 2023 /
+    HF ``_compute_dynamic_ntk_parameters``; LongRoPE: Ding et al. 2024, §3.
 
     Args:
       scheme: a :class:`jaxpos.PositionScheme`.
       q: ``[B, T, N, H]``; k: ``[B, T, N_kv, H]``, the new tokens only (any float dtype;
-        rotated in float32 and cast back).
+        RoPE rotates in float32 and casts back).
       positions: int ``[B|1, T]``, the new tokens' positions.
 
     Returns:
-      ``(q, k, scheme)``: rotated ``q`` and ``k`` with :class:`jaxpos.NoPE`, or the inputs
-      unchanged.
+      ``(q, k, scheme_for_reading)``.
 
     Raises:
       TypeError: ``scheme`` is not a :class:`jaxpos.PositionScheme`.
     """
-    if not isinstance(scheme, _schemes.PositionScheme):
+    if not isinstance(scheme, PositionScheme):
         raise TypeError(f"scheme must be a jaxpos PositionScheme; got {type(scheme).__name__} "
                         f"{scheme!r}.")
-    if isinstance(scheme, _schemes.RoPE) and scheme.scaling is not None:
-        from jaxpos import rope_scaling as _rs
-
-        if _rs.depends_on_length(scheme.scaling):
-            return scheme.rotate(q, positions), scheme.rotate(k, positions), _schemes.NoPE()
-    return q, k, scheme
+    return scheme.cache_write(q, k, positions)
 
 
-def position_scheme(module, rope_scaling=None):
-    """The scheme object of an attention-position module (``None`` -> :class:`jaxpos.NoPE`)."""
+def position_scheme(module, rope_scaling=None, *, x=None, positions=None):
+    """The scheme object of an attention-position module for one call: ``module.scheme(
+    rope_scaling, x=x, positions=positions)``; ``None`` -> :class:`jaxpos.NoPE`.
+
+    Raises:
+      ValueError: ``rope_scaling`` for a scheme that does not take it.
+    """
     if module is None:
         no_rope_scaling("nope", rope_scaling)
-        return _schemes.NoPE()
-    if isinstance(module, RotaryEmbedding):
-        return module.scheme(rope_scaling)
-    if rope_scaling is not None:
-        no_rope_scaling(type(module).__name__, rope_scaling)
-    return module.scheme()
+        return NoPE()
+    return module.scheme(rope_scaling, x=x, positions=positions)
 
 
 # ================================================================== attention
 
-class MultiHeadAttention(nnx.Module):
+class AttentionCore:
+    """The computation of :class:`MultiHeadAttention` and its Linen twin. Subclasses
+    declare ``q_proj``/``k_proj``/``v_proj``/``o_proj`` (``kernel``, ``bias``), fields
+    ``causal``, ``scale``, ``implementation``, ``dtype``, and give ``_dims()`` ->
+    ``(d_model, num_heads, num_kv_heads, head_dim)`` and ``_position()`` (the position
+    module or None)."""
+
+    def _proj(self, layer, x, heads):
+        return project_heads(x, _value(layer.kernel), heads, self._dims()[3], self.dtype,
+                             _value(layer.bias))
+
+    def _out(self, o):
+        return merge_heads(o, _value(self.o_proj.kernel), self.dtype, _value(self.o_proj.bias))
+
+    def _qkv(self, x, context=None):
+        D, N, Nk, _ = self._dims()
+        check_attention_input("x", x, D)
+        src = x if context is None else context
+        return (self._proj(self.q_proj, x, N), self._proj(self.k_proj, src, Nk),
+                self._proj(self.v_proj, src, Nk))
+
+    def _scheme(self, scheme, rope_scaling, x, positions):
+        if scheme is not None:
+            return scheme
+        return position_scheme(self._position(), rope_scaling, x=x, positions=positions)
+
+    def __call__(self, x, *, context=None, positions=None, kv_positions=None, mask=None,
+                 segment_ids=None, kv_segment_ids=None, scheme=None, rope_scaling=None,
+                 implementation=None) -> jax.Array:
+        pos, kv_pos = attention_inputs(x, context, positions, kv_positions, kv_segment_ids,
+                                       self._dims()[0])
+        q, k, v = self._qkv(x, context)
+        scheme = self._scheme(scheme, rope_scaling, x, pos)
+        o = attention(q, k, v, position=scheme, q_positions=pos, kv_positions=kv_pos,
+                      causal=self.causal, mask=mask, segment_ids=segment_ids,
+                      kv_segment_ids=kv_segment_ids, scale=self.scale,
+                      implementation=implementation or self.implementation)
+        return self._out(o)
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        """An empty :class:`KVCache` of ``max_len`` slots for ``batch`` rows (no parameters
+        needed)."""
+        _, _, Nk, H = self._dims()
+        return init_kv_cache(batch, max_len, Nk, H, dtype or self.dtype)
+
+    def decode(self, x, cache: KVCache, *, positions=None, scheme=None, rope_scaling=None,
+               implementation=None):
+        """Attend from ``x [B, T, D]`` (new tokens) to the cache plus themselves.
+
+        ``positions`` default to each row's fill count ``+ arange(T)``. The scheme's
+        :meth:`~jaxpos.PositionScheme.cache_write` decides what the cache stores (raw keys,
+        the scheme applied inside attention from the cached positions, except RoPE with a
+        length-dependent scaling: see :func:`rotate_at_write`). Returns ``(y [B, T, D],
+        cache)``. Raises ``ValueError`` when concrete fill counts would overflow the cache;
+        traced overflow gives NaN for the rows concerned.
+        """
+        q, k, v = self._qkv(x)
+        B, T = x.shape[:2]
+        if positions is None:
+            positions = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)
+        pos = _checks.positions_2d("positions", positions, B, T)
+        scheme = self._scheme(scheme, rope_scaling, x, pos)
+        q, k, scheme = rotate_at_write(scheme, q, k, pos)
+        cache, seg, kv_seg, overflow = update_kv_cache(cache, k, v, pos)
+        o = attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), position=scheme,
+                      q_positions=pos, kv_positions=cache.positions, causal=self.causal,
+                      segment_ids=seg, kv_segment_ids=kv_seg, scale=self.scale,
+                      implementation=implementation or self.implementation)
+        return poison_rows(self._out(o), overflow), cache
+
+
+class MultiHeadAttention(AttentionCore, nnx.Module):
     """Multi-head (grouped-query) self- or cross-attention with any position scheme, over
     :func:`jaxpos.attention`.
 
@@ -608,14 +946,17 @@ class MultiHeadAttention(nnx.Module):
       num_heads: query heads ``N``; num_kv_heads: key/value heads (default ``N``; a
         divisor of ``N`` gives grouped-query attention, Ainslie et al. 2023).
       head_dim: ``H``, default ``d_model // num_heads``.
-      position: ``"nope"`` / ``None``, ``"rope"``, ``"alibi"``, ``"t5"``, ``"shaw"``, or a
-        position module (:class:`RotaryEmbedding`, :class:`ALiBi`, :class:`T5RelativeBias`,
-        :class:`ShawRelativePosition`); a module passed here is shared by reference. A
-        scheme object (e.g. ``jaxpos.RoPE(inv_freq)`` from a checkpoint) goes in at call
-        time instead, as ``scheme=``.
+      position: ``"nope"`` / ``None``, any registered scheme name
+        (:func:`attention_positions`: ``"rope"``, ``"alibi"``, ``"t5"``, ``"shaw"``,
+        ``"kerple_log"``, ...), or a :class:`PositionModule` (e.g.
+        :class:`RotaryEmbedding`, :class:`T5RelativeBias`); a module passed here is shared
+        by reference. A scheme object (e.g. ``jaxpos.RoPE(inv_freq)`` from a checkpoint)
+        goes in at call time instead, as ``scheme=``.
       causal: causal self-attention (by positions: a query at ``p`` sees keys ``<= p``).
       rotary_dim, rope_base: RoPE options (default ``head_dim``, 10000).
       num_buckets, max_distance: T5 options (32, 128), or ``max_distance`` = Shaw's K (16).
+      scheme_options: other scheme options, a dict (e.g. ``{"rope_layout":
+        "interleaved"}``); they override the named ones.
       scale: score scale, default ``1/sqrt(head_dim)``.
       implementation: default backend of :func:`jaxpos.attention` (``None`` = best).
       use_bias: add biases to the four projections (GPT-2, BLOOM, BERT); default False
@@ -632,23 +973,30 @@ class MultiHeadAttention(nnx.Module):
     T5's decoder uses ``position="nope"`` there), ``mask``/``segment_ids`` as in
     :func:`jaxpos.attention`,
     ``scheme`` (a scheme object that replaces this layer's own, e.g. a stack's shared T5
-    bias), ``rope_scaling`` (this call only; ``ValueError`` for a non-RoPE layer),
-    ``implementation``. ``decode(x, cache, ...)`` appends to a :class:`KVCache` from
+    bias), ``rope_scaling`` (this call only; ``ValueError`` for a scheme that does not
+    take it), ``implementation``. The layer's scheme is built per call by the position
+    module (:meth:`PositionModule.scheme`, from the call's ``x`` and ``positions``).
+    ``decode(x, cache, ...)`` appends to a :class:`KVCache` from
     ``init_cache(batch, max_len)`` and returns ``(y, cache)``.
 
-    Raises: ``ValueError`` for bad sizes, names, positions or cache overflow; ``TypeError``
-    for float positions.
+    Raises: ``ValueError`` for bad sizes, names (a registered scheme without
+    ``from_params`` is named), positions or cache overflow; ``TypeError`` for float
+    positions.
     """
 
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, position: Any = "nope", causal: bool = False,
                  rotary_dim: int | None = None, rope_base: float = 10000.0,
-                 num_buckets: int = 32, max_distance: int | None = None, scale: float | None = None,
+                 num_buckets: int = 32, max_distance: int | None = None,
+                 scheme_options: dict | None = None, scale: float | None = None,
                  implementation: str | None = None, use_bias: bool = False, dtype=jnp.float32,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         d_model, num_heads, num_kv_heads, head_dim = attention_dims(d_model, num_heads,
                                                                     num_kv_heads, head_dim)
         check_attention_options(implementation, use_bias)
+        options = collect_options(rotary_dim=rotary_dim, rope_base=rope_base,
+                                  num_buckets=num_buckets, max_distance=max_distance,
+                                  scheme_options=scheme_options)
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = (
             d_model, num_heads, num_kv_heads, head_dim)
         self.causal, self.scale, self.implementation, self.dtype = (
@@ -658,73 +1006,38 @@ class MultiHeadAttention(nnx.Module):
         self.k_proj = lin(d_model, num_kv_heads * head_dim)
         self.v_proj = lin(d_model, num_kv_heads * head_dim)
         self.o_proj = lin(num_heads * head_dim, d_model)
-        self.position_module = _make_attention_position(
-            position, num_heads=num_heads, head_dim=head_dim, causal=causal,
-            rotary_dim=rotary_dim, rope_base=rope_base, num_buckets=num_buckets,
-            max_distance=max_distance, d_model=d_model, param_dtype=param_dtype, rngs=rngs)
+        self.position_module = make_position_module(
+            position, num_heads=num_heads, head_dim=head_dim, d_model=d_model,
+            causal=self.causal, options=options, param_dtype=param_dtype, rngs=rngs)
 
-    def _proj(self, layer, x, heads):
-        bias = None if layer.bias is None else layer.bias[...]
-        return project_heads(x, layer.kernel[...], heads, self.head_dim, self.dtype, bias)
+    def _dims(self):
+        return self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
 
-    def _out(self, o):
-        bias = None if self.o_proj.bias is None else self.o_proj.bias[...]
-        return merge_heads(o, self.o_proj.kernel[...], self.dtype, bias)
-
-    def _qkv(self, x, context=None):
-        check_attention_input("x", x, self.d_model)
-        src = x if context is None else context
-        return (self._proj(self.q_proj, x, self.num_heads),
-                self._proj(self.k_proj, src, self.num_kv_heads),
-                self._proj(self.v_proj, src, self.num_kv_heads))
-
-    def __call__(self, x, *, context=None, positions=None, kv_positions=None, mask=None,
-                 segment_ids=None, kv_segment_ids=None, scheme=None, rope_scaling=None,
-                 implementation=None) -> jax.Array:
-        pos, kv_pos = attention_inputs(x, context, positions, kv_positions, kv_segment_ids,
-                                       self.d_model)
-        q, k, v = self._qkv(x, context)
-        if scheme is None:
-            scheme = position_scheme(self.position_module, rope_scaling)
-        o = attention(q, k, v, position=scheme, q_positions=pos, kv_positions=kv_pos,
-                      causal=self.causal, mask=mask, segment_ids=segment_ids,
-                      kv_segment_ids=kv_segment_ids, scale=self.scale,
-                      implementation=implementation or self.implementation)
-        return self._out(o)
-
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
-        """An empty :class:`KVCache` of ``max_len`` slots for ``batch`` rows."""
-        return init_kv_cache(batch, max_len, self.num_kv_heads, self.head_dim, dtype or self.dtype)
-
-    def decode(self, x, cache: KVCache, *, positions=None, scheme=None, rope_scaling=None,
-               implementation=None):
-        """Attend from ``x [B, T, D]`` (new tokens) to the cache plus themselves.
-
-        ``positions`` default to each row's fill count ``+ arange(T)``. Keys are cached
-        before rotation and the scheme is applied inside attention, except for RoPE with a
-        length-dependent scaling (dynamic NTK, LongRoPE): see :func:`rotate_at_write`. Returns
-        ``(y [B, T, D], cache)``. Raises ``ValueError`` when concrete fill counts would
-        overflow the cache; traced overflow gives NaN for the rows concerned.
-        """
-        q, k, v = self._qkv(x)
-        B, T = x.shape[:2]
-        if positions is None:
-            positions = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)
-        pos = _checks.positions_2d("positions", positions, B, T)
-        if scheme is None:
-            scheme = position_scheme(self.position_module, rope_scaling)
-        q, k, scheme = rotate_at_write(scheme, q, k, pos)
-        cache, seg, kv_seg, overflow = update_kv_cache(cache, k, v, pos)
-        o = attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), position=scheme,
-                      q_positions=pos, kv_positions=cache.positions, causal=self.causal,
-                      segment_ids=seg, kv_segment_ids=kv_seg, scale=self.scale,
-                      implementation=implementation or self.implementation)
-        return poison_rows(self._out(o), overflow), cache
+    def _position(self):
+        return self.position_module
 
 
 # ================================================================== blocks and stacks
 
-class TransformerBlock(nnx.Module):
+class BlockCore:
+    """The computation of :class:`TransformerBlock` and its Linen twin (``attn_norm``,
+    ``attn``, ``mlp_norm``, ``mlp_in``, ``mlp_out``, ``dtype``)."""
+
+    def _mlp(self, x):
+        h = rms_norm(x, _value(self.mlp_norm.scale))
+        return x + mlp(h, _value(self.mlp_in.kernel), _value(self.mlp_out.kernel), self.dtype)
+
+    def __call__(self, x, **kw) -> jax.Array:
+        x = x + self.attn(rms_norm(x, _value(self.attn_norm.scale)), **kw)
+        return self._mlp(x)
+
+    def decode(self, x, cache: KVCache, **kw):
+        """As :meth:`MultiHeadAttention.decode`, then the MLP: ``(y, cache)``."""
+        a, cache = self.attn.decode(rms_norm(x, _value(self.attn_norm.scale)), cache, **kw)
+        return self._mlp(x + a), cache
+
+
+class TransformerBlock(BlockCore, nnx.Module):
     """A pre-LN transformer block: ``x + attn(rms_norm(x))``, then ``x + mlp(rms_norm(x))``
     (Xiong et al. 2020; RMSNorm, Zhang & Sennrich 2019; GELU MLP).
 
@@ -740,9 +1053,9 @@ class TransformerBlock(nnx.Module):
                  head_dim: int | None = None, mlp_dim: int | None = None,
                  position: Any = "nope", causal: bool = False, rotary_dim: int | None = None,
                  rope_base: float = 10000.0, num_buckets: int = 32,
-                 max_distance: int | None = None, scale: float | None = None,
-                 implementation: str | None = None, dtype=jnp.float32,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 max_distance: int | None = None, scheme_options: dict | None = None,
+                 scale: float | None = None, implementation: str | None = None,
+                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         d_model = _checks.check_positive_int("d_model", d_model)
         mlp_dim = 4 * d_model if mlp_dim is None else _checks.check_positive_int("mlp_dim", mlp_dim)
         self.dtype = dtype
@@ -750,159 +1063,84 @@ class TransformerBlock(nnx.Module):
         self.attn = MultiHeadAttention(
             d_model, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, position=position,
             causal=causal, rotary_dim=rotary_dim, rope_base=rope_base, num_buckets=num_buckets,
-            max_distance=max_distance, scale=scale, implementation=implementation, dtype=dtype,
-            param_dtype=param_dtype, rngs=rngs)
+            max_distance=max_distance, scheme_options=scheme_options, scale=scale,
+            implementation=implementation, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.mlp_norm = nnx.RMSNorm(d_model, param_dtype=param_dtype, rngs=rngs)
         lin = lambda i, o: nnx.Linear(i, o, use_bias=False, param_dtype=param_dtype, rngs=rngs)
         self.mlp_in = lin(d_model, mlp_dim)
         self.mlp_out = lin(mlp_dim, d_model)
 
-    def _mlp(self, x):
-        h = rms_norm(x, self.mlp_norm.scale[...])
-        return x + mlp(h, self.mlp_in.kernel[...], self.mlp_out.kernel[...], self.dtype)
 
-    def __call__(self, x, **kw) -> jax.Array:
-        x = x + self.attn(rms_norm(x, self.attn_norm.scale[...]), **kw)
-        return self._mlp(x)
+class StackPlan(NamedTuple):
+    """How a stack places its position scheme (:func:`stack_plan`)."""
 
-    def decode(self, x, cache: KVCache, **kw):
-        a, cache = self.attn.decode(rms_norm(x, self.attn_norm.scale[...]), cache, **kw)
-        return self._mlp(x + a), cache
+    name: str            #: the stack's position name (absolute or registered)
+    absolute: str | None  #: "sinusoidal" / "learned", or None
+    scheme: str          #: the attention scheme's registered name ("nope" for absolute)
+    per_layer: bool      #: the scheme's ``params_per_layer``: a module in every layer
+    options: tuple       #: the scheme's options (:func:`stack_options`)
 
 
-def _stack_position(position, *, num_heads, head_dim, d_model, max_len, causal, rope_base,
-                    t5_num_buckets, t5_max_distance, param_dtype, dtype, rngs):
-    """(absolute module or None, stack-level attention module or None, per-layer name)."""
-    if position == "sinusoidal":
-        return SinusoidalEmbedding(d_model, dtype=dtype), None, "nope"
-    if position == "learned":
-        if max_len is None:
-            raise ValueError("position='learned' needs max_len (the number of table rows); "
-                             "got max_len=None.")
-        return LearnedPositionalEmbedding(max_len, d_model, param_dtype=param_dtype,
-                                          rngs=rngs), None, "nope"
-    if position == "rope":
-        return None, RotaryEmbedding(head_dim, base=rope_base), "nope"
-    if position == "alibi":
-        return None, ALiBi(num_heads, bidirectional=not causal), "nope"
-    if position == "t5":
-        return None, T5RelativeBias(num_heads, num_buckets=t5_num_buckets,
-                                    max_distance=t5_max_distance, bidirectional=not causal,
-                                    d_model=d_model, param_dtype=param_dtype, rngs=rngs), "nope"
-    return None, None, position  # "nope" or per-layer "shaw"
+def stack_plan(position, *, max_len, rope_base, prefixed: dict, scheme_options) -> StackPlan:
+    """Validate a stack's ``position`` and decide where its scheme lives: absolute
+    positions add a module to the embeddings (attention then uses ``"nope"``); a
+    registered scheme lives in every layer when its class says ``params_per_layer``,
+    else once in the stack (its scheme built once per call and passed to every layer).
+
+    Raises:
+      ValueError: unknown name, a registered scheme without ``from_params``,
+        ``"learned"`` without ``max_len``. TypeError: a bad ``scheme_options``.
+    """
+    name = check_position_name("position", position)
+    absolute = name if name in ABSOLUTE_POSITIONS else None
+    if name == "learned" and max_len is None:
+        raise ValueError("position='learned' needs max_len (the number of table rows); "
+                         "got max_len=None.")
+    scheme = "nope" if absolute else name
+    options = stack_options(scheme, rope_base=rope_base, prefixed=prefixed,
+                            scheme_options=scheme_options)
+    return StackPlan(name, absolute, scheme, bool(REGISTRY[scheme].params_per_layer), options)
 
 
-class _Stack(nnx.Module):
-    """Shared body of :class:`DecoderLM` and :class:`Encoder`."""
-
-    _causal = True
-
-    def __init__(self, vocab_size: int, *, d_model: int, num_layers: int, num_heads: int,
-                 position: str, num_kv_heads: int | None, mlp_dim: int | None,
-                 max_len: int | None, rope_base: float, t5_num_buckets: int, t5_max_distance: int,
-                 shaw_max_distance: int, implementation: str | None, dtype, param_dtype,
-                 rngs: nnx.Rngs):
-        self.vocab_size = _checks.check_positive_int("vocab_size", vocab_size)
-        d_model, num_heads, num_kv_heads, head_dim = attention_dims(d_model, num_heads,
-                                                                    num_kv_heads, None)
-        num_layers = _checks.check_positive_int("num_layers", num_layers)
-        self.position_name = check_position_name("position", position)
-        if max_len is not None:
-            _checks.check_positive_int("max_len", max_len)
-        self.d_model, self.num_layers, self.max_len = d_model, num_layers, max_len
-        self.implementation, self.dtype = implementation, dtype
-        self.embed = nnx.Embed(vocab_size, d_model, param_dtype=param_dtype,
-                               embedding_init=token_embedding_init(d_model), rngs=rngs)
-        self.abs_position, self.rel_position, layer_pos = _stack_position(
-            self.position_name, num_heads=num_heads, head_dim=head_dim, d_model=d_model,
-            max_len=max_len, causal=self._causal, rope_base=rope_base,
-            t5_num_buckets=t5_num_buckets, t5_max_distance=t5_max_distance,
-            param_dtype=param_dtype, dtype=dtype, rngs=rngs)
-        self.blocks = nnx.List([
-            TransformerBlock(d_model, num_heads, num_kv_heads=num_kv_heads, mlp_dim=mlp_dim,
-                             position=layer_pos, causal=self._causal,
-                             max_distance=shaw_max_distance if layer_pos == "shaw" else None,
-                             implementation=implementation, dtype=dtype,
-                             param_dtype=param_dtype, rngs=rngs)
-            for _ in range(num_layers)])
-        self.final_norm = nnx.RMSNorm(d_model, param_dtype=param_dtype, rngs=rngs)
+class StackCore:
+    """The computation shared by :class:`DecoderLM`, :class:`Encoder` and their Linen
+    twins. Subclasses declare ``embed`` (``embedding``), ``abs_position``,
+    ``rel_position`` (the stack's :class:`PositionModule`, or None when the scheme lives in
+    every layer), ``blocks``, ``final_norm`` and fields ``vocab_size``, ``d_model``,
+    ``max_len``, ``implementation``, ``dtype``; and give ``_position_name()`` and
+    ``_cache_dims()`` -> ``(num_layers, num_kv_heads, head_dim)``."""
 
     def _embed(self, tokens, pos):
         tokens = check_tokens(tokens, self.vocab_size)
-        x = embed_tokens(self.embed.embedding[...], tokens, self.d_model, self.dtype)
+        x = embed_tokens(_value(self.embed.embedding), tokens, self.d_model, self.dtype)
         if self.abs_position is not None:
             x = x + self.abs_position(pos).astype(self.dtype)
         return x
 
-    def _scheme(self, rope_scaling):
-        if self.position_name == "shaw":
-            no_rope_scaling("shaw", rope_scaling)
-            return None  # each layer uses its own tables
+    def _scheme(self, rope_scaling, x, pos):
+        """``(scheme for every layer, rope_scaling left for the layers)``: the stack's
+        scheme, or ``(None, rope_scaling)`` when each layer builds its own."""
         if self.rel_position is None:
-            no_rope_scaling(self.position_name, rope_scaling)
-            return _schemes.NoPE()
-        return position_scheme(self.rel_position, rope_scaling)
+            return None, rope_scaling
+        return position_scheme(self.rel_position, rope_scaling, x=x, positions=pos), None
 
     def _hidden(self, tokens, positions, rope_scaling, implementation, mask=None,
                 segment_ids=None):
         _checks.check_rank("tokens", tokens, (2,), "[batch, seq] token ids")
-        check_learned_length(self.position_name, self.max_len, _checks.shape_of(tokens)[1],
+        check_learned_length(self._position_name(), self.max_len, _checks.shape_of(tokens)[1],
                              positions)
         pos = default_positions(_checks.shape_of(tokens), positions)
         x = self._embed(tokens, pos)
-        scheme = self._scheme(rope_scaling)
+        scheme, layer_scaling = self._scheme(rope_scaling, x, pos)
         impl = implementation or self.implementation
         for block in self.blocks:
             x = block(x, positions=pos, mask=mask, segment_ids=segment_ids, scheme=scheme,
-                      implementation=impl)
-        return rms_norm(x, self.final_norm.scale[...])
+                      rope_scaling=layer_scaling, implementation=impl)
+        return rms_norm(x, _value(self.final_norm.scale))
 
 
-class DecoderLM(_Stack):
-    """A causal decoder-only language model with any position scheme.
-
-    Args:
-      vocab_size: number of token ids.
-      d_model, num_layers, num_heads: width, depth, query heads (``head_dim = d_model //
-        num_heads``).
-      position: ``"nope"`` (causal mask only; Haviv et al. 2022), ``"sinusoidal"``
-        (Vaswani et al. 2017, §3.5) or ``"learned"`` (added to the token embeddings),
-        ``"rope"`` (Su et al. 2024), ``"alibi"`` (Press et al. 2022), ``"t5"`` (Raffel et
-        al. 2020, causal buckets, one table for the stack) or ``"shaw"`` (Shaw et al. 2018,
-        keys and values, tables per layer); the last four act in attention.
-      num_kv_heads: key/value heads for grouped-query attention (default ``num_heads``).
-      mlp_dim: MLP width (default ``4 * d_model``).
-      max_len: rows of the ``"learned"`` table (required there, ignored otherwise).
-      rope_base: ``rope_theta``; t5_num_buckets, t5_max_distance: T5's 32 and 128;
-      shaw_max_distance: Shaw's clipping distance K.
-      implementation: default :func:`jaxpos.attention` backend (``None`` = the backend's
-        best: chunked on CPU, the Pallas kernel on GPU/TPU where it fuses the scheme).
-      dtype: compute dtype (logits are float32); param_dtype: parameter dtype.
-      rngs: :class:`flax.nnx.Rngs` (``params`` stream).
-
-    The architecture (pre-LN RMSNorm, GELU MLP, tied embeddings scaled by
-    ``sqrt(d_model)``, ``scale = 1/sqrt(head_dim)`` for every scheme) is described in the
-    module docstring.
-
-    Raises:
-      ValueError: unknown ``position``, ``"learned"`` without ``max_len``, sizes that do
-        not divide. TypeError: non-int sizes.
-    """
-
-    _causal = True
-
-    def __init__(self, vocab_size: int, *, d_model: int, num_layers: int, num_heads: int,
-                 position: str = "rope", num_kv_heads: int | None = None,
-                 mlp_dim: int | None = None, max_len: int | None = None,
-                 rope_base: float = 10000.0, t5_num_buckets: int = 32, t5_max_distance: int = 128,
-                 shaw_max_distance: int = 16, implementation: str | None = None,
-                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        super().__init__(vocab_size, d_model=d_model, num_layers=num_layers, num_heads=num_heads,
-                         position=position, num_kv_heads=num_kv_heads, mlp_dim=mlp_dim,
-                         max_len=max_len, rope_base=rope_base, t5_num_buckets=t5_num_buckets,
-                         t5_max_distance=t5_max_distance, shaw_max_distance=shaw_max_distance,
-                         implementation=implementation, dtype=dtype, param_dtype=param_dtype,
-                         rngs=rngs)
+class DecoderCore(StackCore):
+    """The calls of :class:`DecoderLM` and its Linen twin."""
 
     def __call__(self, tokens, *, positions=None, rope_scaling=None, implementation=None,
                  segment_ids=None) -> jax.Array:
@@ -913,7 +1151,7 @@ class DecoderLM(_Stack):
           positions: int ``[T]`` or ``[B, T]``, default ``arange(T)``; offsets, left
             padding and packing are all position arrays.
           rope_scaling: a :mod:`jaxpos.rope_scaling` dataclass applied for this call only;
-            ``ValueError`` for a model whose position is not ``"rope"``.
+            ``ValueError`` for a model whose scheme does not take it (not ``"rope"``).
           implementation: overrides the model's attention backend for this call.
           segment_ids: int ``[B, T]`` for packed sequences (optional).
 
@@ -926,11 +1164,14 @@ class DecoderLM(_Stack):
         """
         h = self._hidden(tokens, positions, rope_scaling, implementation,
                          segment_ids=segment_ids)
-        return tied_logits(h, self.embed.embedding[...])
+        return tied_logits(h, _value(self.embed.embedding))
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> tuple[KVCache, ...]:
-        """One empty :class:`KVCache` per layer, ``max_len`` slots for ``batch`` rows."""
-        return tuple(b.attn.init_cache(batch, max_len, dtype) for b in self.blocks)
+        """One empty :class:`KVCache` per layer, ``max_len`` slots for ``batch`` rows (no
+        parameters needed)."""
+        L, Nk, H = self._cache_dims()
+        return tuple(init_kv_cache(batch, max_len, Nk, H, dtype or self.dtype)
+                     for _ in range(L))
 
     def decode_step(self, tokens, cache, *, positions=None, rope_scaling=None,
                     implementation=None):
@@ -941,34 +1182,153 @@ class DecoderLM(_Stack):
         Decoding a sequence token by token gives the logits of the full forward pass with
         the same positions, except with a length-dependent ``rope_scaling`` (dynamic NTK,
         LongRoPE): cached keys keep the rotation of the call that wrote them, as in Hugging
-        Face's decoding (:func:`rotate_at_write`). Raises as :meth:`__call__`, and ``ValueError`` on concrete
-        cache overflow (traced overflow gives NaN rows).
+        Face's decoding (:func:`rotate_at_write`). Raises as :meth:`__call__`, and
+        ``ValueError`` on concrete cache overflow (traced overflow gives NaN rows).
         """
-        if not isinstance(cache, (tuple, list)) or len(cache) != self.num_layers:
-            raise ValueError(f"cache must be a tuple of {self.num_layers} KVCache (from "
-                             f"init_cache); got {type(cache).__name__}.")
+        L = self._cache_dims()[0]
+        if not isinstance(cache, (tuple, list)) or len(cache) != L:
+            raise ValueError(f"cache must be a tuple of {L} KVCache (from init_cache); got "
+                             f"{type(cache).__name__}.")
         _checks.check_rank("tokens", tokens, (2,), "[batch, seq] token ids")
         B, T = _checks.shape_of(tokens)
         if positions is None:
             positions = cache[0].length[:, None] + jnp.arange(T, dtype=jnp.int32)
         pos = _checks.positions_2d("positions", positions, B, T)
         x = self._embed(tokens, pos)
-        scheme = self._scheme(rope_scaling)
+        scheme, layer_scaling = self._scheme(rope_scaling, x, pos)
         impl = implementation or self.implementation
         new = []
         for block, c in zip(self.blocks, cache):
-            x, c = block.decode(x, c, positions=pos, scheme=scheme, implementation=impl)
+            x, c = block.decode(x, c, positions=pos, scheme=scheme, rope_scaling=layer_scaling,
+                                implementation=impl)
             new.append(c)
-        h = rms_norm(x, self.final_norm.scale[...])
-        return tied_logits(h, self.embed.embedding[...]), tuple(new)
+        h = rms_norm(x, _value(self.final_norm.scale))
+        return tied_logits(h, _value(self.embed.embedding)), tuple(new)
 
 
-class Encoder(_Stack):
+class EncoderCore(StackCore):
+    """The call of :class:`Encoder` and its Linen twin."""
+
+    def __call__(self, tokens, *, positions=None, mask=None, segment_ids=None,
+                 rope_scaling=None, implementation=None) -> jax.Array:
+        """Bidirectional forward pass: final-normalised hidden states ``[B, T, d_model]``
+        (``dtype``); keywords as :meth:`DecoderLM.__call__` plus ``mask``."""
+        return self._hidden(tokens, positions, rope_scaling, implementation, mask=mask,
+                            segment_ids=segment_ids)
+
+
+class _Stack(nnx.Module):
+    """Shared constructor of :class:`DecoderLM` and :class:`Encoder`."""
+
+    _causal = True
+
+    def __init__(self, vocab_size: int, *, d_model: int, num_layers: int, num_heads: int,
+                 position: str, num_kv_heads: int | None, mlp_dim: int | None,
+                 max_len: int | None, rope_base: float, t5_num_buckets: int, t5_max_distance: int,
+                 shaw_max_distance: int, scheme_options: dict | None,
+                 implementation: str | None, dtype, param_dtype, rngs: nnx.Rngs):
+        self.vocab_size = _checks.check_positive_int("vocab_size", vocab_size)
+        d_model, num_heads, num_kv_heads, head_dim = attention_dims(d_model, num_heads,
+                                                                    num_kv_heads, None)
+        num_layers = _checks.check_positive_int("num_layers", num_layers)
+        if max_len is not None:
+            _checks.check_positive_int("max_len", max_len)
+        plan = stack_plan(position, max_len=max_len, rope_base=rope_base, prefixed={
+            "t5_num_buckets": t5_num_buckets, "t5_max_distance": t5_max_distance,
+            "shaw_max_distance": shaw_max_distance}, scheme_options=scheme_options)
+        self.position_name = plan.name
+        self.d_model, self.num_layers, self.max_len = d_model, num_layers, max_len
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.implementation, self.dtype = implementation, dtype
+        causal = self._causal
+        self.embed = nnx.Embed(vocab_size, d_model, param_dtype=param_dtype,
+                               embedding_init=token_embedding_init(d_model), rngs=rngs)
+        abs_position = None
+        if plan.absolute == "sinusoidal":
+            abs_position = SinusoidalEmbedding(d_model, dtype=dtype)
+        elif plan.absolute == "learned":
+            abs_position = LearnedPositionalEmbedding(max_len, d_model, param_dtype=param_dtype,
+                                                      rngs=rngs)
+        self.abs_position = abs_position
+        self.rel_position = None if plan.per_layer else PositionModule(
+            plan.scheme, num_heads=num_heads, head_dim=head_dim, d_model=d_model, causal=causal,
+            options=dict(plan.options), param_dtype=param_dtype, rngs=rngs)
+        layer_position = plan.scheme if plan.per_layer else "nope"
+        layer_options = dict(plan.options) if plan.per_layer else None
+        self.blocks = nnx.List([
+            TransformerBlock(d_model, num_heads, num_kv_heads=num_kv_heads, mlp_dim=mlp_dim,
+                             position=layer_position, causal=causal,
+                             scheme_options=layer_options, implementation=implementation,
+                             dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            for _ in range(num_layers)])
+        self.final_norm = nnx.RMSNorm(d_model, param_dtype=param_dtype, rngs=rngs)
+
+    def _position_name(self):
+        return self.position_name
+
+    def _cache_dims(self):
+        return self.num_layers, self.num_kv_heads, self.head_dim
+
+
+class DecoderLM(DecoderCore, _Stack):
+    """A causal decoder-only language model with any position scheme.
+
+    Args:
+      vocab_size: number of token ids.
+      d_model, num_layers, num_heads: width, depth, query heads (``head_dim = d_model //
+        num_heads``).
+      position: ``"nope"`` (causal mask only; Haviv et al. 2022), ``"sinusoidal"``
+        (Vaswani et al. 2017, §3.5) or ``"learned"`` (added to the token embeddings), or
+        any registered scheme (:func:`stack_positions`), e.g. ``"rope"`` (Su et al. 2024),
+        ``"alibi"`` (Press et al. 2022), ``"t5"`` (Raffel et al. 2020, causal buckets, one
+        table for the stack), ``"shaw"`` (Shaw et al. 2018, keys and values, tables per
+        layer), ``"kerple_log"`` (Chi et al. 2022), which act in attention.
+      num_kv_heads: key/value heads for grouped-query attention (default ``num_heads``).
+      mlp_dim: MLP width (default ``4 * d_model``).
+      max_len: rows of the ``"learned"`` table (required there, ignored otherwise).
+      rope_base: ``rope_theta``; t5_num_buckets, t5_max_distance: T5's 32 and 128;
+      shaw_max_distance: Shaw's clipping distance K (an argument ``<scheme>_<option>``
+        is the option ``<option>`` of that scheme only: :func:`stack_options`).
+      scheme_options: other options of the scheme, a dict (override the above).
+      implementation: default :func:`jaxpos.attention` backend (``None`` = the backend's
+        best: chunked on CPU, the Pallas kernel on GPU/TPU where it fuses the scheme).
+      dtype: compute dtype (logits are float32); param_dtype: parameter dtype.
+      rngs: :class:`flax.nnx.Rngs` (``params`` stream).
+
+    The architecture (pre-LN RMSNorm, GELU MLP, tied embeddings scaled by
+    ``sqrt(d_model)``, ``scale = 1/sqrt(head_dim)`` for every scheme) and where a scheme's
+    parameters live (stack or layer) are described in the module docstring.
+
+    Raises:
+      ValueError: unknown ``position`` (a registered scheme without ``from_params`` is
+        named), ``"learned"`` without ``max_len``, sizes that do not divide, options the
+        scheme rejects. TypeError: non-int sizes.
+    """
+
+    _causal = True
+
+    def __init__(self, vocab_size: int, *, d_model: int, num_layers: int, num_heads: int,
+                 position: str = "rope", num_kv_heads: int | None = None,
+                 mlp_dim: int | None = None, max_len: int | None = None,
+                 rope_base: float = 10000.0, t5_num_buckets: int = 32, t5_max_distance: int = 128,
+                 shaw_max_distance: int = 16, scheme_options: dict | None = None,
+                 implementation: str | None = None, dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        super().__init__(vocab_size, d_model=d_model, num_layers=num_layers, num_heads=num_heads,
+                         position=position, num_kv_heads=num_kv_heads, mlp_dim=mlp_dim,
+                         max_len=max_len, rope_base=rope_base, t5_num_buckets=t5_num_buckets,
+                         t5_max_distance=t5_max_distance, shaw_max_distance=shaw_max_distance,
+                         scheme_options=scheme_options, implementation=implementation,
+                         dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+
+class Encoder(EncoderCore, _Stack):
     """A bidirectional encoder stack (no causal mask) with any position scheme.
 
     Arguments as :class:`DecoderLM` (default ``position="nope"``); relative schemes use
-    their bidirectional forms (ALiBi ``-m|i - j|``, T5's two-sided buckets). There is no
-    output head: the call returns the final-normalised hidden states.
+    their bidirectional forms (ALiBi ``-m|i - j|``, T5's two-sided buckets; a scheme that
+    needs a causal mask, such as FoX, raises ``ValueError``). There is no output head: the
+    call returns the final-normalised hidden states.
 
     Call: ``tokens`` int ``[B, T]``; keywords ``positions``, ``mask`` (bool, broadcastable
     to ``[B, N, T, T]``, e.g. ``valid[:, None, None, :]`` for padding; the Pallas kernel
@@ -983,16 +1343,12 @@ class Encoder(_Stack):
                  position: str = "nope", num_kv_heads: int | None = None,
                  mlp_dim: int | None = None, max_len: int | None = None,
                  rope_base: float = 10000.0, t5_num_buckets: int = 32, t5_max_distance: int = 128,
-                 shaw_max_distance: int = 16, implementation: str | None = None,
-                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 shaw_max_distance: int = 16, scheme_options: dict | None = None,
+                 implementation: str | None = None, dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         super().__init__(vocab_size, d_model=d_model, num_layers=num_layers, num_heads=num_heads,
                          position=position, num_kv_heads=num_kv_heads, mlp_dim=mlp_dim,
                          max_len=max_len, rope_base=rope_base, t5_num_buckets=t5_num_buckets,
                          t5_max_distance=t5_max_distance, shaw_max_distance=shaw_max_distance,
-                         implementation=implementation, dtype=dtype, param_dtype=param_dtype,
-                         rngs=rngs)
-
-    def __call__(self, tokens, *, positions=None, mask=None, segment_ids=None,
-                 rope_scaling=None, implementation=None) -> jax.Array:
-        return self._hidden(tokens, positions, rope_scaling, implementation, mask=mask,
-                            segment_ids=segment_ids)
+                         scheme_options=scheme_options, implementation=implementation,
+                         dtype=dtype, param_dtype=param_dtype, rngs=rngs)

@@ -323,7 +323,8 @@ def test_dynamic_ntk_decode_keeps_each_key_rotated_as_written(implementation):
     y, cache = mha.decode(x[:, P:], cache, rope_scaling=scaling, implementation=implementation)
 
     q, k, v = mha._qkv(x)
-    rd, base = mha.position_module.rotary_dim, mha.position_module.base
+    rope = mha.position_module.scheme()  # the jaxpos.RoPE the layer built
+    rd, base = rope.rotary_dim, rope.base
     f_prefill, _ = jaxpos.rope_frequencies(rd, base, scaling=scaling, seq_len=P)
     f_step, _ = jaxpos.rope_frequencies(rd, base, scaling=scaling, seq_len=P + 1)
     pos = np.arange(P + 1)
@@ -344,7 +345,7 @@ def test_dynamic_ntk_decode_keeps_each_key_rotated_as_written(implementation):
 # ------------------------------------------------------------ bad input
 def test_bad_arguments_raise_with_names():
     with pytest.raises(ValueError, match="position"):
-        make_decoder("xpos")
+        make_decoder("no_such_scheme")  # unknown to the registry
     with pytest.raises(ValueError, match="num_kv_heads"):
         jn.DecoderLM(V, d_model=D, num_layers=1, num_heads=2, num_kv_heads=3,
                      rngs=nnx.Rngs(0))
