@@ -286,12 +286,16 @@ def _transform_global(scheme: PositionScheme, q, k, q_pos, kv_pos, axis_name):
 # primitive on sharded tiles (varying scores and positions, unsharded literals, captured
 # tables and head indices). _VaryingMod evaluates the same jaxpr, casting each
 # primitive's operands to the union of their varying axes first.
+_CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+          "custom_vjp_call_jaxpr", "checkpoint", "remat", "remat2")
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
 def _inner_jaxpr(eqn):
     """``(jaxpr, consts)`` of a call-like equation (jit, custom_jvp/vjp call, remat) that
-    can be evaluated inline, else None."""
+    can be evaluated inline, else None (loops and conditionals are bound as they are)."""
+    if eqn.primitive.name not in _CALLS:
+        return None
     for key in _CALL_PARAMS:
         j = eqn.params.get(key)
         if isinstance(j, jex.ClosedJaxpr):

@@ -82,6 +82,12 @@ def optional_schemes():
     except ImportError:
         pass
     try:
+        from jaxpos.fox import FoX
+        gates = np.random.default_rng(2).normal(size=(B, T, N)) + 2.0
+        out["fox"] = lambda: FoX(jax.nn.log_sigmoid(jnp.asarray(gates, jnp.float32)))
+    except ImportError:
+        pass
+    try:
         from jaxpos.rope_scaling import DynamicNTKScaling
         out["rope_dynamic_ntk"] = lambda: RoPE(rotary_dim=H, scaling=DynamicNTKScaling(
             factor=2.0, original_max_position_embeddings=16))
