@@ -588,6 +588,20 @@ def _layout_hint(q, *, heads=None, seq=None) -> str:
     return ""
 
 
+def _nonfinite_values_to_keys(k, v):
+    """Move a non-finite value row onto its key: ``v`` row set to 0 and the key row to NaN.
+
+    A NaN (or inf) value of key ``j`` must make NaN exactly the outputs of the queries that
+    see ``j``, as the scores' NaN do; left in ``v`` it would reach every query through
+    ``0 * NaN`` in ``p @ v``, hidden pairs included. On its key it makes the scores of the
+    visible pairs NaN, and hidden pairs are replaced before the softmax. ``O(T * H)``.
+    """
+    bad = ~jnp.all(jnp.isfinite(v), axis=-1, keepdims=True)  # [B, Tk, N_kv, 1]
+    if bad.shape[-2] != k.shape[-2]:
+        return k, v
+    return jnp.where(bad, jnp.nan, k).astype(k.dtype), jnp.where(bad, 0, v).astype(v.dtype)
+
+
 def _check_sinks(sinks, N):
     if sinks is None:
         return None
@@ -702,7 +716,8 @@ def attention(
                                       dkv_pos if kv_positions is None else kv_positions, B, Tk)
     except ValueError as e:
         given = q_positions if q_positions is not None else kv_positions
-        hint = _layout_hint(q, seq=_checks.shape_of(given)[-1]) if given is not None else ""
+        shp = _checks.shape_of(given) if given is not None else ()
+        hint = _layout_hint(q, seq=shp[-1]) if shp else ""
         raise ValueError(f"{e}{hint}") from None
     if kv_segment_ids is None and segment_ids is not None:
         if Tq != Tk:
@@ -747,6 +762,7 @@ def attention(
         return jnp.zeros((B, Tq, N, v.shape[-1]), q.dtype)
 
     q, k = scheme.transform_qk(q, k, q_pos, kv_pos)
+    k, v = _nonfinite_values_to_keys(k, v)
     if implementation == "pallas":
         if not scheme.fusable:
             raise ValueError(

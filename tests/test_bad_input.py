@@ -457,8 +457,9 @@ CASES += [
     L("rope_from_hf_config/scaling-dict-alone", lambda: _hf().rope_from_hf_config(
         {"rope_type": "llama3", "factor": 8.0}), ValueError,
       ("config", "whole model config", "rope_scaling", "['factor', 'rope_type']")),
-    L("scheme_to_kernel_args/shaw", lambda: _kernels().scheme_to_kernel_args(Shaw(SHAW), POS, POS),
-      ValueError, ("Shaw", "NoPE, RoPE, ALiBi and T5Bias")),
+    L("attention/pallas-shaw", lambda: jaxpos.attention(Q, KV, KV, position=Shaw(SHAW),
+                                                         implementation="pallas"),
+      ValueError, ("Shaw", "content bias or value term", "'chunked'")),
     L("default_implementation/string", lambda: jaxpos.default_implementation("rope"), TypeError,
       ("position", "'rope'")),
     L("testing.assert_translation_invariant/atol", lambda: _testing().assert_translation_invariant(

@@ -99,9 +99,6 @@ def test_learned_checked_mode_raises_under_jit():
         jaxpos.learned_positions(table, np.array([0, 4]), out_of_range="checked")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 13 item 5: a NaN value row of a masked key still reaches every query through "
-    "0 * NaN in p @ v (jaxpos/attention.py, not this test's owner); see the report"))
 def test_learned_model_past_its_table_under_jit_poisons_only_those_rows():
     from flax import nnx
 
