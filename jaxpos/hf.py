@@ -28,7 +28,6 @@ It follows HF's own rules (``modeling_rope_utils.py``, ``standardize_rope_params
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from jaxpos import rope_scaling
@@ -189,14 +188,6 @@ def rope_from_hf_config(config: Any, *, layer_type: str | None = None,
     """
     s = hf_rope_settings(config, layer_type=layer_type)
     s.pop("head_dim")
-    if not s["mrope_interleaved"]:
-        s.pop("mrope_interleaved")
-    elif "mrope_interleaved" not in inspect.signature(RoPE).parameters:
-        # This RoPE class cannot rotate [3, B, T] positions in the interleaved layout: keep
-        # the text case (1-D positions, where every M-RoPE layout is plain RoPE) and let
-        # RoPE.rotate refuse M-RoPE positions loudly rather than rotate them contiguously.
-        s.pop("mrope_interleaved")
-        s["mrope_section"] = None
     return RoPE(angle_precision=angle_precision, **s)
 
 

@@ -616,6 +616,8 @@ class RoPE(PositionScheme):
         :meth:`rotate` then accepts ``[3, B, T]`` positions (M-RoPE); with ``[T]`` or
         ``[B, T]`` positions (text, and inside :func:`jaxpos.attention`, whose positions
         are 1-D per sequence) it is plain RoPE.
+      mrope_interleaved: the Qwen3-VL / Qwen3-Omni layout, T/H/W frequencies interleaved
+        rather than in contiguous sections (see :func:`mrope_frequency_axes`).
 
     Raises:
       ValueError: neither ``inv_freq`` nor ``rotary_dim``; ``rotary_dim`` that does not
@@ -626,11 +628,11 @@ class RoPE(PositionScheme):
 
     _children = ("inv_freq",)
     _static = ("layout", "attention_factor", "scaling", "base", "rotary_dim",
-               "angle_precision", "mrope_section")
+               "angle_precision", "mrope_section", "mrope_interleaved")
 
     def __init__(self, inv_freq=None, *, rotary_dim=None, base=10000.0, layout="half",
                  scaling=None, attention_factor=None, angle_precision="high",
-                 mrope_section=None):
+                 mrope_section=None, mrope_interleaved=False):
         _checks.check_choice("layout", layout, LAYOUTS)
         _checks.check_choice("angle_precision", angle_precision, ANGLE_PRECISIONS)
         if inv_freq is None:
@@ -654,10 +656,15 @@ class RoPE(PositionScheme):
                 raise ValueError(f"mrope_section must be 3 non-negative ints summing to "
                                  f"rotary_dim // 2 = {rd // 2}; got {tuple(mrope_section)}.")
             mrope_section = sec
+            mrope_frequency_axes(sec, rd // 2, mrope_interleaved=mrope_interleaved)  # validates
+        elif mrope_interleaved:
+            raise ValueError("mrope_interleaved=True needs mrope_section (the T/H/W frequency "
+                             "counts); got mrope_section=None.")
         self._set(inv_freq=jnp.asarray(inv_freq, jnp.float32), layout=layout,
                   attention_factor=1.0 if attention_factor is None else float(attention_factor),
                   scaling=scaling, base=float(base), rotary_dim=rd,
-                  angle_precision=angle_precision, mrope_section=mrope_section)
+                  angle_precision=angle_precision, mrope_section=mrope_section,
+                  mrope_interleaved=bool(mrope_interleaved))
 
     def check(self, num_heads, head_dim):
         check_rotary_dim(self.rotary_dim, head_dim)
@@ -692,6 +699,7 @@ class RoPE(PositionScheme):
             af = self.attention_factor
         if m_rope:
             return apply_mrope(x, positions, inv_freq, mrope_section=self.mrope_section,
+                               mrope_interleaved=self.mrope_interleaved,
                                layout=self.layout, attention_factor=af,
                                angle_precision=self.angle_precision)
         return apply_rope(x, positions, inv_freq, layout=self.layout, attention_factor=af,

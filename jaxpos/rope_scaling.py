@@ -235,8 +235,8 @@ class Llama3Scaling:
             object.__setattr__(self, n, _positive(n, getattr(self, n), cls=c))
         object.__setattr__(self, "original_max_position_embeddings", _positive_int(
             "original_max_position_embeddings", self.original_max_position_embeddings, cls=c))
-        if not self.high_freq_factor > self.low_freq_factor:
-            raise ValueError(f"{c}: high_freq_factor must be > low_freq_factor; got "
+        if not self.high_freq_factor >= self.low_freq_factor:
+            raise ValueError(f"{c}: high_freq_factor must be >= low_freq_factor; got "
                              f"{self.high_freq_factor} and {self.low_freq_factor}.")
 
 
@@ -403,8 +403,11 @@ def _llama3(s: Llama3Scaling, dim: int, base: float, seq_len):
     high_freq_wavelen = L / s.high_freq_factor
     wavelen = _recip(inv_freq) * _f32(2 * math.pi)  # torch: 2*pi / t == reciprocal(t) * 2*pi
     inv_llama = np.where(wavelen > _f32(low_freq_wavelen), inv_freq / _f32(s.factor), inv_freq)
-    smooth = (_recip(wavelen) * _f32(L) - _f32(s.low_freq_factor)) / _f32(
-        s.high_freq_factor - s.low_freq_factor)
+    # Equal factors (Llama 4 Scout/Maverick ship 1.0 / 1.0) leave no smoothing band: the
+    # "medium" wavelengths below are then empty and the 0/0 here is never selected.
+    with np.errstate(divide="ignore", invalid="ignore"):
+        smooth = (_recip(wavelen) * _f32(L) - _f32(s.low_freq_factor)) / _f32(
+            s.high_freq_factor - s.low_freq_factor)
     smoothed = (_f32(1) - smooth) * inv_llama / _f32(s.factor) + smooth * inv_llama
     medium = ~(wavelen < _f32(high_freq_wavelen)) & ~(wavelen > _f32(low_freq_wavelen))
     return np.where(medium, smoothed, inv_llama).astype(_f32), 1.0

@@ -145,8 +145,20 @@ def test_llama31_frequencies():
 
 
 def test_llama3_bad_band():
-    with pytest.raises(ValueError, match="high_freq_factor must be > low_freq_factor"):
+    with pytest.raises(ValueError, match="high_freq_factor must be >= low_freq_factor"):
         jaxpos.Llama3Scaling(8.0, 4.0, 1.0, 8192)
+
+
+def test_llama3_equal_factors_have_no_band():
+    """Llama 4 Scout ships low_freq_factor = high_freq_factor = 1.0 (HF only warns): every
+    wavelength above L is divided by the factor, every other kept, nothing smoothed."""
+    inv, _ = jaxpos.rope_frequencies(128, 5e5, scaling=jaxpos.Llama3Scaling(16.0, 1.0, 1.0, 8192))
+    f = np.asarray(jaxpos.rope_frequencies(128, 5e5)[0], np.float64)
+    inv = np.asarray(inv, np.float64)
+    long = 2 * np.pi / f > 8192
+    assert 0 < long.sum() < len(f) and np.all(np.isfinite(inv))
+    np.testing.assert_allclose(inv[long], f[long] / 16, rtol=1e-6)
+    np.testing.assert_array_equal(inv[~long], f[~long])
 
 
 # -------------------------------------------------------------------------------- LongRoPE
