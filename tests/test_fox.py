@@ -127,7 +127,7 @@ def test_gradient_reaches_the_gate_projection():
         scheme = FoX(forget_gate(x, w, b))
         return jnp.sum(attn("chunked", q, k, v, position=scheme, causal=True) * v)
 
-    check_grads(loss, (w, b), order=1, modes=["rev"], eps=1e-2, atol=1e-2, rtol=1e-2)
+    check_grads(jax.jit(loss), (w, b), order=1, modes=["rev"], eps=1e-2, atol=1e-2, rtol=1e-2)
     lf = np.asarray(forget_gate(x, w, b), np.float64)
     logit = np.einsum("btd,dn->btn", np.asarray(x, np.float64), np.asarray(w, np.float64)) + \
         np.asarray(b, np.float64)
