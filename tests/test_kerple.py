@@ -96,6 +96,28 @@ def test_implementations_agree_forward_and_gradients(impl, kind):
     assert_impl_agrees(impl, lambda p: KERPLE(*p, kind=kind), params, q, k, v, causal=True)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_position_equals_a_hand_written_score_mod(impl):
+    """Issue 11's criterion: KERPLE through ``position=`` and written by hand as a
+    ``score_mod=`` capturing r1 and r2 give the same numbers, forward and gradients (in
+    the clamp's range, where its straight-through gradient is the identity)."""
+    q, k, v = qkv(6, T=12, N=4, H=8)
+
+    def by_hand(r1, r2):
+        return lambda s, b, h, qp, kp: s - r1[h] * jnp.log1p(
+            r2[h] * jnp.abs(kp - qp).astype(jnp.float32))
+
+    f_pos = lambda r1, r2, q: attn(impl, q, k, v, position=KERPLELog(r1, r2), causal=True)
+    f_mod = lambda r1, r2, q: attn(impl, q, k, v, score_mod=by_hand(r1, r2), causal=True)
+    args = (jnp.asarray(R1), jnp.asarray(R2), q)
+    np.testing.assert_allclose(np.asarray(f_pos(*args)), np.asarray(f_mod(*args)), atol=2e-6)
+    loss = lambda f: (lambda *a: jnp.sum(jnp.sin(f(*a))))
+    g_pos = jax.grad(loss(f_pos), argnums=(0, 1, 2))(*args)
+    g_mod = jax.grad(loss(f_mod), argnums=(0, 1, 2))(*args)
+    for a, b in zip(g_pos, g_mod):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["log", "power"])
 def test_translation_invariant(kind):
     # The kernel depends on |m - n| only (Chi et al. 2022): shifting every position by the
