@@ -10,7 +10,13 @@ from jaxpos.alibi import ALiBi, alibi_bias, alibi_slopes
 from jaxpos.attention import IMPLEMENTATIONS, attention, default_implementation
 from jaxpos.hf import rope_from_hf_config
 from jaxpos.learned import learned_positions
-from jaxpos.mods import BlockMask, create_block_mask
+from jaxpos.mods import (
+    BlockMask,
+    ChunkedAttentionMask,
+    PrefixLMMask,
+    SlidingWindowMask,
+    create_block_mask,
+)
 from jaxpos.rope import RoPE, apply_rope, half_to_interleaved, interleaved_to_half, rope_frequencies
 from jaxpos.rope_scaling import (
                                  DynamicNTKScaling,
@@ -31,6 +37,9 @@ __all__ = [
                                  "IMPLEMENTATIONS",
                                  "ALiBi",
                                  "BlockMask",
+                                 "ChunkedAttentionMask",
+                                 "PrefixLMMask",
+                                 "SlidingWindowMask",
                                  "REGISTRY",
                                  "DynamicNTKScaling",
                                  "LinearScaling",

@@ -25,6 +25,10 @@ A **mask_mod** decides visibility the same way and returns bool ``[tq, tk]``
 Every implementation calls the functions on tiles of its own size (the reference on the
 whole ``[Tq, Tk]`` score matrix), so they must not depend on the tile shape.
 
+Common mask_mods: :class:`SlidingWindowMask` (Mistral, Gemma 2/3, GPT-OSS),
+:class:`ChunkedAttentionMask` (Llama 4) and :class:`PrefixLMMask`; document masks are
+``segment_ids``.
+
 :func:`create_block_mask` classifies the tiles of a mask_mod once (empty / full /
 partial), so implementations skip empty tiles and evaluate the mask on partial tiles
 only.
@@ -36,6 +40,7 @@ gradient and the Pallas kernel receive them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -46,8 +51,9 @@ from jax.extend import core as jex
 
 from jaxpos import _checks
 
-__all__ = ["BlockMask", "ConvertedMod", "EMPTY", "FULL", "PARTIAL", "apply_mod", "compose_score_mods",
-           "convert_mod", "create_block_mask"]
+__all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMask", "ChunkedAttentionMask", "ConvertedMod",
+           "PrefixLMMask", "SlidingWindowMask", "apply_mod", "compose_score_mods", "convert_mod",
+           "create_block_mask"]
 
 # Tile kinds of a block mask.
 EMPTY, FULL, PARTIAL = 0, 1, 2
@@ -340,3 +346,86 @@ def create_block_mask(mask_mod: Callable, *, q_positions, kv_positions, block_q:
     return BlockMask(kinds=kinds, kv_num_blocks=kv_num, kv_indices=kv_idx, q_num_blocks=q_num,
                      q_indices=q_idx, mask_mod=mask_mod, block_q=bq, block_k=bk, q_len=Tq,
                      kv_len=Tk)
+
+
+# ------------------------------------------------------------------ common mask_mods
+@dataclasses.dataclass(frozen=True)
+class SlidingWindowMask:
+    """The mask_mod of a causal sliding window of ``window`` tokens: a query at position
+    ``p`` sees keys at positions ``p - window < kv_pos`` (with ``causal=True``, also
+    ``kv_pos <= p``: the query and the ``window - 1`` tokens before it).
+
+    Hugging Face's ``sliding_window_overlay`` (``masking_utils.py``): ``kv_idx > q_idx -
+    sliding_window``, the layers marked ``"sliding_attention"`` in ``layer_types`` (Mistral,
+    Gemma 2/3, GPT-OSS; Beltagy et al. 2020, "Longformer", §3.1 for the pattern). Use it as
+    ``jaxpos.attention(..., causal=True, mask_mod=SlidingWindowMask(w))``; with global
+    positions it holds for left padding and KV-cache decoding alike. A frozen dataclass, so
+    equal windows compare and hash equal (one trace per window under ``jit``).
+
+    Call: ``(batch, head, q_pos [tq, 1], kv_pos [1, tk]) -> bool [tq, tk]``.
+
+    Raises:
+      ValueError / TypeError: ``window`` not an int >= 1 (named ``sliding_window``).
+    """
+
+    window: int
+
+    def __post_init__(self):
+        window = _checks.check_positive_int("sliding_window", self.window)
+        object.__setattr__(self, "window", window)
+
+    def __call__(self, batch, head, q_pos, kv_pos):
+        return q_pos - kv_pos < self.window
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedAttentionMask:
+    """The mask_mod of Llama 4's chunked attention: a query sees only keys of its own chunk
+    of ``chunk_size`` positions, ``q_pos // chunk_size == kv_pos // chunk_size`` (with
+    ``causal=True`` also ``kv_pos <= q_pos``).
+
+    Hugging Face's ``chunked_overlay`` (``masking_utils.py``), used on the layers marked
+    ``"chunked_attention"`` (Llama 4's RoPE layers, ``attention_chunk_size``): HF counts
+    chunks from the first real token (``(idx - left_padding) // chunk_size``), which is the
+    position of a real token, so global positions give the same chunks under left padding
+    and KV-cache decoding. A frozen dataclass (one trace per chunk size under ``jit``).
+
+    Call: ``(batch, head, q_pos [tq, 1], kv_pos [1, tk]) -> bool [tq, tk]``.
+
+    Raises:
+      ValueError / TypeError: ``chunk_size`` not an int >= 1 (named
+      ``attention_chunk_size``).
+    """
+
+    chunk_size: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "chunk_size",
+                           _checks.check_positive_int("attention_chunk_size", self.chunk_size))
+
+    def __call__(self, batch, head, q_pos, kv_pos):
+        return q_pos // self.chunk_size == kv_pos // self.chunk_size
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixLMMask:
+    """The mask_mod of a prefix language model (Raffel et al. 2020, §3.2.1, "prefix LM"):
+    every query sees the first ``prefix_len`` positions (bidirectional attention over the
+    prefix) and, after them, the keys at positions ``<= q_pos`` (causal). Use it with
+    ``causal=False`` (``causal=True`` would hide the prefix's later tokens from its earlier
+    ones).
+
+    Call: ``(batch, head, q_pos [tq, 1], kv_pos [1, tk]) -> bool [tq, tk]``.
+
+    Raises:
+      ValueError / TypeError: ``prefix_len`` not an int >= 0.
+    """
+
+    prefix_len: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "prefix_len", _checks.check_nonneg_int("prefix_len",
+                                                                         self.prefix_len))
+
+    def __call__(self, batch, head, q_pos, kv_pos):
+        return (kv_pos < self.prefix_len) | (kv_pos <= q_pos)

@@ -235,6 +235,26 @@ def test_jit_and_vmap():
     np.testing.assert_allclose(np.asarray(fv(q, k, v)), np.asarray(ref), atol=2e-5)
 
 
+def test_common_mask_mods():
+    """Sliding window (Beltagy et al. 2020, §3.1; HF sliding_window_overlay), Llama 4 chunks
+    (HF chunked_overlay) and a prefix LM (Raffel et al. 2020, §3.2.1), written out."""
+    qp, kp = jnp.arange(6)[:, None], jnp.arange(6)[None, :]
+    i, j = np.arange(6)[:, None], np.arange(6)[None, :]
+    np.testing.assert_array_equal(jaxpos.SlidingWindowMask(3)(0, 0, qp, kp), i - j < 3)
+    np.testing.assert_array_equal(jaxpos.ChunkedAttentionMask(4)(0, 0, qp, kp), i // 4 == j // 4)
+    np.testing.assert_array_equal(jaxpos.PrefixLMMask(2)(0, 0, qp, kp), (j < 2) | (j <= i))
+    q, k, v = _qkv(11, T=20)
+    out = jaxpos.attention(q, k, v, mask_mod=jaxpos.PrefixLMMask(5), implementation="chunked",
+                           block_q=8, block_k=8)
+    want = _dense64(q, k, v, vis_fn=lambda b, h, i, j: (j < 5) | (j <= i))
+    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5)
+    for bad, name in ((lambda: jaxpos.SlidingWindowMask(0), "sliding_window"),
+                      (lambda: jaxpos.ChunkedAttentionMask(-2), "attention_chunk_size"),
+                      (lambda: jaxpos.PrefixLMMask(-1), "prefix_len")):
+        with pytest.raises(ValueError, match=name):
+            bad()
+
+
 # ------------------------------------------------------------------------- bad input
 def test_bad_score_mod_and_mask_mod():
     q, k, v = _qkv(0)

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 import jaxpos
+from jaxpos.mods import ChunkedAttentionMask, SlidingWindowMask  # noqa: F401 (re-exported)
 from jaxpos import _checks
 
 __all__ = [
@@ -106,64 +107,6 @@ def key_segments(attention_mask, batch: int, seq: int) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------ masks
-@dataclasses.dataclass(frozen=True)
-class SlidingWindowMask:
-    """The mask_mod of a causal sliding window of ``window`` tokens: a query at position
-    ``p`` sees keys at positions ``p - window < kv_pos`` (with ``causal=True``, also
-    ``kv_pos <= p``: the query and the ``window - 1`` tokens before it).
-
-    Hugging Face's ``sliding_window_overlay`` (``masking_utils.py``): ``kv_idx > q_idx -
-    sliding_window``, the layers marked ``"sliding_attention"`` in ``layer_types`` (Mistral,
-    Gemma 2/3, GPT-OSS; Beltagy et al. 2020, "Longformer", §3.1 for the pattern). Use it as
-    ``jaxpos.attention(..., causal=True, mask_mod=SlidingWindowMask(w))``; with global
-    positions it holds for left padding and KV-cache decoding alike. A frozen dataclass, so
-    equal windows compare and hash equal (one trace per window under ``jit``).
-
-    Call: ``(batch, head, q_pos [tq, 1], kv_pos [1, tk]) -> bool [tq, tk]``.
-
-    Raises:
-      ValueError / TypeError: ``window`` not an int >= 1 (named ``sliding_window``).
-    """
-
-    window: int
-
-    def __post_init__(self):
-        window = _checks.check_positive_int("sliding_window", self.window)
-        object.__setattr__(self, "window", window)
-
-    def __call__(self, batch, head, q_pos, kv_pos):
-        return q_pos - kv_pos < self.window
-
-
-@dataclasses.dataclass(frozen=True)
-class ChunkedAttentionMask:
-    """The mask_mod of Llama 4's chunked attention: a query sees only keys of its own chunk
-    of ``chunk_size`` positions, ``q_pos // chunk_size == kv_pos // chunk_size`` (with
-    ``causal=True`` also ``kv_pos <= q_pos``).
-
-    Hugging Face's ``chunked_overlay`` (``masking_utils.py``), used on the layers marked
-    ``"chunked_attention"`` (Llama 4's RoPE layers, ``attention_chunk_size``): HF counts
-    chunks from the first real token (``(idx - left_padding) // chunk_size``), which is the
-    position of a real token, so global positions give the same chunks under left padding
-    and KV-cache decoding. A frozen dataclass (one trace per chunk size under ``jit``).
-
-    Call: ``(batch, head, q_pos [tq, 1], kv_pos [1, tk]) -> bool [tq, tk]``.
-
-    Raises:
-      ValueError / TypeError: ``chunk_size`` not an int >= 1 (named
-      ``attention_chunk_size``).
-    """
-
-    chunk_size: int
-
-    def __post_init__(self):
-        object.__setattr__(self, "chunk_size",
-                           _checks.check_positive_int("attention_chunk_size", self.chunk_size))
-
-    def __call__(self, batch, head, q_pos, kv_pos):
-        return q_pos // self.chunk_size == kv_pos // self.chunk_size
-
-
 def mask_kwargs(mask_mod, *, q_positions, kv_positions, implementation=None, block_q=None,
                 block_k=None) -> dict:
     """Keyword arguments of :func:`jaxpos.attention` for one layer's ``mask_mod``: ``{}`` for
