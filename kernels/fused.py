@@ -163,9 +163,20 @@ def _loops(r, carry, tile):
     """Run ``tile(index, carry, masked)`` over the PARTIAL then the FULL tiles of this
     program's schedule row; each loop's trip count is the number of such tiles."""
     counts, lists = r["counts"], r["lists"]
-    carry = jax.lax.fori_loop(0, counts[0, 0], lambda t, c: tile(lists[0, t], c, True), carry)
-    carry = jax.lax.fori_loop(0, counts[0, 1], lambda t, c: tile(lists[1, t], c, False), carry)
-    return carry
+    last = lists.shape[-1] - 1
+
+    def run(row, carry, masked):
+        # The next tile's index is read one iteration ahead and carried (as FlexAttention's
+        # kernels advance their pointers), so a tile's addresses never wait on a load
+        # issued in the same iteration (what lets Triton pipeline the tile loads).
+        def body(t, c):
+            j, inner = c
+            nxt = lists[row, jnp.minimum(t + 1, last)]
+            return nxt, tile(j, inner, masked)
+
+        return jax.lax.fori_loop(0, counts[0, row], body, (lists[row, 0], carry))[1]
+
+    return run(1, run(0, carry, True), False)
 
 
 def _count(cfg, carry_cnt, masked):
