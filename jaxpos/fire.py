@@ -13,11 +13,11 @@ progressive interpolation and its log transform)::
   into ``[0, 1]`` whatever its position ("progressive interpolation"); ``max(L, i)``
   keeps short contexts from being stretched over the whole range.
 
-As in the authors' reference implementation (the paper's appendix; also GPT-NeoX's
-``FIRE`` module), the parameters enter as ``psi(x) = log(|c * x| + 1)``, ``L =
-|L_multiplier * init_L|`` with ``init_L`` fixed (512 there) and ``L_multiplier`` learned
-(initial value 1), and ``eps = 1e-6`` is added to the normaliser. So ``c`` and
-``L_multiplier`` may take any sign; only their magnitudes matter.
+As in the authors' PyTorch implementation printed in the paper's appendix, the
+parameters enter as ``psi(x) = log(|c * x| + 1)``, ``L = |L_multiplier * init_L|`` with
+``init_L`` fixed (512 there) and ``L_multiplier`` learned (initial value 1), and
+``eps = 1e-6`` is added to the normaliser. So ``c`` and ``L_multiplier`` may take any
+sign; only their magnitudes matter.
 
 FIRE is causal: visible keys have ``j <= i``. For ``j > i`` the formula is evaluated at
 ``|c (i - j)|`` (symmetric); a decoder hides those keys with ``causal=True``.

@@ -18,12 +18,15 @@ GPT-NeoX code, which adds it to the attention scores after the ``1/sqrt(d)`` fac
 
 Keeping the parameters positive. The authors' code (``ParallelKerpleLog`` and
 ``ParallelKerplePower`` in github.com/chijames/KERPLE) clamps the parameters in place
-before every forward pass: ``r1, r2 >= 1e-2``, and ``r2 <= 2`` for the power variant,
-while the optimiser updates the unclamped values. :class:`KERPLE` does the same
-functionally: it stores the raw values (pytree children, what an optimiser updates) and
-uses ``clip(raw, eps, upper)`` in the forward pass with a straight-through gradient
-(the gradient taken at the clamped value passes to the raw value unchanged), so a
-parameter that steps out of range is still pulled back, as with the in-place clamp.
+before every forward pass: ``r1, r2 >= 1e-2``, and ``r2 <= 2`` for the power variant; an
+optimiser step may move them out of range again, and the next forward pass clamps them
+back. :class:`KERPLE` does this functionally: it stores the raw values (pytree children,
+what an optimiser updates) and uses ``clip(raw, eps, upper)`` in the forward pass with a
+straight-through gradient (the gradient taken at the clamped value passes to the raw
+value unchanged), so a parameter that steps out of range still receives the gradient
+that pulls it back. One difference: the stored raw value is not reset to the bound, so
+after a long push past it, it takes as many steps to come back.
+
 :func:`kerple_bias` is the plain formula: it uses ``r1`` and ``r2`` as given and rejects
 concrete values out of range.
 
