@@ -439,7 +439,7 @@ def main(argv=None):
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--block-q", type=int, default=128)
-    p.add_argument("--block-k", type=int, default=64)
+    p.add_argument("--block-k", type=int, default=128)
     p.add_argument("--deadline", type=float, default=300.0, help="seconds for everything")
     p.add_argument("--no-torch", action="store_true", help="skip PyTorch SDPA / FlexAttention")
     p.add_argument("--skip-correctness", action="store_true")
