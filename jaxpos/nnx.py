@@ -250,7 +250,9 @@ def collect_options(*, rotary_dim=None, rope_base=None, num_buckets=None, max_di
     data; a scheme's ``init_params`` / ``from_params`` receive it as a dict.
 
     Raises:
-      TypeError: ``scheme_options`` is not a dict with string keys.
+      TypeError: ``scheme_options`` is not a dict with string keys; ``rotary_dim``,
+        ``num_buckets``, ``max_distance`` not ints, ``rope_base`` not a real number.
+      ValueError: those not > 0 (``rope_base`` also finite), when given.
     """
     opts = {"rotary_dim": rotary_dim, "rope_base": rope_base, "num_buckets": num_buckets,
             "max_distance": max_distance}
@@ -261,6 +263,12 @@ def collect_options(*, rotary_dim=None, rope_base=None, num_buckets=None, max_di
                             f"options) or None; got {type(scheme_options).__name__} "
                             f"{scheme_options!r}.")
         opts.update(scheme_options)
+    # The named options mean the same for every scheme that reads them: sizes and a base.
+    for key in ("rotary_dim", "num_buckets", "max_distance"):
+        if opts[key] is not None:
+            _checks.check_positive_int(key, opts[key])
+    if opts["rope_base"] is not None:
+        _checks.check_positive_float("rope_base", opts["rope_base"])
     return tuple(sorted(opts.items(), key=lambda kv: kv[0]))
 
 

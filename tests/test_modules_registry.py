@@ -17,6 +17,7 @@ reference implementation.
 """
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -254,3 +255,18 @@ def test_scheme_without_from_params_gives_a_clear_error_everywhere():
     # An unknown name lists the names the modules accept, derived from the registry.
     with pytest.raises(ValueError, match=r"position must be one of .*'test_kerple'"):
         _decoder("no_such_scheme")
+
+
+@pytest.mark.parametrize("kw,error,words", [
+    (dict(position="shaw", max_distance=0), ValueError, ("max_distance", "0")),
+    (dict(position="t5", num_buckets=0), ValueError, ("num_buckets", "0")),
+    (dict(position="rope", rope_base=-1.0), ValueError, ("rope_base", "-1.0")),
+    (dict(position="rope", rotary_dim=4.0), TypeError, ("rotary_dim", "4.0")),
+    (dict(position="alibi", scheme_options={1: 2}), TypeError, ("scheme_options", "string keys")),
+])
+def test_bad_scheme_options_raise_when_the_layer_is_built(kw, error, words):
+    pattern = ".*".join(map(re.escape, words))
+    with pytest.raises(error, match=pattern):
+        jn.MultiHeadAttention(D, N, rngs=nnx.Rngs(0), **kw)
+    with pytest.raises(error, match=pattern):
+        jl.MultiHeadAttention(D, N, **kw).init(jax.random.key(0), jnp.ones((1, 3, D)))
