@@ -61,9 +61,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxpos.kernels import attention_via_xla, choose_implementation, fused
 
 import jaxpos
-from jaxpos.kernels import attention_via_xla, choose_implementation, fused
 
 VARIANTS = ("none", "alibi", "t5", "rope", "rope+alibi")
 T0 = time.time()
@@ -208,7 +208,7 @@ def check_correctness(args, poison=True):
                 report.append(f"{variant} {jnp.dtype(dtype).name}: skipped (deadline)")
                 continue
 
-            def run(f, q, k, v):
+            def run(f, q, k, v, w=w):
                 def loss(q, k, v, p):
                     o = f(q, k, v, p)
                     return jnp.sum(o.astype(jnp.float32) * w), o
@@ -408,11 +408,11 @@ def write_table(path, args, correctness, rows, device_desc):
 
     lines = [f"# jaxpos attention benchmark ({device_desc})", "",
              f"Command: `python benchmarks/gpu_attention.py {' '.join(sys.argv[1:])}`", "",
-             f"JAX {jax.__version__}; bf16, causal, model FLOPs `4 B N T^2 H / 2` (x3.5 "
-             f"forward+backward).", "", "Correctness (against the float32 reference):", ""]
+             (f"JAX {jax.__version__}; bf16, causal, model FLOPs `4 B N T^2 H / 2` (x3.5 "
+              f"forward+backward)."), "", "Correctness (against the float32 reference):", ""]
     lines += [f"- {c}" for c in correctness]
-    lines += ["", "| T | position | pass | implementation | ms | TFLOP/s | / pallas none | "
-              "/ cudnn dense | note |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", ("| T | position | pass | implementation | ms | TFLOP/s | / pallas none | "
+                   "/ cudnn dense | note |"), "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = find(r["T"], "none", r["mode"], "jaxpos.pallas")
         dense = find(r["T"], r["pos"], r["mode"], "jax.cudnn+dense")

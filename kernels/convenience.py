@@ -4,10 +4,10 @@ plain arrays (no scheme objects), translated into a per-token rotation and score
 from __future__ import annotations
 
 import jax.numpy as jnp
-
-from jaxpos import _checks
 from jaxpos.kernels.dispatch import _check_qkv
 from jaxpos.kernels.fused import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, kernel_attention, resolve_mode
+
+from jaxpos import _checks
 from jaxpos.mods import compose_score_mods
 from jaxpos.rope import ANGLE_PRECISIONS, LAYOUTS, apply_rope
 

@@ -22,9 +22,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxpos.kernels.fused import is_additive, kernel_attention
 
 from jaxpos import _checks
-from jaxpos.kernels.fused import is_additive, kernel_attention
 from jaxpos.mods import apply_mod, convert_mod
 
 __all__ = ["DENSE_BIAS_BUDGET_BYTES", "IMPLEMENTATIONS", "attention_via_kernel",
@@ -314,7 +314,7 @@ def _sdpa(q, k, v, bias, mask, is_causal, scale, implementation):
 
 def _dense_attention(q, k, v, smod, mask, is_causal, q_pos, kv_pos, scale, sinks):
     """Dense attention in XLA for a score_mod that is not a pure added term."""
-    B, Tq, N, H = q.shape
+    Tq, N = q.shape[1], q.shape[2]
     g = N // k.shape[2]
     kk, vv = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
     prec = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None

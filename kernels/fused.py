@@ -47,12 +47,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-
-from jaxpos import _checks
 from jaxpos.kernels import modeval
 from jaxpos.kernels import schedule as sched_lib
 from jaxpos.kernels._util import match_vma, pad_axis, pow2_at_least, varying_axes, zero_cotangent
-from jaxpos.mods import BlockMask, ConvertedMod, convert_mod
+
+from jaxpos import _checks
+from jaxpos.mods import BlockMask, convert_mod
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "kernel_attention"]
 
@@ -608,10 +608,7 @@ def _tiles_apply(conv, x, q_pos_t, kv_pos_t, kind, axes=frozenset()):
     """Apply a converted mod to every tile: ``x`` ``[B, N, G, nk, bq, bk]`` (scores) or
     None (a mask: then ``kind`` = (B, N, G, nk)); ``q_pos_t`` ``[Bq, G, bq]``,
     ``kv_pos_t`` ``[Bk, nk, bk]``."""
-    if x is not None:
-        B, N, G, nk = x.shape[:4]
-    else:
-        B, N, G, nk = kind
+    B, N = x.shape[:2] if x is not None else kind[:2]
 
     if axes:
         call = lambda *a: modeval.eval_varying(conv, a, lambda x: _vary(x, axes))

@@ -34,7 +34,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.extend import core as jex
 
-__all__ = ["eval_converted", "Loader", "RefLoader", "LoopLoader", "UsageRecorder"]
+__all__ = ["Loader", "LoopLoader", "RefLoader", "UsageRecorder", "eval_converted"]
 
 
 # ------------------------------------------------------------------------ lazy values

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jaxpos.kernels import attention_via_kernel, fused_attention
+
 from jaxpos.mods import create_block_mask
 
 B, T, N, NKV, H = 1, 192, 4, 2, 128

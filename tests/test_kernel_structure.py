@@ -30,8 +30,6 @@ from jax.extend import core as jex
 from jaxpos.kernels import attention_via_kernel, fused, fused_attention
 from jaxpos.kernels import schedule as sched_lib
 
-import jaxpos
-
 
 def _subjaxprs(eqn):
     for p in eqn.params.values():
