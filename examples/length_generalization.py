@@ -65,9 +65,13 @@ import numpy as np
 
 VOCAB_SIZE = 256  # byte-level: one token per byte
 BASE_SCHEMES = ("nope", "sinusoidal", "learned", "rope", "alibi", "t5", "shaw")
-# Schemes built from jaxpos.scheme objects with learnable arrays (SchemeLM below); not in the
-# default run, ask for them with --schemes.
+# More registered schemes (jaxpos.kerple, fire, sandwich, xpos, fox); not in the default
+# run, ask for them with --schemes.
 SCHEME_OBJECTS = ("kerple_log", "kerple_power", "fire", "sandwich", "xpos", "fox")
+# Schemes evaluated one window per row instead of packed rows: learned positions (checked
+# against the table by value) and FoX (its forget gates are indexed by token position, so
+# positions must run 0 .. T-1 along a row).
+UNPACKED = ("learned", "fox")
 # RoPE evaluated with a context-extension scaling at lengths beyond training (jaxpos.rope_scaling).
 ROPE_VARIANTS = ("rope+yarn", "rope+ntk", "rope+pi")
 DEFAULT_SCHEMES = BASE_SCHEMES + ("rope+yarn",)
@@ -246,123 +250,24 @@ def rope_scaling_available() -> bool:
 
 # ------------------------------------------------------------------------------ model
 def build_model(position: str, args):
-    """A fresh model with the run's size and seed: :class:`jaxpos.nnx.DecoderLM`, or
-    :class:`SchemeLM` for the schemes of :data:`SCHEME_OBJECTS`."""
+    """A fresh :class:`jaxpos.nnx.DecoderLM` with the run's size and seed.
+
+    The schemes of :data:`SCHEME_OBJECTS` come from the scheme registry with their
+    defaults (KERPLE's and FIRE's parameters shared by the stack, FoX's gate projection
+    per layer, computed from the block's normalised input), except FIRE's threshold:
+    ``init_L = train_len / 4`` (the authors' 512 for 2048-token training, scaled).
+    """
     import jax.numpy as jnp
     from flax import nnx
 
     from jaxpos.nnx import DecoderLM
 
-    if position in SCHEME_OBJECTS:
-        return SchemeLM(position, args, rngs=nnx.Rngs(args.seed))
+    options = {"init_L": max(1.0, args.train_len / 4)} if position == "fire" else None
     return DecoderLM(
         VOCAB_SIZE, d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
         position=position, max_len=args.train_len if position == "learned" else None,
-        t5_max_distance=args.t5_max_distance, implementation=args.implementation,
-        dtype=jnp.float32, rngs=nnx.Rngs(args.seed))
-
-
-@functools.cache
-def _scheme_lm_class():
-    """The ``SchemeLM`` class, defined on first use (the script imports without JAX/flax,
-    as the rest of it does)."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jaxpos import nnx as jnnx
-    from jaxpos.fire import FIRE
-    from jaxpos.fox import FoX, forget_gate
-    from jaxpos.kerple import KERPLE
-    from jaxpos.sandwich import Sandwich
-    from jaxpos.xpos import XPos
-
-    class SchemeLM(nnx.Module):
-        """:class:`jaxpos.nnx.DecoderLM`'s architecture (its ``position="nope"`` body: the
-        same embeddings, blocks, norms and tied output, the same initialisation for the
-        same seed) with a position scheme object passed to every attention call.
-
-        * ``kerple_log`` / ``kerple_power`` (Chi et al. 2022): learnable ``r1``, ``r2`` per
-          head, one pair for the stack, the authors' initialisation;
-        * ``fire`` (Li et al. 2023): one MLP 1 -> 32 -> heads, ``c`` and ``L`` for the stack;
-          ``init_L = train_len / 4`` (the authors' 512 for 2048-token training, scaled);
-        * ``sandwich`` (Chi et al. 2023): no parameters, ``d_bar = 128``;
-        * ``xpos`` (Sun et al. 2022): no parameters, ``scale_base = 512``;
-        * ``fox`` (Lin et al. 2025): a forget-gate projection per layer, ``log f =
-          log_sigmoid(x @ w + b)`` from the block's normalised input (the attention input),
-          ``w ~ N(0, 0.02)``, ``b = 0`` as in the authors' code; no other position signal.
-          FoX indexes its gates by token index, so its attention positions are the row's
-          token indices (segment ids keep packed windows apart, as for every scheme).
-        """
-
-        def __init__(self, name: str, args, *, rngs: nnx.Rngs):
-            self.name = name
-            self.lm = jnnx.DecoderLM(
-                VOCAB_SIZE, d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
-                position="nope", implementation=args.implementation, dtype=jnp.float32,
-                rngs=rngs)
-            N = args.heads
-            key = rngs.params()
-            if name.startswith("kerple"):
-                s = KERPLE.init(N, key=key, kind=name.split("_")[1])
-                self.params = nnx.Dict(r1=nnx.Param(s.r1), r2=nnx.Param(s.r2))
-            elif name == "fire":
-                s = FIRE.init(N, key=key, init_L=max(1.0, args.train_len / 4))
-                self.init_L = s.init_L
-                self.params = nnx.Dict({f: nnx.Param(getattr(s, f)) for f in FIRE._children})
-            elif name == "fox":
-                init = nnx.initializers.normal(0.02)
-                self.gates = nnx.List([
-                    nnx.Linear(args.d_model, N, use_bias=True, kernel_init=init, rngs=rngs)
-                    for _ in range(args.layers)])
-
-        def scheme(self):
-            """The stack's scheme (``None`` for FoX, whose scheme is per layer)."""
-            name, N = self.name, self.lm.blocks[0].attn.num_heads
-            if name.startswith("kerple"):
-                return KERPLE(self.params["r1"][...], self.params["r2"][...],
-                              kind=name.split("_")[1])
-            if name == "fire":
-                p = {f: self.params[f][...] for f in FIRE._children}
-                return FIRE(p["w1"], p["b1"], p["w2"], p["b2"], c=p["c"],
-                            L_multiplier=p["L_multiplier"], init_L=self.init_L)
-            if name == "sandwich":
-                return Sandwich(N)
-            if name == "xpos":
-                return XPos(self.lm.blocks[0].attn.head_dim)
-            return None
-
-        def __call__(self, tokens, *, positions=None, segment_ids=None, rope_scaling=None,
-                     implementation=None):
-            """Causal forward pass: ``tokens [B, T]`` -> float32 logits ``[B, T, 256]``.
-            Arguments as :meth:`jaxpos.nnx.DecoderLM.__call__` (``rope_scaling`` must be
-            None)."""
-            lm = self.lm
-            jnnx.no_rope_scaling(self.name, rope_scaling)
-            pos = jnnx.default_positions(tokens.shape, positions)
-            tokens = jnnx.check_tokens(tokens, lm.vocab_size)
-            x = jnnx.embed_tokens(lm.embed.embedding[...], tokens, lm.d_model, lm.dtype)
-            scheme = self.scheme()
-            impl = implementation or lm.implementation
-            row = jnp.arange(tokens.shape[1], dtype=jnp.int32)
-            for i, block in enumerate(lm.blocks):
-                attn_pos = pos
-                if self.name == "fox":
-                    h = jnnx.rms_norm(x, block.attn_norm.scale[...])
-                    gate = self.gates[i]
-                    scheme = FoX(forget_gate(h, gate.kernel[...], gate.bias[...]))
-                    attn_pos = row
-                x = block(x, positions=attn_pos, segment_ids=segment_ids, scheme=scheme,
-                          implementation=impl)
-            h = jnnx.rms_norm(x, lm.final_norm.scale[...])
-            return jnnx.tied_logits(h, lm.embed.embedding[...])
-
-    return SchemeLM
-
-
-def SchemeLM(name: str, args, *, rngs):  # noqa: N802 (builds an instance of the class)
-    """A decoder LM for one of :data:`SCHEME_OBJECTS` (the class's docstring in
-    ``_scheme_lm_class`` describes each)."""
-    return _scheme_lm_class()(name, args, rngs=rngs)
+        t5_max_distance=args.t5_max_distance, scheme_options=options,
+        implementation=args.implementation, dtype=jnp.float32, rngs=nnx.Rngs(args.seed))
 
 
 def cross_entropy_nats(logits, targets):
@@ -463,8 +368,8 @@ def evaluate(name: str, graphdef, params, rest, args, chunks: np.ndarray, progre
 
     Every length scores the same bytes: the chunks ``[n, P + 1]`` are fed as ``[n, P]``
     inputs with :func:`packed_positions` (one compiled function per RoPE scaling, not per
-    length); learned positions run unpacked, one window per row. Learned positions past
-    their table are tried on one unpacked window
+    length); learned positions and FoX (:data:`UNPACKED`) run unpacked, one window per
+    row. Learned positions past their table are tried on one unpacked window
     (``jax.eval_shape``, nothing computed): the library raises ``ValueError`` and the
     length is reported as ``"cannot run"``.
 
@@ -502,8 +407,9 @@ def evaluate(name: str, graphdef, params, rest, args, chunks: np.ndarray, progre
                                f"they must raise instead of clamping.")
         scaling = rope_scaling_for(name, args.train_len, L)
         # Packed rows need traced positions; a learned table checks positions against its
-        # rows by value or by sequence length, so learned windows run one per row instead.
-        packed = base_scheme(name) != "learned"
+        # rows by value or by sequence length, and FoX reads its gates at positions 0 .. T-1
+        # of a row, so those windows run one per row instead (UNPACKED).
+        packed = base_scheme(name) not in UNPACKED
         shape = (rows, period) if packed else (rows * period // L, L)
         cache_key = (repr(scaling), shape)
         if cache_key not in compiled:

@@ -79,6 +79,12 @@ def _check_mlp(w1, b1, w2, b2) -> int:
     return width
 
 
+def _option(options: dict, name: str, default):
+    """``options[name]``, or ``default`` when it is missing or None."""
+    value = options.get(name)
+    return default if value is None else value
+
+
 def _check_scalar(name: str, x, *, positive: bool) -> None:
     if _checks.shape_of(x) != ():
         raise ValueError(f"{name} must be a scalar; got shape {_checks.shape_of(x)}.")
@@ -186,6 +192,22 @@ class FIRE(PositionScheme):
         b = 1.0 / np.sqrt(w)
         return cls(u(k1, (w,), 1.0), u(k2, (w,), 1.0), u(k3, (w, n), b), u(k4, (n,), b),
                    c=init_c, L_multiplier=1.0, init_L=init_L, eps=eps)
+
+    # ---- for the Flax modules: one FIRE for the stack (as T5's table), options
+    # ``mlp_width``, ``init_c``, ``init_L``, ``eps``.
+    @classmethod
+    def init_params(cls, key, *, num_heads, options, param_dtype=jnp.float32, **_):
+        """:meth:`init`'s arrays, ``{"w1", "b1", "w2", "b2", "c", "L_multiplier"}``."""
+        s = cls.init(num_heads, key=key, mlp_width=_option(options, "mlp_width", 32),
+                     init_c=_option(options, "init_c", 0.1),
+                     init_L=_option(options, "init_L", 512.0), eps=_option(options, "eps", EPS))
+        return {n: getattr(s, n).astype(param_dtype) for n in cls._children}
+
+    @classmethod
+    def from_params(cls, params, *, options, **_):
+        return cls(params["w1"], params["b1"], params["w2"], params["b2"], c=params["c"],
+                   L_multiplier=params["L_multiplier"],
+                   init_L=_option(options, "init_L", 512.0), eps=_option(options, "eps", EPS))
 
     @property
     def threshold(self) -> jax.Array:

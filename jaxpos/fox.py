@@ -155,6 +155,53 @@ class FoX(PositionScheme):
         _check_log_forget(log_forget)
         self._set(log_forget=jnp.asarray(log_forget, jnp.float32))
 
+    # ---- for the Flax modules: a gate projection per layer, the scheme computed from
+    # the layer's input at every call.
+    params_per_layer = True
+
+    @classmethod
+    def init_params(cls, key, *, num_heads, d_model, param_dtype=jnp.float32, **_):
+        """The forget-gate projection ``{"w": [d_model, N], "b": [N]}``: ``w ~ N(0,
+        0.02^2)``, ``b = 0``, as the authors' code initialises its ``fgate_proj``."""
+        w = 0.02 * jax.random.normal(key, (d_model, num_heads), jnp.float32)
+        return {"w": w.astype(param_dtype), "b": jnp.zeros((num_heads,), param_dtype)}
+
+    @classmethod
+    def from_params(cls, params, *, x=None, positions=None, **_):
+        """``FoX(forget_gate(x, w, b))`` from the layer's input ``x`` ``[B, T, D]``.
+
+        The gates are indexed by position, so ``positions`` must be ``0 .. T-1`` along
+        each row (the default): packed rows whose positions restart per segment, or
+        offsets, would read other tokens' gates. Concrete positions are checked;
+        traced ones cannot be.
+
+        Raises:
+          ValueError: no ``x``; concrete positions other than ``arange(T)``.
+        """
+        if x is None:
+            raise ValueError("FoX computes its forget gates from the layer's input; "
+                             "from_params got x=None.")
+        if positions is not None and _checks.is_concrete(positions):
+            T = _checks.shape_of(x)[1]
+            p = np.asarray(positions)
+            if p.shape[-1] != T or np.any(p != np.arange(T)):
+                raise ValueError(
+                    f"FoX indexes its gates by token position, so positions must be 0 .. "
+                    f"{T - 1} along each row; got {p.tolist()}. Run packed or offset "
+                    f"sequences as separate rows starting at position 0.")
+        return cls(forget_gate(x, params["w"], params["b"]))
+
+    def cache_write(self, q, k, positions):
+        """KV-cache decoding is not supported: the bias of a new query needs the gates of
+        every cached token, which the cache does not keep.
+
+        Raises:
+          ValueError: always.
+        """
+        raise ValueError("FoX cannot decode with a KV cache: the bias c_i - c_j needs the "
+                         "forget gates of every cached token, which the cache does not keep. "
+                         "Recompute the full sequence instead.")
+
     def check(self, num_heads, head_dim):
         n = _checks.shape_of(self.log_forget)[2]
         if n != num_heads:

@@ -159,12 +159,33 @@ class KERPLE(PositionScheme):
     #: The variant a subclass is registered for (None: chosen by ``kind``).
     fixed_kind: str | None = None
 
-    def __init__(self, r1, r2, *, kind: str | None = None, eps: float = EPS):
+    def __init__(self, r1, r2, *, kind: str | None = None, eps: float = EPS,
+                 _check_range: bool = True):
         kind = self._kind(kind)
-        _check_params(r1, r2, kind)
+        _check_params(r1, r2, kind, require_concrete_range=_check_range)
         eps = _checks.check_positive_float("eps", eps)
         self._set(r1=jnp.asarray(r1, jnp.float32), r2=jnp.asarray(r2, jnp.float32), kind=kind,
                   eps=eps)
+
+    # ---- for the Flax modules: one (r1, r2) pair per head, shared by the layers of a
+    # stack, as the authors' GPT-NeoX model passes one KERPLE module to every layer.
+    @classmethod
+    def init_params(cls, key, *, num_heads, options, param_dtype=jnp.float32, **_):
+        """``{"r1", "r2"}``, float ``[num_heads]``, drawn as :meth:`init` does. Options:
+        ``kind`` (the generic class only), ``eps``."""
+        eps = options.get("eps")
+        s = cls.init(num_heads, key=key, kind=options.get("kind"),
+                     eps=EPS if eps is None else eps)
+        return {"r1": s.r1.astype(param_dtype), "r2": s.r2.astype(param_dtype)}
+
+    @classmethod
+    def from_params(cls, params, *, options, **_):
+        """The scheme from a module's stored ``r1``, ``r2``: raw values, which may have
+        left the range during training (the forward pass clamps them), so their values
+        are not checked here, only their shapes and dtypes."""
+        eps = options.get("eps")
+        return cls(params["r1"], params["r2"], kind=options.get("kind"),
+                   eps=EPS if eps is None else eps, _check_range=False)
 
     @classmethod
     def init(cls, num_heads: int, *, key, kind: str | None = None, eps: float = EPS):

@@ -152,6 +152,14 @@ class Sandwich(PositionScheme):
         self._set(head_scales=jnp.asarray(head_scales, jnp.float32), d_bar=int(d_bar),
                   base=float(base))
 
+    @classmethod
+    def from_params(cls, params, *, num_heads, options, **_):
+        """For the Flax modules (no parameters): options ``d_bar`` (128) and ``base``
+        (10000)."""
+        d_bar, base = options.get("d_bar"), options.get("base")
+        return cls(num_heads, d_bar=128 if d_bar is None else d_bar,
+                   base=10000.0 if base is None else base)
+
     def check(self, num_heads, head_dim):
         if _checks.shape_of(self.head_scales)[0] != num_heads:
             raise ValueError(f"Sandwich head_scales must have shape [{num_heads}] (one per "

@@ -172,6 +172,15 @@ class XPos(PositionScheme):
                   scale_base=_checks.check_positive_float("scale_base", scale_base),
                   gamma=float(gamma), layout=layout, angle_precision=angle_precision)
 
+    @classmethod
+    def from_params(cls, params, *, head_dim, options, **_):
+        """For the Flax modules (no parameters): options ``rotary_dim`` (default
+        ``head_dim``), ``rope_base`` (10000), ``rope_layout`` ("half"), ``scale_base``
+        (512)."""
+        get = lambda name, default: default if options.get(name) is None else options[name]
+        return cls(get("rotary_dim", head_dim), base=get("rope_base", 10000.0),
+                   scale_base=get("scale_base", 512.0), layout=get("rope_layout", "half"))
+
     def check(self, num_heads, head_dim):
         check_rotary_dim(self.rotary_dim, head_dim)
 

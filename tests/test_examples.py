@@ -205,10 +205,11 @@ def _assert_packed_equals_separate(lg, model, *, P, L):
 
 @pytest.mark.parametrize("name", ["kerple_log", "kerple_power", "fire", "sandwich", "xpos",
                                   "fox"])
-def test_scheme_object_rows_pack_and_train(lg, name):
-    """The main job's KERPLE, FIRE, Sandwich, xPos and FoX rows (SchemeLM): packed
-    evaluation equals separate windows (FoX indexes its gates by token index, so this is
-    where a wrong position would show), and the scheme's own parameters are trained."""
+def test_registered_scheme_rows_evaluate_and_train(lg, name):
+    """The main job's KERPLE, FIRE, Sandwich, xPos and FoX rows (DecoderLM from the scheme
+    registry): packed evaluation equals separate windows, except FoX, whose gates are
+    indexed by token position: the library refuses its packed rows, and the script runs
+    it one window per row (UNPACKED); the scheme's own parameters are trained."""
     import argparse
 
     import jax
@@ -219,16 +220,24 @@ def test_scheme_object_rows_pack_and_train(lg, name):
     args = argparse.Namespace(d_model=16, layers=1, heads=2, train_len=8, seed=0,
                               implementation="reference", t5_max_distance=32)
     model = lg.build_model(name, args)
-    x = _assert_packed_equals_separate(lg, model, P=16, L=8)
+    if name in lg.UNPACKED:
+        pos, seg = lg.packed_positions(16, 8)
+        x = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, 256)
+        with pytest.raises(ValueError, match="positions must be 0 .. 15"):
+            model(x, positions=jnp.asarray(pos)[None], segment_ids=jnp.asarray(seg)[None])
+    else:
+        x = _assert_packed_equals_separate(lg, model, P=16, L=8)
 
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     loss = lambda p: lg.cross_entropy_nats(nnx.merge(graphdef, p, rest)(x[:, :-1]),
                                            x[:, 1:]).mean()
     grads = nnx.to_flat_state(jax.grad(loss)(params))
-    own = {k: v for k, v in grads if k[0] in ("params", "gates")}
+    own = {k: v for k, v in grads if "rel_position" in k or "position_module" in k}
     assert bool(own) == (name not in ("sandwich", "xpos"))
     for path, g in own.items():
         assert float(jnp.max(jnp.abs(g[...]))) > 0, path
+    if name == "fire":  # the script's threshold: train_len / 4
+        assert dict(model.rel_position.options)["init_L"] == 2.0
     with pytest.raises(SystemExit):
         lg.parse_args(["--schemes", "kerple"])
 

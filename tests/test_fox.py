@@ -168,3 +168,21 @@ def test_bad_input():
         fox_bias(lf, np.array([-1, 0]), np.arange(3))
     with pytest.raises(ValueError, match="forget_gate needs x"):
         forget_gate(jnp.ones((1, 3, 5)), jnp.ones((6, 2)), jnp.ones(2))
+
+
+def test_module_hooks_gates_from_the_layer_input_and_no_kv_cache():
+    # from_params: log f = log_sigmoid(x @ w + b) from the layer input (Lin et al. 2025, §2);
+    # the authors' initialisation w ~ N(0, 0.02^2), b = 0; packed positions and KV-cache
+    # decoding are refused (the gates are indexed by token position).
+    params = FoX.init_params(jax.random.PRNGKey(0), num_heads=N, d_model=6)
+    assert params["w"].shape == (6, N) and float(jnp.std(params["w"])) < 0.05
+    np.testing.assert_array_equal(np.asarray(params["b"]), 0.0)
+    x = jax.random.normal(jax.random.PRNGKey(1), (1, 5, 6))
+    s = FoX.from_params(params, x=x, positions=jnp.arange(5)[None])
+    np.testing.assert_allclose(np.asarray(s.log_forget), np.asarray(forget_gate(x, **params)))
+    with pytest.raises(ValueError, match=r"positions must be 0 .. 4"):
+        FoX.from_params(params, x=x, positions=jnp.array([[0, 1, 0, 1, 2]]))
+    with pytest.raises(ValueError, match="layer's input"):
+        FoX.from_params(params, x=None)
+    with pytest.raises(ValueError, match="KV cache"):
+        s.cache_write(None, None, None)

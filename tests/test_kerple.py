@@ -200,3 +200,17 @@ def test_jit_traces_the_parameters():
     b = f(KERPLELog(R1 * 2, R2))
     assert f._cache_size() == 1
     assert float(jnp.max(jnp.abs(a - b))) > 1e-4
+
+
+def test_module_hooks_keep_raw_values():
+    # init_params draws the authors' ranges; from_params accepts stored raw values that
+    # training moved out of range (the forward pass clamps them) but still checks shapes.
+    p = KERPLEPower.init_params(jax.random.PRNGKey(0), num_heads=4, options={})
+    assert set(p) == {"r1", "r2"} and p["r2"].shape == (4,)
+    s = KERPLEPower.from_params({"r1": jnp.array([-0.1, 1, 1, 1]), "r2": p["r2"]}, options={})
+    pos = np.arange(4)
+    got = tile_bias(s, pos[None], pos[None], B=1, N=4)[0, 0]
+    np.testing.assert_allclose(np.asarray(got), -1e-2 * np.abs(pos - pos[:, None]) **
+                               float(p["r2"][0]), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="same shape"):
+        KERPLELog.from_params({"r1": R1, "r2": R2[:2]}, options={})
