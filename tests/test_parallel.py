@@ -275,3 +275,23 @@ def test_zigzag_bad_arguments_raise():
         to_zigzag(jnp.zeros((1, 8, 2)), 3, 2)
     with pytest.raises(TypeError, match="axis must be an int"):
         from_zigzag(jnp.zeros((1, 8, 2)), 1.0, 2)
+
+
+@pytest.mark.slow
+def test_memory_benchmark_runs(tmp_path):
+    """``benchmarks/ring_attention_memory.py --tiny`` runs end to end on 8 CPU devices and
+    writes its table, in which the ring needs less memory per device than the all-gather
+    layout and its memory falls with P."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ring_attention_memory.py"
+    out = tmp_path / "ring.md"
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, str(path), "--tiny", "--output", str(out)], env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = out.read_text()
+    assert "| ring |" in text and "| all_gather |" in text and "Fit: ring peak" in text
+    rows = [r.split("|") for r in text.splitlines() if r.startswith("| 512 | ")]
+    ratio = {r[4].strip(): float(r[9]) for r in rows}
+    assert ratio["ring"] < 1.0 and ratio["all_gather"] == 1.0, ratio
