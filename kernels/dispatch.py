@@ -226,8 +226,8 @@ def attention_via_xla(q, k, v, *, score_mod=None, mask_mod=None, q_positions, kv
       q, k, v, score_mod, mask_mod, q_positions, kv_positions, causal, segment_ids,
         kv_segment_ids, scale, sinks: as :func:`attention_via_kernel`.
       implementation: passed to ``jax.nn.dot_product_attention``; None picks ``"cudnn"``
-        on an NVIDIA GPU for bfloat16 / float16 inputs (falling back to ``"xla"`` if
-        cuDNN refuses the shapes at trace time) and ``"xla"`` otherwise.
+        on an NVIDIA GPU for bfloat16 / float16 inputs without sinks (falling back to
+        ``"xla"`` if cuDNN refuses the shapes at trace time) and ``"xla"`` otherwise.
 
     Returns:
       ``[B, Tq, N, H]`` in q's dtype.
@@ -287,6 +287,8 @@ def attention_via_xla(q, k, v, *, score_mod=None, mask_mod=None, q_positions, kv
             bias = jnp.concatenate([base, col], axis=-1)
             if m2 is not None:
                 m2 = jnp.concatenate([m2, jnp.ones(m2.shape[:3] + (1,), bool)], axis=-1)
+        if sinks is not None and implementation is None:
+            implementation = "xla"  # the extra key makes Tk + 1 keys, which cuDNN may refuse
         out = _sdpa(q, kk, vv, bias, m2, is_causal, scale, implementation)
     if mask is not None:  # rows with no visible key: zeros (and no gradient)
         seen = jnp.any(mask, axis=-1)  # [B|1, N|1, Tq]
