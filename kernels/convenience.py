@@ -17,7 +17,13 @@ __all__ = ["alibi_score_mod", "fused_attention", "offset_bias_score_mod"]
 def alibi_score_mod(slopes, *, bidirectional=False):
     """``score + slopes[head] * (kv_pos - q_pos)`` (``- slopes[head] * |kv_pos - q_pos|``
     when ``bidirectional``): ALiBi, Press et al. 2022 §3, as a score_mod. ``slopes``:
-    float ``[N]``, captured (differentiable)."""
+    float ``[N]``, captured (differentiable).
+
+    Raises:
+      ValueError / TypeError: ``slopes`` not a rank-1 float array.
+    """
+    _checks.check_rank("alibi_slopes", slopes, (1,), "[num_heads]")
+    _checks.check_floating("alibi_slopes", slopes)
     slopes = jnp.asarray(slopes, jnp.float32)
 
     def alibi(score, batch, head, q_pos, kv_pos):
@@ -32,7 +38,16 @@ def offset_bias_score_mod(offset_bias):
     (a gather from a per-head vector over clipped offsets; ``offset_bias`` float
     ``[N, 2R + 1]``, captured and differentiable). T5's bucketed bias is this with
     ``R = max_distance`` (Raffel et al. 2020 §2.1: every offset past ``max_distance`` is
-    in the last bucket of its direction)."""
+    in the last bucket of its direction).
+
+    Raises:
+      ValueError / TypeError: ``offset_bias`` not a float ``[N, 2R + 1]`` array (odd length).
+    """
+    _checks.check_rank("offset_bias", offset_bias, (2,), "[num_heads, 2R + 1]")
+    _checks.check_floating("offset_bias", offset_bias)
+    if _checks.shape_of(offset_bias)[1] % 2 == 0:
+        raise ValueError(f"offset_bias must have shape [N, 2R + 1] (odd length, entry R is "
+                         f"offset 0); got {_checks.shape_of(offset_bias)}.")
     ob = jnp.asarray(offset_bias, jnp.float32)
     R = (ob.shape[1] - 1) // 2
 
