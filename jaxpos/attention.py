@@ -26,7 +26,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
-from jaxpos.mods import EMPTY, FULL, BlockMask, ConvertedMod, apply_mod, compose_score_mods, convert_mod
+from jaxpos.mods import (
+    EMPTY,
+    FULL,
+    BlockMask,
+    ConvertedMod,
+    apply_mod,
+    compose_score_mods,
+    convert_mod,
+    varying_axes,
+)
 from jaxpos.scheme import NoPE, PositionScheme, as_scheme
 
 __all__ = ["IMPLEMENTATIONS", "attention", "default_implementation"]
@@ -454,15 +463,7 @@ def _match_vma(g, x):
     return jax.lax.psum(g, extra) if extra else g
 
 
-def _varying_axes(x) -> frozenset:
-    """Mesh axes ``x`` varies over inside ``shard_map`` (empty outside, or on a JAX
-    without varying-axis types): ``aval.vma`` in some versions, ``aval.manual_axis_type
-    .varying`` in others."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
-    return frozenset(vma or ())
+_varying_axes = varying_axes  # (jaxpos.mods) the mesh axes an array varies over
 
 
 def _zero_cotangent(x):

@@ -74,8 +74,10 @@ class ConvertedMod:
         self.name = name
 
     def __call__(self, *args):
-        closed = jex.ClosedJaxpr(self.jaxpr, list(self.consts))
-        return jex.jaxpr_as_fun(closed)(*args)[0]
+        if not any(varying_axes(x) for x in (*args, *self.consts)):
+            closed = jex.ClosedJaxpr(self.jaxpr, list(self.consts))
+            return jex.jaxpr_as_fun(closed)(*args)[0]
+        return _eval_matching_vma(self.jaxpr, self.consts, args)[0]
 
     def with_consts(self, consts) -> ConvertedMod:
         """The same function with other values for the captured arrays (e.g. loaded from
@@ -92,6 +94,77 @@ jax.tree_util.register_pytree_node(
     lambda m: (m.consts, (m.jaxpr, m.kind, m.name)),
     lambda aux, consts: ConvertedMod(aux[0], consts, aux[1], aux[2]),
 )
+
+
+def varying_axes(x) -> frozenset:
+    """Mesh axes ``x`` varies over inside ``shard_map`` (empty outside, for non-arrays, or on
+    a JAX without varying-axis types): ``aval.vma`` in some versions,
+    ``aval.manual_axis_type.varying`` in others."""
+    if not isinstance(x, jax.Array):
+        return frozenset()
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(vma or ())
+
+
+def cast_varying(x, axes):
+    """``x`` marked as varying over ``axes`` too (``lax.pcast(..., to="varying")``; older
+    JAX: ``lax.pvary``). A no-op on the values: each device keeps its own."""
+    axes = tuple(sorted(frozenset(axes) - varying_axes(x)))
+    if not axes:
+        return x
+    x = jnp.asarray(x)
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)
+
+
+def _eval_matching_vma(jaxpr, consts, args):
+    """Evaluate ``jaxpr`` as :func:`jax.core.eval_jaxpr` does, inside ``shard_map`` with
+    varying-axis checks: before each primitive, operands that vary over fewer mesh axes
+    than the others are cast up (what tracing the function there would have inserted).
+
+    The mods are traced once outside the mesh context, so their jaxprs carry no such
+    casts; call-like primitives (``jit``, ``custom_jvp``/``custom_vjp`` calls) are inlined
+    so their bodies get the same treatment."""
+    env = {}
+
+    def read(v):
+        return v.val if isinstance(v, jex.Literal) else env[v]
+
+    for var, val in zip(jaxpr.constvars, consts):
+        env[var] = val
+    for var, val in zip(jaxpr.invars, args):
+        env[var] = val
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        inner = (eqn.params.get("jaxpr") if eqn.primitive.name in ("pjit", "jit", "closed_call")
+                 else eqn.params.get("call_jaxpr") if "custom" in eqn.primitive.name else None)
+        if inner is not None:
+            closed = inner if hasattr(inner, "consts") else jex.ClosedJaxpr(inner, [])
+            outs = _eval_matching_vma(closed.jaxpr, closed.consts, invals)
+        elif eqn.primitive.name in ("pvary", "pcast") and "varying" in str(
+                getattr(eqn.params.get("to", "varying"), "name", eqn.params.get("to", "varying"))
+        ).lower():
+            # a cast recorded at trace time: the operand may vary over those axes already
+            outs = [cast_varying(x, eqn.params["axes"]) for x in invals]
+        else:
+            axes = frozenset().union(*(varying_axes(x) for x in invals))
+            if axes:
+                invals = [cast_varying(x, axes) if isinstance(
+                    x, (jax.Array, np.ndarray, np.generic, int, float, bool)) else x
+                    for x in invals]
+            bind = eqn.primitive.get_bind_params(eqn.params)  # JAX 0.10: params only
+            subfuns, params = bind if isinstance(bind, tuple) else ((), bind)
+            outs = eqn.primitive.bind(*subfuns, *invals, **params)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        for var, val in zip(eqn.outvars, outs):
+            if not isinstance(var, jex.DropVar):
+                env[var] = val
+    return [read(v) for v in jaxpr.outvars]
 
 
 def _mod_name(fn) -> str:

@@ -193,7 +193,7 @@ class Shaw(PositionScheme):
         default); ``K = options["max_distance"]`` (16 if unset); ``options["values"]``
         False learns the key table only."""
         K = options.get("max_distance")
-        K = 16 if K is None else K
+        K = 16 if K is None else _checks.check_positive_int("max_distance", K)
         init = jax.nn.initializers.glorot_uniform()
         kk, kv = jax.random.split(key)
         params = {"rel_k": init(kk, (2 * K + 1, head_dim), param_dtype)}

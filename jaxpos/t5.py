@@ -264,7 +264,8 @@ class T5Bias(PositionScheme):
     def init_params(cls, key, *, num_heads, d_model, causal, param_dtype, options, **_):
         """``table [num_buckets, num_heads]`` from ``N(0, 1/d_model)`` (Hugging Face's T5
         initialisation)."""
-        nb = options.get("num_buckets") or 32
+        nb = options.get("num_buckets")
+        nb = 32 if nb is None else _checks.check_positive_int("num_buckets", nb)
         init = jax.nn.initializers.normal(stddev=d_model ** -0.5)
         return {"table": init(key, (nb, num_heads), param_dtype)}
 

@@ -403,7 +403,7 @@ CASES += [
     L("scaling_from_dict/rope_type", lambda: _rs().scaling_from_dict({"rope_type": "bogus"}),
       ValueError, ("rope_type", "'bogus'", "yarn")),
     # Flax NNX modules
-    L("nnx.DecoderLM/position", lambda: _decoder(position="xpos"), ValueError, ("position", "'xpos'", "rope")),
+    L("nnx.DecoderLM/position", lambda: _decoder(position="no_such_scheme"), ValueError, ("position", "'xpos'", "rope")),
     L("nnx.DecoderLM/learned-without-max_len", lambda: _decoder(position="learned"), ValueError,
       ("max_len", "None")),
     L("nnx.DecoderLM/heads-divide-d_model", lambda: _decoder(num_heads=3), ValueError,
@@ -432,7 +432,7 @@ CASES += [
     L("nnx.MultiHeadAttention/heads", lambda: _nnx()[1].MultiHeadAttention(
         16, 3, rngs=_nnx()[0].Rngs(0)), ValueError, ("num_heads", "(3)")),
     L("nnx.Encoder/position", lambda: _nnx()[1].Encoder(32, d_model=16, num_layers=1, num_heads=2,
-      position="xpos", rngs=_nnx()[0].Rngs(0)), ValueError, ("position", "'xpos'")),
+      position="no_such_scheme", rngs=_nnx()[0].Rngs(0)), ValueError, ("position", "'xpos'")),
     L("nnx.DecoderLM.decode_step/cache", lambda: _decoder().decode_step(_TOK[:, :1], cache=None),
       ValueError, ("cache", "KVCache", "NoneType")),
     L("nnx.DecoderLM.init_cache/batch", lambda: _decoder().init_cache(0, 8), ValueError, ("batch", "0")),
@@ -491,7 +491,7 @@ CASES += [
     L("softmax_scale_from_hf_config/type", lambda: _hf().softmax_scale_from_hf_config(3), TypeError,
       ("config", "int")),
     # Flax Linen twins: the same checks when the module is initialised
-    L("linen.DecoderLM/position", lambda: _linen_init(position="xpos"), ValueError, ("position", "'xpos'")),
+    L("linen.DecoderLM/position", lambda: _linen_init(position="no_such_scheme"), ValueError, ("position", "'xpos'")),
     L("linen.DecoderLM/tokens-float", lambda: _linen_init(tokens=_TOK.astype(np.float32)), TypeError,
       ("tokens", "float32")),
     # transformer blocks (NNX and Linen): wrong input width named before any norm or matmul
@@ -515,7 +515,7 @@ CASES += [
         d_model=16, num_heads=2).init(jax.random.PRNGKey(0), _x(4, 16)), ValueError,
       ("x", "rank 3", "(4, 16)")),
     L("linen.Encoder/position", lambda: _linen().Encoder(
-        vocab_size=32, d_model=16, num_layers=1, num_heads=2, position="xpos").init(
+        vocab_size=32, d_model=16, num_layers=1, num_heads=2, position="no_such_scheme").init(
         jax.random.PRNGKey(0), _TOK), ValueError, ("position", "'xpos'")),
     L("linen.Encoder/tokens-float", lambda: _linen().Encoder(
         vocab_size=32, d_model=16, num_layers=1, num_heads=2).init(
