@@ -17,8 +17,9 @@ v, under ``jax.jit``. Memory is read from the compiled executable, without runni
 local q, k, v, g and positions), ``output`` (the local gradients) and ``temp`` (every
 intermediate buffer, the all-gathered or in-flight k/v included) bytes; ``peak`` is their
 sum (an upper bound: XLA may reuse argument buffers). Step time is the median of
-``--repeats`` runs after one warm-up; on a CPU the ``P`` "devices" share the host's
-cores, so times compare the two layouts' total work, not a real cluster's wall clock.
+``--repeats`` runs after one warm-up, round-robin over the layouts; on a CPU the ``P``
+"devices" share the host's cores, so times compare the layouts' total work and how
+evenly it keeps the cores busy, not a real cluster's wall clock.
 
 Also printed: per-device memory of the ring over ``P = 1, 2, 4, 8`` at a fixed ``T``
 (``--p-sweep-length``), and the causal work per device (visible ``block x block`` tiles,
@@ -45,21 +46,21 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
                                + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import pathlib  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+import argparse
+import datetime
+import pathlib
+import platform
+import statistics
+import time
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import jaxpos  # noqa: E402
-from jaxpos.parallel import ring_attention, shard_map, zigzag_permutation  # noqa: E402
+import jaxpos
+from jaxpos.parallel import ring_attention, shard_map, zigzag_permutation
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "ring_attention_cpu.md"
 LAYOUTS = ("ring", "ring_zigzag", "all_gather")
@@ -113,7 +114,8 @@ def _inputs(mesh, B, T, N, Nk, H, layout, ndev):
             put(f(B, T, N, H), seq), put(pos, P("seq")))
 
 
-def measure(layout, ndev, B, T, N, Nk, H, block, timed, repeats):
+def measure(layout, ndev, B, T, N, Nk, H, block):
+    """Compile one layout's step; its memory row and ``(compiled, args)`` to time."""
     mesh = Mesh(np.array(jax.devices()[:ndev]), ("seq",))
     fn = _step_fn(layout, mesh, N, block)
     args = _inputs(mesh, B, T, N, Nk, H, layout, ndev)
@@ -122,18 +124,23 @@ def measure(layout, ndev, B, T, N, Nk, H, block, timed, repeats):
     compile_s = time.perf_counter() - t0
     ma = compiled.memory_analysis()
     row = {"arg": ma.argument_size_in_bytes, "out": ma.output_size_in_bytes,
-           "temp": ma.temp_size_in_bytes, "compile_s": compile_s}
+           "temp": ma.temp_size_in_bytes, "compile_s": compile_s, "step_s": None}
     row["peak"] = row["arg"] + row["out"] + row["temp"]
-    row["step_s"] = None
-    if timed:
-        jax.block_until_ready(compiled(*args))  # warm-up
-        times = []
-        for _ in range(repeats):
+    return row, (compiled, args)
+
+
+def time_round_robin(runs, repeats):
+    """Median step time of each ``(compiled, args)``, one warm-up each, then the repeats
+    taken round-robin so that a shared machine's load falls on every layout alike."""
+    for compiled, args in runs.values():
+        jax.block_until_ready(compiled(*args))
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, (compiled, args) in runs.items():
             t0 = time.perf_counter()
             jax.block_until_ready(compiled(*args))
-            times.append(time.perf_counter() - t0)
-        row["step_s"] = statistics.median(times)
-    return row
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def causal_tiles(T, ndev, block, zigzag):
@@ -154,7 +161,7 @@ def _fmt_mib(x):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
-    ap.add_argument("--time-max-length", type=int, default=32768,
+    ap.add_argument("--time-max-length", type=int, default=16384,
                     help="time the step only up to this T (memory for every T)")
     ap.add_argument("--p-sweep-length", type=int, default=32768)
     ap.add_argument("--devices", type=int, default=8)
@@ -163,7 +170,7 @@ def main(argv=None):
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--block", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="T = 256, 512; blocks of 16")
     ap.add_argument("--output", type=pathlib.Path, default=RESULTS)
     a = ap.parse_args(argv)
@@ -178,28 +185,39 @@ def main(argv=None):
 
     lines = [f"# Ring attention vs all-gather: per-device memory and step time (CPU, P = {ndev})",
              "",
-             f"Generated by `python benchmarks/ring_attention_memory.py{' --tiny' if a.tiny else ''}` "
-             f"on {datetime.date.today().isoformat()}, {platform.machine()} "
-             f"({os.cpu_count()} cores shared by the {ndev} host devices), JAX {jax.__version__}.",
+             (f"Generated by `python benchmarks/ring_attention_memory.py"
+              f"{' --tiny' if a.tiny else ''}` "
+              f"on {datetime.date.today().isoformat()}, {platform.machine()} "
+              f"({os.cpu_count()} cores shared by the {ndev} host devices), "
+              f"JAX {jax.__version__}."),
              "",
-             f"Causal ALiBi, B={B}, N={N}, N_kv={Nk}, H={H}, float32, chunked tiles "
-             f"{a.block} x {a.block}; one step = forward + backward (gradients of q, k, v). "
-             "Memory per device from `compiled.memory_analysis()` (arguments + outputs + "
-             "temporaries, MiB); `k/v global` is the size of the whole sequence's k and v, "
-             "`k/v local` one device's shard. Times: median of "
-             f"{a.repeats} steps after a warm-up (the {ndev} devices share the CPU cores, so "
-             "they measure total work).",
+             (f"Causal ALiBi, B={B}, N={N}, N_kv={Nk}, H={H}, float32, chunked tiles "
+              f"{a.block} x {a.block}; one step = forward + backward (gradients of q, k, v). "
+              "Memory per device from `compiled.memory_analysis()` (arguments + outputs + "
+              "temporaries, MiB); `k/v global` is the size of the whole sequence's k and v, "
+              "`k/v local` one device's shard. Times: median of "
+              f"{a.repeats} steps per layout after a warm-up, taken round-robin over the "
+              f"layouts on a shared machine; the {ndev} devices share the CPU cores, so a "
+              "step's time is its total work, stretched when some ring steps keep fewer "
+              "devices busy than there are cores (causal attention on contiguous shards; see "
+              "the last table)."),
              "",
-             "| T | k/v global | k/v local | layout | args | outputs | temp | peak | "
-             "peak vs all_gather | step s | step vs all_gather |",
+             ("| T | k/v global | k/v local | layout | args | outputs | temp | peak | "
+              "peak vs all_gather | step s | step vs all_gather |"),
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     results = {}
     for T in a.lengths:
-        timed = T <= a.time_max_length
+        runs = {}
         for layout in LAYOUTS:
-            row = measure(layout, ndev, B, T, N, Nk, H, min(a.block, T // (2 * ndev)), timed,
-                          a.repeats)
+            row, runs[layout] = measure(layout, ndev, B, T, N, Nk, H,
+                                        min(a.block, T // (2 * ndev)))
             results[(T, layout)] = row
+        if T <= a.time_max_length:
+            for layout, t in time_round_robin(runs, a.repeats).items():
+                results[(T, layout)]["step_s"] = t
+        del runs
+        for layout in LAYOUTS:
+            row = results[(T, layout)]
             print(f"T={T} {layout}: peak {_fmt_mib(row['peak'])} MiB (temp "
                   f"{_fmt_mib(row['temp'])}), step {row['step_s']}", flush=True)
         ag = results[(T, "all_gather")]
@@ -216,26 +234,37 @@ def main(argv=None):
     # P sweep at a fixed length: the ring's memory per device falls as 1/P
     Ts = a.p_sweep_length
     lines += ["", f"## Ring memory per device against P (T = {Ts}, forward + backward)", "",
-              "| P | k/v local | ring args | ring temp | ring peak | peak x P / peak(P=1) | "
-              "all_gather temp |", "|---|---|---|---|---|---|---|"]
-    base = None
+              ("| P | k/v local | ring args | ring temp | ring peak | peak x P / peak(P=1) | "
+               "all_gather temp |"), "|---|---|---|---|---|---|---|"]
+    base, sweep = None, []
     for p in [d for d in (1, 2, 4, 8) if d <= ndev]:
         blk = min(a.block, Ts // (2 * p))
-        ring = measure("ring", p, B, Ts, N, Nk, H, blk, False, 1)
-        ag = measure("all_gather", p, B, Ts, N, Nk, H, blk, False, 1)
+        ring, _ = measure("ring", p, B, Ts, N, Nk, H, blk)
+        ag, _ = measure("all_gather", p, B, Ts, N, Nk, H, blk)
         base = base or ring["peak"]
         lines.append(f"| {p} | {_fmt_mib(kv_bytes(Ts) / p)} | {_fmt_mib(ring['arg'])} | "
                      f"{_fmt_mib(ring['temp'])} | {_fmt_mib(ring['peak'])} | "
                      f"{ring['peak'] * p / base:.2f} | {_fmt_mib(ag['temp'])} |")
         print(f"P={p}: ring peak {_fmt_mib(ring['peak'])} MiB, all_gather temp "
               f"{_fmt_mib(ag['temp'])} MiB", flush=True)
+        sweep.append((p, ring["peak"]))
+    if len(sweep) >= 2:  # least squares: peak = fixed + per_sequence / P
+        ps = np.array([p for p, _ in sweep], float)
+        peaks = np.array([x for _, x in sweep], float) / MiB
+        (fixed, per_seq), *_ = np.linalg.lstsq(np.stack([np.ones_like(ps), 1 / ps], 1), peaks,
+                                               rcond=None)
+        worst = np.max(np.abs(fixed + per_seq / ps - peaks) / peaks)
+        lines += ["", (f"Fit: ring peak per device = {fixed:.1f} MiB + {per_seq:.1f} MiB / P "
+                       f"(largest relative residual {worst:.1%}): everything that grows with "
+                       f"the sequence falls as 1/P; the constant is the tiles' scores and "
+                       f"their gradients ({a.block} x {a.block} x N floats each).")]
 
     # causal work balance
     Tw, blk = a.lengths[-1], min(a.block, a.lengths[-1] // (2 * ndev))
     cont, zz = causal_tiles(Tw, ndev, blk, False), causal_tiles(Tw, ndev, blk, True)
     lines += ["", f"## Causal work per device (T = {Tw}, P = {ndev}, {blk} x {blk} tiles)", "",
-              "Visible tiles each device computes (hidden ones are skipped); the slowest "
-              "device sets a real cluster's step time.", "",
+              ("Visible tiles each device computes (hidden ones are skipped); the slowest "
+               "device sets a real cluster's step time."), "",
               "| layout | per device | max / mean |", "|---|---|---|",
               f"| contiguous | {', '.join(map(str, cont))} | {cont.max() / cont.mean():.2f} |",
               f"| zigzag | {', '.join(map(str, zz))} | {zz.max() / zz.mean():.2f} |"]

@@ -261,8 +261,9 @@ def _transform_global(scheme: PositionScheme, q, k, q_pos, kv_pos, axis_name):
     Per-token transforms (RoPE with a fixed scaling) are unaffected."""
     if type(scheme).transform_qk is PositionScheme.transform_qk:
         return q, k
-    lo = jnp.minimum(jnp.min(q_pos, axis=-1, keepdims=True), jnp.min(kv_pos, axis=-1, keepdims=True))
-    hi = jnp.maximum(jnp.max(q_pos, axis=-1, keepdims=True), jnp.max(kv_pos, axis=-1, keepdims=True))
+    ends = lambda f, x: f(x, axis=-1, keepdims=True)
+    lo = jnp.minimum(ends(jnp.min, q_pos), ends(jnp.min, kv_pos))
+    hi = jnp.maximum(ends(jnp.max, q_pos), ends(jnp.max, kv_pos))
     lo, hi = jax.lax.pmin(lo, axis_name), jax.lax.pmax(hi, axis_name)  # [B|1, 1]
     ext = jnp.concatenate([lo, hi], axis=-1)
 

@@ -26,19 +26,19 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import functools  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+import functools
+import json
+import sys
+import time
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from jaxpos import ALiBi, NoPE, RoPE, Shaw, T5Bias, YaRNScaling, attention  # noqa: E402
-from jaxpos.parallel import from_zigzag, ring_attention, shard_map, to_zigzag  # noqa: E402
+from jaxpos import ALiBi, NoPE, RoPE, Shaw, T5Bias, YaRNScaling, attention
+from jaxpos.parallel import from_zigzag, ring_attention, shard_map, to_zigzag
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

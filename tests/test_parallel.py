@@ -47,7 +47,7 @@ def _run_worker(tmp_path_factory, *flags):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the worker sets its own device count
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, str(WORKER), *flags, str(out)], env=env,
+    proc = subprocess.run([sys.executable, str(WORKER), *flags, str(out)], check=False, env=env,
                           capture_output=True, text=True, timeout=3000)
     if proc.returncode != 0:
         pytest.fail(f"ring worker failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
@@ -287,7 +287,8 @@ def test_memory_benchmark_runs(tmp_path):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, str(path), "--tiny", "--output", str(out)], env=env,
+    proc = subprocess.run([sys.executable, str(path), "--tiny", "--output", str(out)],
+                          check=False, env=env,
                           capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     text = out.read_text()
