@@ -1,14 +1,22 @@
 """jaxpos: every positional-encoding scheme for JAX/Flax transformers, one attention core.
 
-Pure functions per scheme (:mod:`jaxpos.sinusoidal`, :mod:`jaxpos.learned`,
-:mod:`jaxpos.rope`, :mod:`jaxpos.alibi`, :mod:`jaxpos.t5`, :mod:`jaxpos.shaw`), scheme
-objects that plug into :func:`jaxpos.attention`, and Flax modules in :mod:`jaxpos.nnx`
-and :mod:`jaxpos.linen`.
+One module per scheme, each with its pure functions and its scheme object
+(:mod:`jaxpos.sinusoidal`, :mod:`jaxpos.learned`, :mod:`jaxpos.rope` and
+:mod:`jaxpos.rope_scaling`, :mod:`jaxpos.alibi`, :mod:`jaxpos.t5`, :mod:`jaxpos.shaw`,
+:mod:`jaxpos.kerple`, :mod:`jaxpos.fire`, :mod:`jaxpos.sandwich`, :mod:`jaxpos.xpos`,
+:mod:`jaxpos.fox`, :mod:`jaxpos.irope`); the protocol they follow (:mod:`jaxpos.scheme`);
+programmable attention (:mod:`jaxpos.mods`: score_mod, mask_mod, block masks) and
+:func:`jaxpos.attention`; Flax modules in :mod:`jaxpos.nnx` and :mod:`jaxpos.linen`;
+ring attention in :mod:`jaxpos.parallel`. Importing :mod:`jaxpos` registers every scheme.
 """
 
 from jaxpos.alibi import ALiBi, alibi_bias, alibi_slopes
 from jaxpos.attention import IMPLEMENTATIONS, attention, default_implementation
+from jaxpos.fire import FIRE
+from jaxpos.fox import FoX
 from jaxpos.hf import rope_from_hf_config
+from jaxpos.irope import TemperatureTunedNoPE
+from jaxpos.kerple import KERPLE, KERPLELog, KERPLEPower
 from jaxpos.learned import learned_positions
 from jaxpos.mods import (
     BlockMask,
@@ -19,59 +27,69 @@ from jaxpos.mods import (
 )
 from jaxpos.rope import RoPE, apply_rope, half_to_interleaved, interleaved_to_half, rope_frequencies
 from jaxpos.rope_scaling import (
-                                 DynamicNTKScaling,
-                                 LinearScaling,
-                                 Llama3Scaling,
-                                 LongRoPEScaling,
-                                 ProportionalScaling,
-                                 YaRNScaling,
+    DynamicNTKScaling,
+    LinearScaling,
+    Llama3Scaling,
+    LongRoPEScaling,
+    ProportionalScaling,
+    YaRNScaling,
 )
+from jaxpos.sandwich import Sandwich
 from jaxpos.scheme import REGISTRY, NoPE, PositionScheme, as_scheme, get_scheme
 from jaxpos.shaw import Shaw, shaw_attention
 from jaxpos.sinusoidal import relative_head_W, shift_matrix, sinusoidal_pe
 from jaxpos.t5 import T5Bias, relative_bias_attention, t5_bias, t5_bucket
+from jaxpos.xpos import XPos
 
 __version__ = "0.1.0"
 
 __all__ = [
-                                 "IMPLEMENTATIONS",
-                                 "ALiBi",
-                                 "BlockMask",
-                                 "ChunkedAttentionMask",
-                                 "PrefixLMMask",
-                                 "SlidingWindowMask",
-                                 "REGISTRY",
-                                 "DynamicNTKScaling",
-                                 "LinearScaling",
-                                 "Llama3Scaling",
-                                 "LongRoPEScaling",
-                                 "NoPE",
-                                 "PositionScheme",
-                                 "ProportionalScaling",
-                                 "RoPE",
-                                 "Shaw",
-                                 "T5Bias",
-                                 "YaRNScaling",
-                                 "alibi_bias",
-                                 "alibi_slopes",
-                                 "apply_rope",
-                                 "as_scheme",
-                                 "attention",
-                                 "create_block_mask",
-                                 "default_implementation",
-                                 "get_scheme",
-                                 "half_to_interleaved",
-                                 "interleaved_to_half",
-                                 "learned_positions",
-                                 "relative_bias_attention",
-                                 "relative_head_W",
-                                 "rope_frequencies",
-                                 "rope_from_hf_config",
-                                 "shaw_attention",
-                                 "shift_matrix",
-                                 "sinusoidal_pe",
-                                 "t5_bias",
-                                 "t5_bucket",
+    "FIRE",
+    "IMPLEMENTATIONS",
+    "KERPLE",
+    "REGISTRY",
+    "ALiBi",
+    "BlockMask",
+    "ChunkedAttentionMask",
+    "DynamicNTKScaling",
+    "FoX",
+    "KERPLELog",
+    "KERPLEPower",
+    "LinearScaling",
+    "Llama3Scaling",
+    "LongRoPEScaling",
+    "NoPE",
+    "PositionScheme",
+    "PrefixLMMask",
+    "ProportionalScaling",
+    "RoPE",
+    "Sandwich",
+    "Shaw",
+    "SlidingWindowMask",
+    "T5Bias",
+    "TemperatureTunedNoPE",
+    "XPos",
+    "YaRNScaling",
+    "alibi_bias",
+    "alibi_slopes",
+    "apply_rope",
+    "as_scheme",
+    "attention",
+    "create_block_mask",
+    "default_implementation",
+    "get_scheme",
+    "half_to_interleaved",
+    "interleaved_to_half",
+    "learned_positions",
+    "relative_bias_attention",
+    "relative_head_W",
+    "rope_frequencies",
+    "rope_from_hf_config",
+    "shaw_attention",
+    "shift_matrix",
+    "sinusoidal_pe",
+    "t5_bias",
+    "t5_bucket",
 ]
 
 # Subpackages imported on first use, so that ``import jaxpos`` stays light (no Flax, no

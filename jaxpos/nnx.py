@@ -71,7 +71,7 @@ from flax import nnx
 
 # Importing a scheme module registers its schemes; ``import jaxpos`` loads the built-in
 # ones, these load the rest of the library's schemes.
-from jaxpos import _checks, fire, fox, irope, kerple, sandwich, xpos  # noqa: F401
+from jaxpos import _checks
 from jaxpos.alibi import alibi_bias
 from jaxpos.attention import IMPLEMENTATIONS, attention
 from jaxpos.learned import learned_positions
