@@ -109,7 +109,7 @@ def test_attention_matches_float64(impl):
     np.testing.assert_allclose(np.asarray(out), np_fox_attention(q, k, v, lf), atol=3e-5)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS[1:])  # each compares with the reference
 def test_implementations_agree_forward_and_gradients(impl):
     q, k, v = qkv(6, B=B, T=T, N=N, H=H)
     assert_impl_agrees(impl, FoX, gates(6), q, k, v, causal=True)

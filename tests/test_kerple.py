@@ -88,7 +88,7 @@ def test_attention_matches_float64(impl, kind):
     np.testing.assert_allclose(np.asarray(out), want, atol=3e-5)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS[1:])  # each compares with the reference
 @pytest.mark.parametrize("kind", ["log", "power"])
 def test_implementations_agree_forward_and_gradients(impl, kind):
     q, k, v = qkv(2, T=12, N=4, H=8)
@@ -137,7 +137,7 @@ def test_gradient_matches_finite_differences(kind):
 
     r1, r2 = jnp.asarray(R1), jnp.asarray(jnp.minimum(R2, 1.9))  # inside the clamp
     check_grads(jax.jit(loss), (r1, r2), order=1, modes=["rev"], eps=1e-2, atol=1e-2,
-                              rtol=1e-2)
+                rtol=1e-2)
 
 
 def test_pure_function_gradient_matches_finite_differences():
@@ -151,7 +151,7 @@ def test_pure_function_gradient_matches_finite_differences():
     g = jax.grad(f, argnums=(0, 1))(jnp.asarray(R1), jnp.asarray(np.minimum(R2, 1.9)))
     assert all(np.all(np.isfinite(np.asarray(x))) for x in g)
     check_grads(f, (jnp.asarray(R1), jnp.asarray(np.minimum(R2, 1.9))), order=1,
-                              modes=["rev"], eps=1e-3, atol=2e-2, rtol=2e-2)
+                modes=["rev"], eps=1e-3, atol=2e-2, rtol=2e-2)
 
 
 def test_clamp_is_the_authors_with_a_straight_through_gradient():

@@ -90,7 +90,7 @@ def test_attention_matches_float64(impl):
     np.testing.assert_allclose(np.asarray(out), want, atol=3e-5)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS[1:])  # each compares with the reference
 def test_implementations_agree_forward_and_gradients(impl):
     q, k, v = qkv(2, T=12, N=N, H=8)
     make = lambda p: Sandwich(head_scales=p, d_bar=32)
@@ -110,8 +110,8 @@ def test_gradient_matches_finite_differences():
         s = Sandwich(head_scales=scales, d_bar=16)
         return jnp.sum(attn("chunked", q, k, v, position=s, causal=True) * v[:, :7])
 
-    check_grads(jax.jit(loss), (sandwich_head_scales(N),), order=1, modes=["rev"], eps=1e-2, atol=1e-2,
-                rtol=1e-2)
+    check_grads(jax.jit(loss), (sandwich_head_scales(N),), order=1, modes=["rev"], eps=1e-2,
+                atol=1e-2, rtol=1e-2)
 
 
 def test_bad_input():

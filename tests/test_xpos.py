@@ -120,7 +120,7 @@ def test_attention_matches_float64(impl):
     np.testing.assert_allclose(np.asarray(out), want, atol=3e-5)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS[1:])  # each compares with the reference
 def test_implementations_agree_forward_and_gradients(impl):
     q, k, v = qkv(4, T=12, N=4, H=8)
     make = lambda p: XPos(inv_freq=p, scale_base=SB)
