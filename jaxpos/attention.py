@@ -36,7 +36,7 @@ from jaxpos.mods import (
     convert_mod,
     varying_axes,
 )
-from jaxpos.scheme import NoPE, PositionScheme, as_scheme
+from jaxpos.scheme import PositionScheme, as_scheme
 
 __all__ = ["IMPLEMENTATIONS", "attention", "default_implementation"]
 

@@ -128,17 +128,17 @@ class PositionScheme:
     def score_mod(self):
         """The scheme's score term as a score_mod ``(score, batch, head, q_pos, kv_pos)
         -> score`` (see :mod:`jaxpos.mods`), or ``None``."""
-        return None
+        return
 
     def content_bias(self, qs, q_positions, kv_positions):
         """A score term that depends on the scaled queries ``qs`` ``[B, N, tq, H]``
         (float32): an array broadcastable to ``[B, N, tq, tk]``, or ``None``."""
-        return None
+        return
 
     def value_term(self, p, q_positions, kv_positions):
         """A term added to the output, linear in the weights ``p`` ``[B, N, tq, tk]``:
         float32 ``[B, N, tq, H_v]``, or ``None``."""
-        return None
+        return
 
     @property
     def has_content_bias(self) -> bool:

@@ -597,23 +597,13 @@ def _backward_kernels(cfg, q, k, v, ints, sched, smod, mmod, out, lse, dout):
 
 
 # ------------------------------------------------- captured-array gradients (outside)
-def _vary(x, axes):
-    """``x`` cast to vary over the mesh axes ``axes`` (inside ``shard_map``); a jaxpr
-    traced outside ``shard_map`` binds its primitives on equally-varying operands."""
-    extra = axes - varying_axes(x)
-    return _cast_varying(x, extra) if extra else x
-
-
-def _tiles_apply(conv, x, q_pos_t, kv_pos_t, kind, axes=frozenset()):
+def _tiles_apply(conv, x, q_pos_t, kv_pos_t, kind):
     """Apply a converted mod to every tile: ``x`` ``[B, N, G, nk, bq, bk]`` (scores) or
     None (a mask: then ``kind`` = (B, N, G, nk)); ``q_pos_t`` ``[Bq, G, bq]``,
     ``kv_pos_t`` ``[Bk, nk, bk]``."""
     B, N = x.shape[:2] if x is not None else kind[:2]
 
-    if axes:
-        call = lambda *a: modeval.eval_varying(conv, a, lambda x: _vary(x, axes))
-    else:
-        call = conv
+    call = conv  # under shard_map, ConvertedMod matches its operands' varying axes itself
 
     def one(s, b, h, qp, kp):
         args = (b, h, qp[:, None], kp[None, :])
@@ -669,13 +659,9 @@ def _mod_const_grads(cfg, q, k, v, ints, smod, mmod, lse, do, delta):
     if cfg.has_segments:
         xs["q_seg"] = jnp.moveaxis(ints["q_seg"][..., 0].reshape(B, steps, G, bq), 1, 0)
     kv_real = jnp.arange(Tk_p) < cfg.Tk
-    # Inside shard_map: the mods' jaxprs were traced without varying axes, so every
-    # operand is cast to the union of the axes the inputs vary over (the casts of the
-    # captured arrays transpose to sums over the shards).
-    leaves = [q, k, v, lse, do, delta] + jax.tree_util.tree_leaves(ints) + consts
-    if mmod is not None:
-        leaves += list(mmod.consts)
-    axes = frozenset().union(*(varying_axes(x) for x in leaves))
+    # Inside shard_map the mods cast their operands to common varying axes themselves
+    # (jaxpos.mods.ConvertedMod); the casts of the captured arrays transpose to sums over
+    # the shards.
 
     def to_tiles(x):  # [B, N, rows, Tk_p] -> [B, N, G, nk, bq, bk]
         x = x.reshape(x.shape[:2] + (G, bq, nk, bk))
@@ -700,13 +686,13 @@ def _mod_const_grads(cfg, q, k, v, ints, smod, mmod, lse, do, delta):
             kv_seg = ints["kv_seg"][:, 0, :].reshape(B, nk, bk)
             vis = vis & (x["q_seg"][:, None, :, None, :, None] == kv_seg[:, None, None, :, None, :])
         if mmod is not None:
-            vis = vis & _tiles_apply(mmod, None, qp, kv_pos_t, (B, N, G, nk), axes)
+            vis = vis & _tiles_apply(mmod, None, qp, kv_pos_t, (B, N, G, nk))
 
         def scores(dc):
             cs = list(consts)
             for i, c in zip(diff, dc):
                 cs[i] = c
-            return _tiles_apply(smod.with_consts(cs), s_raw, qp, kv_pos_t, None, axes)
+            return _tiles_apply(smod.with_consts(cs), s_raw, qp, kv_pos_t, None)
 
         s, vjp = jax.vjp(scores, [consts[i] for i in diff])
         lse_safe = jnp.where(lse_t == -jnp.inf, 0.0, lse_t)
