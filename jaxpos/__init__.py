@@ -11,7 +11,7 @@ ring attention in :mod:`jaxpos.parallel`. Importing :mod:`jaxpos` registers ever
 """
 
 from jaxpos.alibi import ALiBi, alibi_bias, alibi_slopes
-from jaxpos.attention import IMPLEMENTATIONS, attention, default_implementation
+from jaxpos.attention import ALL_IMPLEMENTATIONS, IMPLEMENTATIONS, attention, default_implementation
 from jaxpos.fire import FIRE
 from jaxpos.fox import FoX
 from jaxpos.hf import rope_from_hf_config
@@ -44,6 +44,7 @@ from jaxpos.xpos import XPos
 __version__ = "0.1.0"
 
 __all__ = [
+    "ALL_IMPLEMENTATIONS",
     "FIRE",
     "IMPLEMENTATIONS",
     "KERPLE",

@@ -38,9 +38,13 @@ from jaxpos.mods import (
 )
 from jaxpos.scheme import PositionScheme, as_scheme
 
-__all__ = ["IMPLEMENTATIONS", "attention", "default_implementation"]
+__all__ = ["ALL_IMPLEMENTATIONS", "IMPLEMENTATIONS", "attention", "default_implementation"]
 
+#: The tiled implementations (every scheme, mask and feature; compared in the tests).
 IMPLEMENTATIONS = ("reference", "chunked", "pallas")
+#: Every value ``implementation=`` takes: the tiled ones and ``"xla"``, which hands the
+#: transformed q and k to ``jax.nn.dot_product_attention`` (cuDNN on NVIDIA GPUs).
+ALL_IMPLEMENTATIONS = IMPLEMENTATIONS + ("xla",)
 _NEG_INF = -jnp.inf
 # Chunked tile sizes: measured on a 2-core x86 CPU (benchmarks/attention_cpu.py), 256 x 256
 # float32 tiles of 8 heads (2 MiB of scores) were as fast as any other choice forward and
@@ -49,17 +53,34 @@ _BLOCK_Q = 256
 _BLOCK_K = 256
 
 
-def default_implementation(position: PositionScheme | None = None) -> str:
-    """``"pallas"`` on GPU/TPU for the schemes the kernel fuses, otherwise ``"chunked"``.
+def default_implementation(position: PositionScheme | None = None, *, score_mod=None,
+                           mask_mod=None, q_len: int = 0, kv_len: int = 0, num_heads: int = 1,
+                           batch: int = 1) -> str:
+    """The implementation ``attention(implementation=None)`` runs, by the measured rule of
+    :func:`jaxpos.kernels.choose_implementation` (``docs/kernel.md``): ``"chunked"`` on
+    CPU and for schemes the kernel cannot fuse (Shaw); on an NVIDIA GPU ``"xla"``
+    (``jax.nn.dot_product_attention``, cuDNN) when there is no score term, or while the
+    dense bias of the score term fits the budget, else ``"pallas"``; ``"pallas"`` on TPU.
+
+    Args:
+      position: the scheme (its own score_mod counts as a score term).
+      score_mod, mask_mod: the call's (``None`` if absent).
+      q_len, kv_len, num_heads, batch: the call's shape (0 / 1 when unknown: the
+        dense-bias budget is then not the deciding factor).
 
     Raises:
       TypeError: ``position`` is not a scheme, ``None`` or ``"none"`` (on every backend).
     """
     scheme = as_scheme(position)
     backend = jax.default_backend()
-    if backend in ("gpu", "cuda", "rocm", "tpu") and scheme.fusable:
-        return "pallas"
-    return "chunked"
+    if backend == "cpu":
+        return "chunked"
+    from jaxpos.kernels import choose_implementation
+
+    has_score = scheme.score_mod() is not None or score_mod is not None
+    return choose_implementation(backend=backend, fusable=scheme.fusable,
+                                 has_score_mod=has_score, has_mask_mod=mask_mod is not None,
+                                 Tq=q_len, Tk=kv_len, num_heads=num_heads, batch=batch)
 
 
 class _Masking(NamedTuple):
@@ -667,7 +688,9 @@ def attention(
       segment_ids, kv_segment_ids: integer ``[B, Tq]`` / ``[B, Tk]``; only equal ids
         attend (packed sequences). ``kv_segment_ids`` defaults to ``segment_ids``.
       scale: score scale, default ``1 / sqrt(H)``. T5 uses ``scale=1.0``.
-      implementation: ``"reference"``, ``"chunked"``, ``"pallas"``, or ``None`` for
+      implementation: ``"reference"``, ``"chunked"``, ``"pallas"``, ``"xla"``
+        (``jax.nn.dot_product_attention`` on the transformed q and k, with the score term
+        materialised as a dense bias: cuDNN on NVIDIA GPUs), or ``None`` for
         :func:`default_implementation`.
       block_q, block_k: tile sizes for ``"chunked"`` (default 256 x 256) and ``"pallas"``
         (the kernel's defaults). Any positive size works; T need not be a multiple.
@@ -706,9 +729,8 @@ def attention(
     if scheme.has_value_term and v.shape[-1] != H:
         raise ValueError(f"v must have head_dim {H}: {type(scheme).__name__}'s value term adds "
                          f"vectors of width {H} to the output; got v {v.shape}.")
-    if implementation is None:
-        implementation = default_implementation(scheme)
-    _checks.check_choice("implementation", implementation, IMPLEMENTATIONS)
+    explicit = implementation is not None
+    _checks.check_choice("implementation", implementation, ALL_IMPLEMENTATIONS + (None,))
     dq_pos, dkv_pos = default_positions(B, Tq, Tk)
     try:
         q_pos = _checks.positions_2d("q_positions", dq_pos if q_positions is None else q_positions,
@@ -753,6 +775,11 @@ def attention(
     elif np.ndim(scale) != 0:
         raise ValueError(f"scale must be a scalar (one factor for every score); got shape "
                          f"{np.shape(scale)}.")
+    if not explicit:
+        implementation = default_implementation(scheme, score_mod=score_mod, mask_mod=mask_mod,
+                                                q_len=Tq, kv_len=Tk, num_heads=N, batch=B)
+        if implementation == "xla" and (mask4 is not None or v.shape[-1] != H):
+            implementation = "chunked"  # what jax.nn.dot_product_attention cannot take
     all_score_mods = compose_score_mods(scheme.score_mod(), score_mod)
     # Trace the mods once here, at a small tile, so a bad return shape or dtype is reported
     # at the call whatever the implementation.
@@ -764,12 +791,26 @@ def attention(
 
     q, k = scheme.transform_qk(q, k, q_pos, kv_pos)
     k, v = _nonfinite_values_to_keys(k, v)
-    if implementation == "pallas":
-        if not scheme.fusable:
+    if implementation in ("pallas", "xla") and not scheme.fusable:
+        what = "the fused Pallas kernel" if implementation == "pallas" else \
+            "implementation='xla' (jax.nn.dot_product_attention)"
+        raise ValueError(
+            f"{what} does not support the position scheme {type(scheme).__name__} (its "
+            f"content bias or value term depends on the query content or the weights); use "
+            f"implementation='chunked' or 'reference'.")
+    if implementation == "xla":
+        if mask4 is not None or v.shape[-1] != H:
             raise ValueError(
-                f"the fused Pallas kernel does not support the position scheme "
-                f"{type(scheme).__name__} (its content bias or value term depends on the "
-                f"query content or the weights); use implementation='chunked' or 'reference'.")
+                "implementation='xla' (jax.nn.dot_product_attention) takes neither a boolean "
+                "mask array nor a value head_dim other than q's; express the mask as a "
+                "mask_mod, or use implementation='chunked'.")
+        from jaxpos.kernels import attention_via_xla
+
+        return attention_via_xla(q, k, v, score_mod=all_score_mods, mask_mod=mask_mod,
+                                 q_positions=q_pos, kv_positions=kv_pos, causal=causal,
+                                 segment_ids=seg_q, kv_segment_ids=seg_kv, scale=scale,
+                                 sinks=sinks)
+    if implementation == "pallas":
         if mask4 is not None:
             raise ValueError(
                 f"implementation='pallas' does not take a boolean mask array (got shape "

@@ -73,7 +73,7 @@ from flax import nnx
 # ones, these load the rest of the library's schemes.
 from jaxpos import _checks
 from jaxpos.alibi import alibi_bias
-from jaxpos.attention import IMPLEMENTATIONS, attention
+from jaxpos.attention import ALL_IMPLEMENTATIONS, attention
 from jaxpos.learned import learned_positions
 from jaxpos.rope import apply_rope, check_rotary_dim
 from jaxpos.scheme import REGISTRY, NoPE, PositionScheme
@@ -447,9 +447,9 @@ def merge_heads(o, kernel, dtype, bias=None):
 
 def check_attention_options(implementation, use_bias) -> None:
     """An attention layer's options, checked when it is built (not only at its first call):
-    ``implementation`` ``None`` or one of :data:`jaxpos.IMPLEMENTATIONS`, ``use_bias`` a bool."""
+    ``implementation`` ``None`` or one of :data:`jaxpos.ALL_IMPLEMENTATIONS`, ``use_bias`` a bool."""
     if implementation is not None:
-        _checks.check_choice("implementation", implementation, IMPLEMENTATIONS)
+        _checks.check_choice("implementation", implementation, ALL_IMPLEMENTATIONS)
     if not isinstance(use_bias, bool):
         raise TypeError(f"use_bias must be a bool; got {type(use_bias).__name__} {use_bias!r}.")
 

@@ -15,7 +15,7 @@ import pytest
 import jaxpos
 from jaxpos.mods import EMPTY, FULL, PARTIAL
 
-IMPLS = ["reference", "chunked", "pallas"]
+IMPLS = ["reference", "chunked", "pallas", "xla"]
 B, T, N, H = 2, 24, 4, 16
 
 
