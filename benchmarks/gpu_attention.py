@@ -9,7 +9,7 @@ Bounded by ``--deadline`` (default 300 s, everything included). In order:
    scheme's arrays, every kernel output first filled with NaN (so an unwritten element
    fails). Tolerance: bfloat16 inputs 3e-2 forward / 6e-2 gradients (relative to the
    largest gradient entry); float32 2e-3 / 4e-3.
-2. **Speed**, bfloat16, causal, B=4 N=16 H=128 (issue 12's shape), T=8192 first then
+2. **Speed**, bfloat16, causal, B=4 N=16 H=128 (the shape of the 2026-12-01 H200 table in docs/kernel.md), T=8192 first then
    ``--seqs``, forward and forward+backward (gradients of q, k, v), median of ``--reps``
    after a warm-up. Every bias array (ALiBi slopes, T5 table, dense biases) is a jit
    *argument*, never a captured constant (constants are folded at compile time: slow
@@ -30,7 +30,7 @@ Bounded by ``--deadline`` (default 300 s, everything included). In order:
 
    Columns: ms, TFLOP/s (``4 B N T^2 H / 2`` causal forward; forward+backward counted as
    3.5x, as FlashAttention-2 does), ``/ pallas none`` (this row's TFLOP/s over the
-   kernel's without position terms: issue 12 wants >= 0.85 for every variant) and
+   kernel's without position terms: the target is >= 0.85 for every variant) and
    ``/ cudnn dense`` (over cuDNN with a dense bias of the same variant: > 1 means the
    kernel wins).
 
@@ -317,7 +317,7 @@ def torch_cells(args, variant, T, N, H, p, q, k, v):
 
 def _cells(args, T, B, N, H, bq, bk, q, k, v, p):
     """Every timed cell at length ``T``: ``(priority, variant, impl, timer(mode, reps))``.
-    Priority 0: issue 12's table rows; 1: the rest."""
+    Priority 0: the rows of the H200 table in docs/kernel.md; 1: the rest."""
     backend = jax.default_backend()
     out = []
 
@@ -378,7 +378,7 @@ def run_speed(args):
         for prio, variant, impl, timer in _cells(args, T, B, N, H, bq, bk, q, k, v, p):
             for mode in ("fwd", "fwd+bwd"):
                 todo.append(((prio, order), T, variant, impl, mode, timer))
-    todo.sort(key=lambda c: c[0])  # the table of issue 12 first, then the rest
+    todo.sort(key=lambda c: c[0])  # the H200 table's rows first, then the rest
     rows = []
     for (_, _), T, variant, impl, mode, timer in todo:
         flops = 4 * B * N * T * T * H / 2 * (1.0 if mode == "fwd" else 3.5)  # causal
