@@ -144,14 +144,14 @@ def _zigzag_take(name, x, axis, num_devices, inverse):
         raise ValueError(f"axis={axis} is out of range for {name} of shape {tuple(x.shape)} "
                          f"(rank {x.ndim}).")
     axis = int(axis) % x.ndim
-    perm = zigzag_permutation_checked(x.shape[axis], num_devices,
+    perm = _zigzag_permutation_checked(x.shape[axis], num_devices,
                                       f"{name}.shape[{axis}] (the sequence length)")
     if inverse:
         perm = np.argsort(perm).astype(np.int32)
     return jnp.take(x, jnp.asarray(perm), axis=axis)
 
 
-def zigzag_permutation_checked(T, num_devices, t_name):
+def _zigzag_permutation_checked(T, num_devices, t_name):
     """:func:`zigzag_permutation` with the length's error message naming ``t_name``."""
     _check_zigzag_args(T, num_devices, t_name)
     return zigzag_permutation(T, num_devices)
