@@ -67,13 +67,6 @@ LAYOUTS = ("ring", "ring_zigzag", "all_gather")
 MiB = 2.0 ** 20
 
 
-def _no_checks():
-    import inspect
-
-    params = inspect.signature(shard_map).parameters
-    return {"check_vma": False} if "check_vma" in params else {"check_rep": False}
-
-
 def _step_fn(layout, mesh, N, block):
     """jit(grad of sum(out * g)) w.r.t. q, k, v for one layout, on global arrays."""
     scheme = jaxpos.ALiBi(num_heads=N)
@@ -90,12 +83,7 @@ def _step_fn(layout, mesh, N, block):
                                     q_positions=pos, kv_positions=gather(pos, 0), causal=True,
                                     implementation="chunked", block_q=block, block_k=block)
 
-    # The all-gather baseline runs with shard_map's varying-axis checks off: in this
-    # checkout jaxpos.attention's converted score_mods (jaxpos.mods.ConvertedMod) do not
-    # yet cast their operands to one set of varying axes, which the checks require; the
-    # checks change neither the compiled memory nor the time.
-    kw = {} if layout.startswith("ring") else _no_checks()
-    attn = shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, P("seq")), out_specs=seq, **kw)
+    attn = shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, P("seq")), out_specs=seq)
 
     def loss(q, k, v, g, pos):
         return jnp.sum(attn(q, k, v, pos) * g)

@@ -51,7 +51,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex
 
 from jaxpos import _checks
 from jaxpos.attention import (
@@ -70,15 +69,13 @@ from jaxpos.attention import (
     _merge_terms,
     _segments,
     _split_terms,
-    _Terms,
     _tile_kind,
     _unblocks,
-    _varying_axes,
     _varying_zero,
     _zero_cotangent,
     sink_gradient,
 )
-from jaxpos.mods import ConvertedMod, compose_score_mods, convert_mod
+from jaxpos.mods import compose_score_mods, convert_mod
 from jaxpos.scheme import PositionScheme, as_scheme
 
 __all__ = ["from_zigzag", "ring_attention", "shard_map", "to_zigzag", "zigzag_permutation"]
@@ -278,103 +275,6 @@ def _transform_global(scheme: PositionScheme, q, k, q_pos, kv_pos, axis_name):
     ka, kpa = aug(k, kv_pos)
     qa, ka = scheme.transform_qk(qa, ka, qpa, kpa)
     return qa[:, :q.shape[1]], ka[:, :k.shape[1]]
-
-
-# ---------------------------------------------------------- mods under varying types
-# Inside shard_map (default check_vma), every primitive needs operands that vary over the
-# same mesh axes; jax.numpy inserts the casts while tracing, but a converted mod is a
-# jaxpr traced once at the tile shape with unsharded types and re-evaluated primitive by
-# primitive on sharded tiles (varying scores and positions, unsharded literals, captured
-# tables and head indices). _VaryingMod evaluates the same jaxpr, casting each
-# primitive's operands to the union of their varying axes first.
-_CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-          "custom_vjp_call_jaxpr", "checkpoint", "remat", "remat2")
-_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-
-
-def _inner_jaxpr(eqn):
-    """``(jaxpr, consts)`` of a call-like equation (jit, custom_jvp/vjp call, remat) that
-    can be evaluated inline, else None (loops and conditionals are bound as they are)."""
-    if eqn.primitive.name not in _CALLS:
-        return None
-    for key in _CALL_PARAMS:
-        j = eqn.params.get(key)
-        if isinstance(j, jex.ClosedJaxpr):
-            return j.jaxpr, j.consts
-        if isinstance(j, jex.Jaxpr) and not j.constvars:
-            return j, ()
-    return None
-
-
-def _unify(xs):
-    """Cast every operand to vary over the union of the operands' varying mesh axes."""
-    axes = [_varying_axes(x) for x in xs]
-    union = frozenset().union(*axes)
-    if not union or all(a == union for a in axes):
-        return list(xs)
-    z = _varying_zero(xs)  # varies over the union
-    out = []
-    for x, a in zip(xs, axes):
-        if a != union:
-            x = jnp.asarray(x)
-            x = (x | z.astype(bool)) if x.dtype == jnp.bool_ else x + z.astype(x.dtype)
-        out.append(x)
-    return out
-
-
-def _eval_varying(jaxpr, consts, args):
-    """``jax.core.eval_jaxpr`` with :func:`_unify` before every primitive; call-like
-    equations are evaluated inline (a custom_jvp/custom_vjp rule inside a mod is then
-    differentiated through its primal computation)."""
-    env = {}
-
-    def read(v):
-        return v.val if isinstance(v, jex.Literal) else env[v]
-
-    for v, x in zip(jaxpr.constvars, consts):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args):
-        env[v] = x
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        inner = _inner_jaxpr(eqn)
-        if inner is not None:
-            n = len(inner[0].invars)
-            outs = _eval_varying(inner[0], inner[1], ins[len(ins) - n:])
-        else:
-            outs = eqn.primitive.bind(*_unify(ins), **eqn.params)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-        for v, x in zip(eqn.outvars, outs):
-            if not isinstance(v, jex.DropVar):
-                env[v] = x
-    return [read(v) for v in jaxpr.outvars]
-
-
-class _VaryingMod(ConvertedMod):
-    """A :class:`jaxpos.mods.ConvertedMod` whose jaxpr is evaluated with
-    :func:`_eval_varying` when any argument or captured array varies over a mesh axis
-    (the plain evaluation otherwise)."""
-
-    def __call__(self, *args):
-        if not any(_varying_axes(x) for x in (*args, *self.consts)):
-            return super().__call__(*args)
-        return _eval_varying(self.jaxpr, self.consts, args)[0]
-
-    def with_consts(self, consts):
-        return _VaryingMod(self.jaxpr, consts, self.kind, self.name)
-
-
-jax.tree_util.register_pytree_node(
-    _VaryingMod,
-    lambda m: (m.consts, (m.jaxpr, m.kind, m.name)),
-    lambda aux, consts: _VaryingMod(aux[0], consts, aux[1], aux[2]),
-)
-
-
-def _varying_terms(terms: _Terms) -> _Terms:
-    as_varying = lambda m: None if m is None else _VaryingMod(m.jaxpr, m.consts, m.kind, m.name)
-    return terms._replace(score=as_varying(terms.score), mask=as_varying(terms.mask))
 
 
 # ------------------------------------------------------------------------- the ring
@@ -669,7 +569,7 @@ def ring_attention(
         bq, bk = Tq, Tk
     else:
         bq, bk = min(block_q or _BLOCK_Q, Tq), min(block_k or _BLOCK_K, Tk)
-    terms = _varying_terms(_make_terms(scheme, all_score_mods, mask_mod, bq, bk))
+    terms = _make_terms(scheme, all_score_mods, mask_mod, bq, bk)
     b, nq, nk = _chunk_inputs(qs, kk, vv, _Masking(q_pos, kv_pos, None, None, seg_q, seg_kv),
                               bq, bk)
     fl, il, is_f, treedef = _split_terms(terms)
