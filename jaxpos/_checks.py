@@ -2,7 +2,9 @@
 
 Every check runs at trace time on static information (shapes, dtypes, Python
 values) and raises ``ValueError`` or ``TypeError`` naming the argument, what it
-got and what was expected.
+got and what was expected. Also :func:`relative_offsets`, the validated ``kv - q``
+offsets every relative scheme starts from (here so that scheme modules import no other
+scheme module).
 """
 
 from __future__ import annotations
@@ -147,3 +149,27 @@ def check_int32_range(name: str, x: Any, span: int = 0) -> None:
             f"{name}{extent} must fit in int32 (positions and offsets are int32 inside); got "
             f"values from {a.min()} to {a.max()} (dtype {dt})."
         )
+
+
+def relative_offsets(q_positions, kv_positions) -> jax.Array:
+    """``kv_pos - q_pos`` as int32 ``[Tq, Tk]`` or ``[B, Tq, Tk]`` (T5's memory - context).
+
+    Args:
+      q_positions: integer ``[Tq]`` or ``[B|1, Tq]``.
+      kv_positions: integer ``[Tk]`` or ``[B|1, Tk]``.
+
+    Returns:
+      int32 ``[Tq, Tk]``, or ``[B, Tq, Tk]`` when either input has a batch axis.
+
+    Raises:
+      ValueError: batch sizes that differ and are not 1.
+    """
+    q = jnp.asarray(q_positions, jnp.int32)
+    k = jnp.asarray(kv_positions, jnp.int32)
+    if q.ndim == 2 and k.ndim == 2 and q.shape[0] != k.shape[0] and 1 not in (q.shape[0],
+                                                                              k.shape[0]):
+        raise ValueError(
+            f"q_positions and kv_positions must have equal batch sizes (or 1); got batch "
+            f"sizes {q.shape[0]} and {k.shape[0]} (shapes {q.shape} and {k.shape})."
+        )
+    return k[..., None, :] - q[..., :, None]

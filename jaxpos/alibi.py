@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
+from jaxpos._checks import relative_offsets  # noqa: F401 (re-exported: its old home)
 from jaxpos.scheme import PositionScheme, register
 
 __all__ = ["ALiBi", "alibi_bias", "alibi_slopes"]
@@ -82,30 +83,6 @@ def alibi_bias(q_positions, kv_positions, slopes, *, bidirectional: bool = False
     _checks.check_rank("slopes", slopes, (1,), "[num_heads]")
     rel = relative_offsets(q_positions, kv_positions)  # [..., Tq, Tk]
     return alibi_bias_from_offsets(rel, slopes, bidirectional=bidirectional)
-
-
-def relative_offsets(q_positions, kv_positions) -> jax.Array:
-    """``kv_pos - q_pos`` as int32 ``[Tq, Tk]`` or ``[B, Tq, Tk]`` (T5's memory - context).
-
-    Args:
-      q_positions: integer ``[Tq]`` or ``[B|1, Tq]``.
-      kv_positions: integer ``[Tk]`` or ``[B|1, Tk]``.
-
-    Returns:
-      int32 ``[Tq, Tk]``, or ``[B, Tq, Tk]`` when either input has a batch axis.
-
-    Raises:
-      ValueError: batch sizes that differ and are not 1.
-    """
-    q = jnp.asarray(q_positions, jnp.int32)
-    k = jnp.asarray(kv_positions, jnp.int32)
-    if q.ndim == 2 and k.ndim == 2 and q.shape[0] != k.shape[0] and 1 not in (q.shape[0],
-                                                                              k.shape[0]):
-        raise ValueError(
-            f"q_positions and kv_positions must have equal batch sizes (or 1); got batch "
-            f"sizes {q.shape[0]} and {k.shape[0]} (shapes {q.shape} and {k.shape})."
-        )
-    return k[..., None, :] - q[..., :, None]
 
 
 def alibi_bias_from_offsets(rel, slopes, *, bidirectional: bool = False) -> jax.Array:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
-from jaxpos.alibi import relative_offsets
+from jaxpos._checks import relative_offsets
 from jaxpos.scheme import PositionScheme, register
 
 __all__ = ["FIRE", "fire_bias", "fire_normalized_distance"]

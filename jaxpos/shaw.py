@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
-from jaxpos.alibi import relative_offsets
+from jaxpos._checks import relative_offsets
 from jaxpos.scheme import PositionScheme, register
 
 __all__ = ["Shaw", "check_shaw_table", "shaw_attention", "shaw_clipped_index", "shaw_logits", "shaw_values"]

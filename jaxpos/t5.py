@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
-from jaxpos.alibi import relative_offsets
+from jaxpos._checks import relative_offsets
 from jaxpos.scheme import PositionScheme, register
 
 __all__ = ["T5Bias", "check_bucket_args", "relative_bias_attention", "t5_bias", "t5_bucket"]
