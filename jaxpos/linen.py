@@ -56,12 +56,15 @@ from jaxpos.nnx import (
     attention_dims,
     attention_positions,
     check_attention_options,
+    check_mask_mod,
     check_module_dims,
+    check_sinks_flag,
     check_position_name,
     collect_options,
     freeze_options,
     has_params,
     init_scheme_params,
+    layer_mask_mods_plan,
     learned_table_init,
     stack_plan,
     token_embedding_init,
@@ -404,15 +407,17 @@ class MultiHeadAttention(AttentionCore, nn.Module):
     ``position`` (a registered name, or a Linen position module, shared if defined in a
     parent), ``causal``, ``rotary_dim``, ``rope_base``, ``num_buckets``, ``max_distance``,
     ``scale``, ``implementation``, ``use_bias``, ``dtype``, ``param_dtype``,
-    ``scheme_options``). Parameters ``q_proj/k_proj/v_proj/o_proj.kernel`` (and ``.bias``
-    with ``use_bias``) and ``position_module/...`` for a position given by name. A
+    ``scheme_options``, ``sinks``, ``mask_mod``). Parameters
+    ``q_proj/k_proj/v_proj/o_proj.kernel`` (and ``.bias`` with ``use_bias``), ``sinks
+    [num_heads]`` (zeros at init) with ``sinks=True``, and ``position_module/...`` for a
+    position given by name. A
     position module passed in lives where it was defined: once in the parent that defined
     it in ``setup`` (shared by every layer it was passed to, like a stack's T5 table), or
     under ``position/...`` when it was created unbound for this layer.
 
     Call: ``x [B, T, D]`` -> ``[B, T, D]`` (keywords ``context``, ``positions``,
     ``kv_positions``, ``mask``, ``segment_ids``, ``kv_segment_ids``, ``scheme``,
-    ``rope_scaling``, ``implementation``, as the NNX twin);
+    ``rope_scaling``, ``implementation``, ``mask_mod``, as the NNX twin);
     ``decode(x, cache, ...)`` -> ``(y, cache)``; ``init_cache(batch, max_len)`` needs no
     parameters. Raises as the NNX twin.
     """
@@ -433,6 +438,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     scheme_options: Any = None
+    sinks: bool = False
+    mask_mod: Any = None
 
     def _dims(self):
         return attention_dims(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim)
@@ -440,9 +447,17 @@ class MultiHeadAttention(AttentionCore, nn.Module):
     def _position(self):
         return self._pos
 
+    def _sinks(self):
+        return self._sink_logits
+
     def setup(self):
         D, N, Nk, H = self._dims()
         check_attention_options(self.implementation, self.use_bias)
+        check_mask_mod("mask_mod", self.mask_mod)
+        # The parameter is named "sinks" as in the NNX twin (the field of the same name is
+        # the bool that asks for it).
+        self._sink_logits = (self.param("sinks", nn.initializers.zeros, (N,), self.param_dtype)
+                             if check_sinks_flag(self.sinks) else None)
         options = collect_options(rotary_dim=self.rotary_dim, rope_base=self.rope_base,
                                   num_buckets=self.num_buckets, max_distance=self.max_distance,
                                   scheme_options=self.scheme_options)
@@ -468,7 +483,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
 
 class TransformerBlock(BlockCore, nn.Module):
     """Linen twin of :class:`jaxpos.nnx.TransformerBlock` (pre-LN, RMSNorm, GELU MLP).
-    Fields as :class:`MultiHeadAttention` plus ``mlp_dim`` (default ``4 * d_model``)."""
+    Fields as :class:`MultiHeadAttention` (``sinks``, ``mask_mod`` included) plus
+    ``mlp_dim`` (default ``4 * d_model``)."""
 
     d_model: int
     num_heads: int
@@ -486,6 +502,8 @@ class TransformerBlock(BlockCore, nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     scheme_options: Any = None
+    sinks: bool = False
+    mask_mod: Any = None
 
     def setup(self):
         D = _checks.check_positive_int("d_model", self.d_model)
@@ -497,7 +515,8 @@ class TransformerBlock(BlockCore, nn.Module):
             rope_base=self.rope_base, num_buckets=self.num_buckets,
             max_distance=self.max_distance, scale=self.scale,
             implementation=self.implementation, dtype=self.dtype,
-            param_dtype=self.param_dtype, scheme_options=self.scheme_options, name="attn")
+            param_dtype=self.param_dtype, scheme_options=self.scheme_options,
+            sinks=self.sinks, mask_mod=self.mask_mod, name="attn")
         self.mlp_norm = _Norm(D, self.param_dtype, name="mlp_norm")
         self.mlp_in = _Dense(D, F, False, self.param_dtype, name="mlp_in")
         self.mlp_out = _Dense(F, D, False, self.param_dtype, name="mlp_out")
@@ -523,8 +542,17 @@ class _Stack(StackCore, nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     scheme_options: Any = None
+    sinks: bool = False
+    mask_mod: Any = None
+    layer_mask_mods: Any = None
 
     _causal = True
+
+    def __post_init__(self):
+        # A list of per-layer mask_mods is kept as a tuple, so the module stays hashable.
+        if isinstance(self.layer_mask_mods, list):
+            object.__setattr__(self, "layer_mask_mods", tuple(self.layer_mask_mods))
+        super().__post_init__()
 
     def _position_name(self):
         return check_position_name("position", self.position)
@@ -537,6 +565,8 @@ class _Stack(StackCore, nn.Module):
         V = _checks.check_positive_int("vocab_size", self.vocab_size)
         D, N, Nk, H = attention_dims(self.d_model, self.num_heads, self.num_kv_heads, None)
         L = _checks.check_positive_int("num_layers", self.num_layers)
+        sinks = check_sinks_flag(self.sinks)
+        mask_mods = layer_mask_mods_plan(L, self.mask_mod, self.layer_mask_mods)
         if self.max_len is not None:
             _checks.check_positive_int("max_len", self.max_len)
         plan = stack_plan(self.position, max_len=self.max_len, rope_base=self.rope_base,
@@ -562,15 +592,17 @@ class _Stack(StackCore, nn.Module):
             TransformerBlock(D, N, num_kv_heads=Nk, mlp_dim=self.mlp_dim,
                              position=layer_position, causal=causal,
                              scheme_options=layer_options, implementation=self.implementation,
-                             dtype=self.dtype, param_dtype=self.param_dtype,
-                             name=f"blocks_{i}")
+                             dtype=self.dtype, param_dtype=self.param_dtype, sinks=sinks,
+                             mask_mod=mask_mods[i], name=f"blocks_{i}")
             for i in range(L)]
         self.final_norm = _Norm(D, self.param_dtype, name="final_norm")
 
 
 class DecoderLM(DecoderCore, _Stack):
     """Linen twin of :class:`jaxpos.nnx.DecoderLM`: a causal decoder-only language model
-    with any registered position scheme (fields = the NNX constructor's arguments).
+    with any registered position scheme (fields = the NNX constructor's arguments, with
+    ``sinks``, ``mask_mod`` and ``layer_mask_mods``; the sink logits are
+    ``blocks_{i}/attn/sinks``).
 
     ``__call__(tokens [B, T], *, positions=None, rope_scaling=None, implementation=None,
     segment_ids=None)`` -> float32 logits ``[B, T, vocab_size]``;

@@ -49,6 +49,12 @@ Design choices of the stacks (documented once here, used by both twins):
   2018, §3.1, whose tables are shared across heads, not layers) gives each layer its own
   :class:`PositionModule` (``blocks[i].attn.position_module``).
 
+Attention sinks and mask_mods: ``MultiHeadAttention(sinks=True)`` learns a sink logit per
+query head (parameter ``sinks [num_heads]``, GPT-OSS) and ``mask_mod=`` (e.g.
+``jaxpos.SlidingWindowMask(w)``) restricts every call and every decoding step; blocks
+and stacks pass both through, and ``DecoderLM(layer_mask_mods=[...])`` gives each layer
+its own (alternating sliding-window and full layers).
+
 KV-cache decoding: ``cache = model.init_cache(batch, max_len)`` then
 ``logits, cache = model.decode_step(tokens, cache, positions=...)`` with any number of
 new tokens per step. A cache (:class:`KVCache`) holds what the scheme's
@@ -452,6 +458,60 @@ def check_attention_options(implementation, use_bias) -> None:
         _checks.check_choice("implementation", implementation, ALL_IMPLEMENTATIONS)
     if not isinstance(use_bias, bool):
         raise TypeError(f"use_bias must be a bool; got {type(use_bias).__name__} {use_bias!r}.")
+
+
+def check_sinks_flag(sinks) -> bool:
+    """``sinks`` (a layer option: own a learned sink logit per head) must be a bool.
+    ``TypeError`` otherwise (an array of logits belongs to :func:`jaxpos.attention`, not
+    to a module, whose logits are its ``sinks`` parameter)."""
+    if not isinstance(sinks, (bool, np.bool_)):
+        raise TypeError(f"sinks must be a bool (True: the layer learns one sink logit per "
+                        f"query head, a parameter 'sinks' [num_heads]); got "
+                        f"{type(sinks).__name__} {sinks!r}.")
+    return bool(sinks)
+
+
+def check_mask_mod(name: str, mask_mod):
+    """``mask_mod``: ``None`` or a callable ``(batch, head, q_pos, kv_pos) -> bool``
+    (:mod:`jaxpos.mods`, e.g. :class:`jaxpos.SlidingWindowMask`). ``TypeError`` naming
+    ``name`` otherwise. Returns it unchanged."""
+    if mask_mod is not None and not callable(mask_mod):
+        raise TypeError(f"{name} must be a mask_mod, a callable (batch, head, q_pos, kv_pos) "
+                        f"-> bool such as jaxpos.SlidingWindowMask(window), or None; got "
+                        f"{type(mask_mod).__name__} {mask_mod!r}.")
+    return mask_mod
+
+
+def layer_mask_mods_plan(num_layers: int, mask_mod, layer_mask_mods) -> tuple:
+    """The mask_mod of each layer of a stack: ``layer_mask_mods`` (one mask_mod or None
+    per layer, e.g. alternating sliding-window and full-attention layers as in Gemma 2/3
+    and GPT-OSS, Hugging Face's ``layer_types``) when given, else ``mask_mod`` for every
+    layer.
+
+    Returns a tuple of ``num_layers`` entries (callables or None).
+
+    Raises:
+      TypeError: ``layer_mask_mods`` not a list or tuple, an entry (or ``mask_mod``)
+        neither callable nor None.
+      ValueError: ``layer_mask_mods`` of a length other than ``num_layers``, or given
+        together with ``mask_mod`` (which would be ambiguous).
+    """
+    check_mask_mod("mask_mod", mask_mod)
+    if layer_mask_mods is None:
+        return (mask_mod,) * num_layers
+    if not isinstance(layer_mask_mods, (list, tuple)):
+        raise TypeError(f"layer_mask_mods must be a list or tuple of num_layers={num_layers} "
+                        f"mask_mods (callables or None); got {type(layer_mask_mods).__name__} "
+                        f"{layer_mask_mods!r}.")
+    if len(layer_mask_mods) != num_layers:
+        raise ValueError(f"layer_mask_mods must have one entry per layer (num_layers="
+                         f"{num_layers}); got {len(layer_mask_mods)} entries.")
+    if mask_mod is not None:
+        raise ValueError("pass either mask_mod (every layer) or layer_mask_mods (one per "
+                         "layer, None for full attention), not both.")
+    for i, mod in enumerate(layer_mask_mods):
+        check_mask_mod(f"layer_mask_mods[{i}]", mod)
+    return tuple(layer_mask_mods)
 
 
 def check_attention_input(name: str, x, d_model: int, batch: int | None = None) -> None:
@@ -877,9 +937,10 @@ def position_scheme(module, rope_scaling=None, *, x=None, positions=None):
 class AttentionCore:
     """The computation of :class:`MultiHeadAttention` and its Linen twin. Subclasses
     declare ``q_proj``/``k_proj``/``v_proj``/``o_proj`` (``kernel``, ``bias``), fields
-    ``causal``, ``scale``, ``implementation``, ``dtype``, and give ``_dims()`` ->
-    ``(d_model, num_heads, num_kv_heads, head_dim)`` and ``_position()`` (the position
-    module or None)."""
+    ``causal``, ``scale``, ``implementation``, ``dtype``, ``mask_mod`` (a callable or
+    None), and give ``_dims()`` -> ``(d_model, num_heads, num_kv_heads, head_dim)``,
+    ``_position()`` (the position module or None) and ``_sinks()`` (the sink logits
+    ``[num_heads]``, or None for a layer without sinks)."""
 
     def _proj(self, layer, x, heads):
         return project_heads(x, _value(layer.kernel), heads, self._dims()[3], self.dtype,
@@ -900,9 +961,15 @@ class AttentionCore:
             return scheme
         return position_scheme(self._position(), rope_scaling, x=x, positions=positions)
 
+    def _mask_mod(self, mask_mod):
+        """The call's mask_mod when given (it replaces the layer's), else the layer's."""
+        if mask_mod is None:
+            return self.mask_mod
+        return check_mask_mod("mask_mod", mask_mod)
+
     def __call__(self, x, *, context=None, positions=None, kv_positions=None, mask=None,
                  segment_ids=None, kv_segment_ids=None, scheme=None, rope_scaling=None,
-                 implementation=None) -> jax.Array:
+                 implementation=None, mask_mod=None) -> jax.Array:
         pos, kv_pos = attention_inputs(x, context, positions, kv_positions, kv_segment_ids,
                                        self._dims()[0])
         q, k, v = self._qkv(x, context)
@@ -910,6 +977,7 @@ class AttentionCore:
         o = attention(q, k, v, position=scheme, q_positions=pos, kv_positions=kv_pos,
                       causal=self.causal, mask=mask, segment_ids=segment_ids,
                       kv_segment_ids=kv_segment_ids, scale=self.scale,
+                      mask_mod=self._mask_mod(mask_mod), sinks=self._sinks(),
                       implementation=implementation or self.implementation)
         return self._out(o)
 
@@ -920,10 +988,13 @@ class AttentionCore:
         return init_kv_cache(batch, max_len, Nk, H, dtype or self.dtype)
 
     def decode(self, x, cache: KVCache, *, positions=None, scheme=None, rope_scaling=None,
-               implementation=None):
+               implementation=None, mask_mod=None):
         """Attend from ``x [B, T, D]`` (new tokens) to the cache plus themselves.
 
-        ``positions`` default to each row's fill count ``+ arange(T)``. The scheme's
+        ``positions`` default to each row's fill count ``+ arange(T)``. The layer's
+        mask_mod (or the call's ``mask_mod``) and sinks apply as in the full pass: the
+        mask_mod sees the global positions of the new tokens and of the cached keys, so a
+        sliding window keeps its width at every step. The scheme's
         :meth:`~jaxpos.PositionScheme.cache_write` decides what the cache stores (raw keys,
         the scheme applied inside attention from the cached positions, except RoPE with a
         length-dependent scaling: see :func:`rotate_at_write`). Returns ``(y [B, T, D],
@@ -941,6 +1012,7 @@ class AttentionCore:
         o = attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), position=scheme,
                       q_positions=pos, kv_positions=cache.positions, causal=self.causal,
                       segment_ids=seg, kv_segment_ids=kv_seg, scale=self.scale,
+                      mask_mod=self._mask_mod(mask_mod), sinks=self._sinks(),
                       implementation=implementation or self.implementation)
         return poison_rows(self._out(o), overflow), cache
 
@@ -969,11 +1041,25 @@ class MultiHeadAttention(AttentionCore, nnx.Module):
       implementation: default backend of :func:`jaxpos.attention` (``None`` = best).
       use_bias: add biases to the four projections (GPT-2, BLOOM, BERT); default False
         (Llama, T5).
+      sinks: a bool; True gives the layer a learned attention-sink logit per query head,
+        parameter ``sinks`` float ``[num_heads]`` (``param_dtype``, initialised to zeros),
+        passed as ``sinks=`` to :func:`jaxpos.attention`: the softmax denominator gains
+        ``exp(sinks[h])``, so a head may put weight on "no token" (Xiao et al. 2024,
+        "Efficient Streaming Language Models with Attention Sinks", §3; the learned
+        per-head form of OpenAI's GPT-OSS, Hugging Face ``GptOssAttention.sinks``). Zero
+        logits already add 1 to the denominator. Default False (no parameter, the
+        plain softmax).
+      mask_mod: a mask_mod ``(batch, head, q_pos, kv_pos) -> bool`` applied in every call
+        and in :meth:`decode` (:mod:`jaxpos.mods`; e.g. ``jaxpos.SlidingWindowMask(w)``
+        for Mistral / Gemma / GPT-OSS sliding-window layers with ``causal=True``,
+        ``jaxpos.ChunkedAttentionMask(c)`` for Llama 4's chunked layers); it is static
+        module data, not a parameter. Default None.
       dtype: compute dtype; param_dtype: parameter dtype. rngs: :class:`flax.nnx.Rngs`.
 
     Parameters: ``q_proj.kernel [D, N*H]``, ``k_proj.kernel``/``v_proj.kernel [D, N_kv*H]``,
-    ``o_proj.kernel [N*H, D]`` (and ``*.bias`` with ``use_bias``), plus those of the
-    position module (attribute ``position_module``, e.g. ``position_module.rel_k`` for Shaw).
+    ``o_proj.kernel [N*H, D]`` (and ``*.bias`` with ``use_bias``), ``sinks [N]`` with
+    ``sinks=True`` (attribute ``sinks``, None otherwise), plus those of the position
+    module (attribute ``position_module``, e.g. ``position_module.rel_k`` for Shaw).
 
     Call: ``x [B, T, D]`` -> ``[B, T, D]``, keyword ``positions`` (int ``[T]``/``[B, T]``,
     default ``arange``), ``context`` (``[B, Tk, D]``: cross-attention, keys and values
@@ -982,14 +1068,15 @@ class MultiHeadAttention(AttentionCore, nnx.Module):
     :func:`jaxpos.attention`,
     ``scheme`` (a scheme object that replaces this layer's own, e.g. a stack's shared T5
     bias), ``rope_scaling`` (this call only; ``ValueError`` for a scheme that does not
-    take it), ``implementation``. The layer's scheme is built per call by the position
+    take it), ``implementation``, ``mask_mod`` (this call only; replaces the layer's).
+    The layer's scheme is built per call by the position
     module (:meth:`PositionModule.scheme`, from the call's ``x`` and ``positions``).
     ``decode(x, cache, ...)`` appends to a :class:`KVCache` from
     ``init_cache(batch, max_len)`` and returns ``(y, cache)``.
 
     Raises: ``ValueError`` for bad sizes, names (a registered scheme without
     ``from_params`` is named), positions or cache overflow; ``TypeError`` for float
-    positions.
+    positions, a non-bool ``sinks``, a ``mask_mod`` that is not callable.
     """
 
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
@@ -997,11 +1084,14 @@ class MultiHeadAttention(AttentionCore, nnx.Module):
                  rotary_dim: int | None = None, rope_base: float = 10000.0,
                  num_buckets: int = 32, max_distance: int | None = None,
                  scheme_options: dict | None = None, scale: float | None = None,
-                 implementation: str | None = None, use_bias: bool = False, dtype=jnp.float32,
+                 implementation: str | None = None, use_bias: bool = False,
+                 sinks: bool = False, mask_mod=None, dtype=jnp.float32,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         d_model, num_heads, num_kv_heads, head_dim = attention_dims(d_model, num_heads,
                                                                     num_kv_heads, head_dim)
         check_attention_options(implementation, use_bias)
+        sinks = check_sinks_flag(sinks)
+        self.mask_mod = check_mask_mod("mask_mod", mask_mod)
         options = collect_options(rotary_dim=rotary_dim, rope_base=rope_base,
                                   num_buckets=num_buckets, max_distance=max_distance,
                                   scheme_options=scheme_options)
@@ -1014,6 +1104,7 @@ class MultiHeadAttention(AttentionCore, nnx.Module):
         self.k_proj = lin(d_model, num_kv_heads * head_dim)
         self.v_proj = lin(d_model, num_kv_heads * head_dim)
         self.o_proj = lin(num_heads * head_dim, d_model)
+        self.sinks = nnx.Param(jnp.zeros((num_heads,), param_dtype)) if sinks else None
         self.position_module = make_position_module(
             position, num_heads=num_heads, head_dim=head_dim, d_model=d_model,
             causal=self.causal, options=options, param_dtype=param_dtype, rngs=rngs)
@@ -1023,6 +1114,9 @@ class MultiHeadAttention(AttentionCore, nnx.Module):
 
     def _position(self):
         return self.position_module
+
+    def _sinks(self):
+        return None if self.sinks is None else self.sinks[...]
 
 
 # ================================================================== blocks and stacks
@@ -1049,7 +1143,8 @@ class TransformerBlock(BlockCore, nnx.Module):
     """A pre-LN transformer block: ``x + attn(rms_norm(x))``, then ``x + mlp(rms_norm(x))``
     (Xiong et al. 2020; RMSNorm, Zhang & Sennrich 2019; GELU MLP).
 
-    Args: as :class:`MultiHeadAttention`, plus ``mlp_dim`` (default ``4 * d_model``).
+    Args: as :class:`MultiHeadAttention` (``sinks``, ``mask_mod`` included), plus
+    ``mlp_dim`` (default ``4 * d_model``).
     Parameters: ``attn_norm.scale``, ``attn.*``, ``mlp_norm.scale``, ``mlp_in.kernel
     [D, F]``, ``mlp_out.kernel [F, D]``.
 
@@ -1063,7 +1158,8 @@ class TransformerBlock(BlockCore, nnx.Module):
                  rope_base: float = 10000.0, num_buckets: int = 32,
                  max_distance: int | None = None, scheme_options: dict | None = None,
                  scale: float | None = None, implementation: str | None = None,
-                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 sinks: bool = False, mask_mod=None, dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
         d_model = _checks.check_positive_int("d_model", d_model)
         mlp_dim = 4 * d_model if mlp_dim is None else _checks.check_positive_int("mlp_dim", mlp_dim)
         self.dtype = dtype
@@ -1072,7 +1168,8 @@ class TransformerBlock(BlockCore, nnx.Module):
             d_model, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, position=position,
             causal=causal, rotary_dim=rotary_dim, rope_base=rope_base, num_buckets=num_buckets,
             max_distance=max_distance, scheme_options=scheme_options, scale=scale,
-            implementation=implementation, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            implementation=implementation, sinks=sinks, mask_mod=mask_mod, dtype=dtype,
+            param_dtype=param_dtype, rngs=rngs)
         self.mlp_norm = nnx.RMSNorm(d_model, param_dtype=param_dtype, rngs=rngs)
         lin = lambda i, o: nnx.Linear(i, o, use_bias=False, param_dtype=param_dtype, rngs=rngs)
         self.mlp_in = lin(d_model, mlp_dim)
@@ -1234,11 +1331,14 @@ class _Stack(nnx.Module):
                  position: str, num_kv_heads: int | None, mlp_dim: int | None,
                  max_len: int | None, rope_base: float, t5_num_buckets: int, t5_max_distance: int,
                  shaw_max_distance: int, scheme_options: dict | None,
-                 implementation: str | None, dtype, param_dtype, rngs: nnx.Rngs):
+                 implementation: str | None, sinks: bool, mask_mod, layer_mask_mods,
+                 dtype, param_dtype, rngs: nnx.Rngs):
         self.vocab_size = _checks.check_positive_int("vocab_size", vocab_size)
         d_model, num_heads, num_kv_heads, head_dim = attention_dims(d_model, num_heads,
                                                                     num_kv_heads, None)
         num_layers = _checks.check_positive_int("num_layers", num_layers)
+        sinks = check_sinks_flag(sinks)
+        mask_mods = layer_mask_mods_plan(num_layers, mask_mod, layer_mask_mods)
         if max_len is not None:
             _checks.check_positive_int("max_len", max_len)
         plan = stack_plan(position, max_len=max_len, rope_base=rope_base, prefixed={
@@ -1267,8 +1367,9 @@ class _Stack(nnx.Module):
             TransformerBlock(d_model, num_heads, num_kv_heads=num_kv_heads, mlp_dim=mlp_dim,
                              position=layer_position, causal=causal,
                              scheme_options=layer_options, implementation=implementation,
-                             dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-            for _ in range(num_layers)])
+                             sinks=sinks, mask_mod=mask_mods[i], dtype=dtype,
+                             param_dtype=param_dtype, rngs=rngs)
+            for i in range(num_layers)])
         self.final_norm = nnx.RMSNorm(d_model, param_dtype=param_dtype, rngs=rngs)
 
     def _position_name(self):
@@ -1300,6 +1401,15 @@ class DecoderLM(DecoderCore, _Stack):
       scheme_options: other options of the scheme, a dict (override the above).
       implementation: default :func:`jaxpos.attention` backend (``None`` = the backend's
         best: chunked on CPU, the Pallas kernel on GPU/TPU where it fuses the scheme).
+      sinks: True gives every layer learned attention-sink logits, parameter
+        ``blocks[i].attn.sinks [num_heads]`` (zeros at init; GPT-OSS;
+        :class:`MultiHeadAttention`). Default False.
+      mask_mod: one mask_mod for every layer (e.g. ``jaxpos.SlidingWindowMask(w)``),
+        applied in the forward pass and in :meth:`decode_step`. Default None.
+      layer_mask_mods: a list or tuple of ``num_layers`` entries, a mask_mod or None
+        (full attention) per layer, e.g. ``[jaxpos.SlidingWindowMask(128), None] *
+        (num_layers // 2)`` for the alternating sliding / full layers of GPT-OSS and
+        Gemma 2 (Hugging Face ``layer_types``). Exclusive with ``mask_mod``.
       dtype: compute dtype (logits are float32); param_dtype: parameter dtype.
       rngs: :class:`flax.nnx.Rngs` (``params`` stream).
 
@@ -1310,7 +1420,9 @@ class DecoderLM(DecoderCore, _Stack):
     Raises:
       ValueError: unknown ``position`` (a registered scheme without ``from_params`` is
         named), ``"learned"`` without ``max_len``, sizes that do not divide, options the
-        scheme rejects. TypeError: non-int sizes.
+        scheme rejects, ``layer_mask_mods`` of a length other than ``num_layers`` or
+        given with ``mask_mod``. TypeError: non-int sizes, a non-bool ``sinks``, a
+        ``mask_mod`` or ``layer_mask_mods`` entry that is neither callable nor None.
     """
 
     _causal = True
@@ -1320,20 +1432,23 @@ class DecoderLM(DecoderCore, _Stack):
                  mlp_dim: int | None = None, max_len: int | None = None,
                  rope_base: float = 10000.0, t5_num_buckets: int = 32, t5_max_distance: int = 128,
                  shaw_max_distance: int = 16, scheme_options: dict | None = None,
-                 implementation: str | None = None, dtype=jnp.float32, param_dtype=jnp.float32,
+                 implementation: str | None = None, sinks: bool = False, mask_mod=None,
+                 layer_mask_mods=None, dtype=jnp.float32, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
         super().__init__(vocab_size, d_model=d_model, num_layers=num_layers, num_heads=num_heads,
                          position=position, num_kv_heads=num_kv_heads, mlp_dim=mlp_dim,
                          max_len=max_len, rope_base=rope_base, t5_num_buckets=t5_num_buckets,
                          t5_max_distance=t5_max_distance, shaw_max_distance=shaw_max_distance,
                          scheme_options=scheme_options, implementation=implementation,
+                         sinks=sinks, mask_mod=mask_mod, layer_mask_mods=layer_mask_mods,
                          dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
 
 class Encoder(EncoderCore, _Stack):
     """A bidirectional encoder stack (no causal mask) with any position scheme.
 
-    Arguments as :class:`DecoderLM` (default ``position="nope"``); relative schemes use
+    Arguments as :class:`DecoderLM` (default ``position="nope"``; ``sinks``, ``mask_mod``
+    and ``layer_mask_mods`` too, e.g. ``jaxpos.PrefixLMMask(n)``); relative schemes use
     their bidirectional forms (ALiBi ``-m|i - j|``, T5's two-sided buckets; a scheme that
     needs a causal mask, such as FoX, raises ``ValueError``). There is no output head: the
     call returns the final-normalised hidden states.
@@ -1352,11 +1467,13 @@ class Encoder(EncoderCore, _Stack):
                  mlp_dim: int | None = None, max_len: int | None = None,
                  rope_base: float = 10000.0, t5_num_buckets: int = 32, t5_max_distance: int = 128,
                  shaw_max_distance: int = 16, scheme_options: dict | None = None,
-                 implementation: str | None = None, dtype=jnp.float32, param_dtype=jnp.float32,
+                 implementation: str | None = None, sinks: bool = False, mask_mod=None,
+                 layer_mask_mods=None, dtype=jnp.float32, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
         super().__init__(vocab_size, d_model=d_model, num_layers=num_layers, num_heads=num_heads,
                          position=position, num_kv_heads=num_kv_heads, mlp_dim=mlp_dim,
                          max_len=max_len, rope_base=rope_base, t5_num_buckets=t5_num_buckets,
                          t5_max_distance=t5_max_distance, shaw_max_distance=shaw_max_distance,
                          scheme_options=scheme_options, implementation=implementation,
+                         sinks=sinks, mask_mod=mask_mod, layer_mask_mods=layer_mask_mods,
                          dtype=dtype, param_dtype=param_dtype, rngs=rngs)
