@@ -157,16 +157,18 @@ def test_gradient_reaches_sinks(implementation):
 
 @pytest.mark.parametrize("position", ["nope", "rope"])
 def test_kv_cache_decoding_with_window_and_sinks_equals_full_pass(position):
-    mha = make_mha(position=position, sinks=True, mask_mod=jaxpos.SlidingWindowMask(WINDOW))
+    mha = make_mha(position=position, sinks=True, mask_mod=jaxpos.SlidingWindowMask(WINDOW),
+                   implementation="reference")
     set_sinks(mha, SINK_VALUES)
     x = inputs(4)
     full = np.asarray(mha(x))
     cache = mha.init_cache(B, T)
+    decode = nnx.jit(lambda m, xt, c: m.decode(xt, c))   # positions from the fill counts
     outs = []
-    y, cache = mha.decode(x[:, :2], cache)       # a two-token prefill, then one at a time
+    y, cache = decode(mha, x[:, :2], cache)      # a two-token prefill, then one at a time
     outs.append(y)
     for t in range(2, T):
-        y, cache = mha.decode(x[:, t:t + 1], cache)
+        y, cache = decode(mha, x[:, t:t + 1], cache)
         outs.append(y)
     np.testing.assert_allclose(np.concatenate(outs, axis=1), full, rtol=1e-5, atol=1e-5)
     # The window bites while decoding: a layer without it differs at the last step.
@@ -178,7 +180,7 @@ def test_kv_cache_decoding_with_window_and_sinks_equals_full_pass(position):
 def test_decoder_lm_decode_step_with_layer_mask_mods_equals_full_pass():
     model = jn.DecoderLM(V, d_model=D, num_layers=2, num_heads=N, num_kv_heads=NK,
                          sinks=True, layer_mask_mods=[jaxpos.SlidingWindowMask(WINDOW), None],
-                         rngs=nnx.Rngs(0))
+                         implementation="reference", rngs=nnx.Rngs(0))
     for i, block in enumerate(model.blocks):
         set_sinks(block.attn, SINK_VALUES * (i + 1))
     assert model.blocks[0].attn.mask_mod == jaxpos.SlidingWindowMask(WINDOW)
@@ -186,9 +188,10 @@ def test_decoder_lm_decode_step_with_layer_mask_mods_equals_full_pass():
     tokens = jax.random.randint(jax.random.key(5), (B, T), 0, V)
     full = np.asarray(model(tokens))
     cache = model.init_cache(B, T)
+    step = nnx.jit(lambda m, tok, c: m.decode_step(tok, c))
     steps = []
     for t in range(T):
-        lg, cache = model.decode_step(tokens[:, t:t + 1], cache)
+        lg, cache = step(model, tokens[:, t:t + 1], cache)
         steps.append(lg)
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=1e-4, atol=1e-4)
 
