@@ -634,6 +634,83 @@ def _check_sinks(sinks, N):
     return jnp.asarray(sinks)
 
 
+def _check_causal(causal) -> bool:
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(
+            f"causal must be a Python bool (it selects the computation, so it is static: under "
+            f"jax.jit pass static_argnames=('causal',)); got {type(causal).__name__}.")
+    return bool(causal)
+
+
+def _check_scheme(position, q, v, causal: bool) -> PositionScheme:
+    """The call's scheme, checked against q's heads (with a layout hint), ``causal`` and
+    v's width (a value term adds vectors of q's head_dim)."""
+    scheme = as_scheme(position)
+    N, H = q.shape[2], q.shape[3]
+    try:
+        scheme.check(N, H)
+    except ValueError as e:
+        hint = ""
+        try:
+            scheme.check(q.shape[1], H)
+            hint = _layout_hint(q, heads=q.shape[1])
+        except ValueError:
+            pass
+        if hint:
+            raise ValueError(f"{e}{hint}") from None
+        raise
+    scheme.check_causal(causal)
+    if scheme.has_value_term and v.shape[-1] != H:
+        raise ValueError(f"v must have head_dim {H}: {type(scheme).__name__}'s value term adds "
+                         f"vectors of width {H} to the output; got v {v.shape}.")
+    return scheme
+
+
+def _segment_pair(segment_ids, kv_segment_ids, B, Tq, Tk):
+    """int32 ``[B, Tq]``, ``[B, Tk]`` segment ids (or None, None); ``kv_segment_ids``
+    defaults to ``segment_ids`` when the lengths agree."""
+    if kv_segment_ids is None and segment_ids is not None:
+        if Tq != Tk:
+            raise ValueError(f"kv_segment_ids is required when Tq != Tk ({Tq} vs {Tk}).")
+        kv_segment_ids = segment_ids
+    if (segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("segment_ids and kv_segment_ids must be given together; got only "
+                         + ("segment_ids." if kv_segment_ids is None else "kv_segment_ids."))
+    return (_segments("segment_ids", segment_ids, B, Tq),
+            _segments("kv_segment_ids", kv_segment_ids, B, Tk))
+
+
+def _check_blocks(block_q, block_k) -> None:
+    for name, blk in (("block_q", block_q), ("block_k", block_k)):
+        if blk is not None:
+            _checks.check_positive_int(name, blk)
+
+
+def _check_scale(scale, H):
+    """``scale`` (default ``1/sqrt(H)``): a real scalar."""
+    if scale is None:
+        return 1.0 / math.sqrt(H)
+    if isinstance(scale, (str, bytes)) or (
+            hasattr(scale, "dtype") and not jnp.issubdtype(scale.dtype, jnp.number)):
+        raise TypeError(f"scale must be a real number (default 1/sqrt(head_dim)); got "
+                        f"{type(scale).__name__} {scale!r}.")
+    if np.ndim(scale) != 0:
+        raise ValueError(f"scale must be a scalar (one factor for every score); got shape "
+                         f"{np.shape(scale)}.")
+    return scale
+
+
+def _check_mods(scheme: PositionScheme, score_mod, mask_mod):
+    """The scheme's score_mod composed with the user's; both mods traced once at a small
+    tile, so a bad return shape or dtype is reported at the call whatever the
+    implementation."""
+    all_score_mods = compose_score_mods(scheme.score_mod(), score_mod)
+    for fn, kind in ((all_score_mods, "score"), (mask_mod, "mask")):
+        if fn is not None:
+            convert_mod(fn, kind, 2, 3)
+    return all_score_mods
+
+
 def attention(
     q,
     k,
@@ -707,28 +784,8 @@ def attention(
       other lengths or blocks, sinks of the wrong shape.
     """
     B, Tq, Tk, N, Nk, H = _check_inputs(q, k, v)
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(
-            f"causal must be a Python bool (it selects the computation, so it is static: under "
-            f"jax.jit pass static_argnames=('causal',)); got {type(causal).__name__}.")
-    causal = bool(causal)
-    scheme = as_scheme(position)
-    try:
-        scheme.check(N, H)
-    except ValueError as e:
-        hint = ""
-        try:
-            scheme.check(q.shape[1], H)
-            hint = _layout_hint(q, heads=q.shape[1])
-        except ValueError:
-            pass
-        if hint:
-            raise ValueError(f"{e}{hint}") from None
-        raise
-    scheme.check_causal(causal)
-    if scheme.has_value_term and v.shape[-1] != H:
-        raise ValueError(f"v must have head_dim {H}: {type(scheme).__name__}'s value term adds "
-                         f"vectors of width {H} to the output; got v {v.shape}.")
+    causal = _check_causal(causal)
+    scheme = _check_scheme(position, q, v, causal)
     explicit = implementation is not None
     _checks.check_choice("implementation", implementation, ALL_IMPLEMENTATIONS + (None,))
     dq_pos, dkv_pos = default_positions(B, Tq, Tk)
@@ -742,19 +799,9 @@ def attention(
         shp = _checks.shape_of(given) if given is not None else ()
         hint = _layout_hint(q, seq=shp[-1]) if shp else ""
         raise ValueError(f"{e}{hint}") from None
-    if kv_segment_ids is None and segment_ids is not None:
-        if Tq != Tk:
-            raise ValueError(f"kv_segment_ids is required when Tq != Tk ({Tq} vs {Tk}).")
-        kv_segment_ids = segment_ids
-    if (segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError("segment_ids and kv_segment_ids must be given together; got only "
-                         + ("segment_ids." if kv_segment_ids is None else "kv_segment_ids."))
-    seg_q = _segments("segment_ids", segment_ids, B, Tq)
-    seg_kv = _segments("kv_segment_ids", kv_segment_ids, B, Tk)
+    seg_q, seg_kv = _segment_pair(segment_ids, kv_segment_ids, B, Tq, Tk)
     mask4 = _normalize_mask(mask, B, N, Tq, Tk)
-    for name, blk in (("block_q", block_q), ("block_k", block_k)):
-        if blk is not None:
-            _checks.check_positive_int(name, blk)
+    _check_blocks(block_q, block_k)
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a jaxpos.BlockMask (from "
@@ -766,26 +813,13 @@ def attention(
         mask_mod = block_mask.mask_mod
         block_q, block_k = block_mask.block_q, block_mask.block_k
     sinks = _check_sinks(sinks, N)
-    if scale is None:
-        scale = 1.0 / math.sqrt(H)
-    elif isinstance(scale, (str, bytes)) or (
-            hasattr(scale, "dtype") and not jnp.issubdtype(scale.dtype, jnp.number)):
-        raise TypeError(f"scale must be a real number (default 1/sqrt(head_dim)); got "
-                        f"{type(scale).__name__} {scale!r}.")
-    elif np.ndim(scale) != 0:
-        raise ValueError(f"scale must be a scalar (one factor for every score); got shape "
-                         f"{np.shape(scale)}.")
+    scale = _check_scale(scale, H)
     if not explicit:
         implementation = default_implementation(scheme, score_mod=score_mod, mask_mod=mask_mod,
                                                 q_len=Tq, kv_len=Tk, num_heads=N, batch=B)
         if implementation == "xla" and (mask4 is not None or v.shape[-1] != H):
             implementation = "chunked"  # what jax.nn.dot_product_attention cannot take
-    all_score_mods = compose_score_mods(scheme.score_mod(), score_mod)
-    # Trace the mods once here, at a small tile, so a bad return shape or dtype is reported
-    # at the call whatever the implementation.
-    for fn, kind in ((all_score_mods, "score"), (mask_mod, "mask")):
-        if fn is not None:
-            convert_mod(fn, kind, 2, 3)
+    all_score_mods = _check_mods(scheme, score_mod, mask_mod)
     if Tq == 0 or Tk == 0:  # nothing to attend from, or no visible key: zeros
         return jnp.zeros((B, Tq, N, v.shape[-1]), q.dtype)
 

@@ -45,7 +45,6 @@ See docs/parallel.md for when to use the batch, head, all-gather and ring layout
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -58,7 +57,12 @@ from jaxpos.attention import (
     _BLOCK_Q,
     _SKIP,
     _Cfg,
+    _check_blocks,
+    _check_causal,
     _check_inputs,
+    _check_mods,
+    _check_scale,
+    _check_scheme,
     _check_sinks,
     _chunk_inputs,
     _chunked_backward,
@@ -67,7 +71,7 @@ from jaxpos.attention import (
     _Masking,
     _match_vma,
     _merge_terms,
-    _segments,
+    _segment_pair,
     _split_terms,
     _tile_kind,
     _unblocks,
@@ -75,8 +79,7 @@ from jaxpos.attention import (
     _zero_cotangent,
     sink_gradient,
 )
-from jaxpos.mods import compose_score_mods, convert_mod
-from jaxpos.scheme import PositionScheme, as_scheme
+from jaxpos.scheme import PositionScheme
 
 __all__ = ["from_zigzag", "ring_attention", "shard_map", "to_zigzag", "zigzag_permutation"]
 
@@ -216,19 +219,6 @@ def _ring_size(axis_name) -> int:
             f"an axis of its mesh (the sequence sharded over it); the axis is not bound here. "
             f"Wrap the call: jaxpos.parallel.shard_map(f, mesh=mesh, in_specs=..., "
             f"out_specs=...).") from None
-
-
-def _check_scale(scale, H):
-    if scale is None:
-        return 1.0 / math.sqrt(H)
-    if isinstance(scale, (str, bytes)) or (
-            hasattr(scale, "dtype") and not jnp.issubdtype(scale.dtype, jnp.number)):
-        raise TypeError(f"scale must be a real number (default 1/sqrt(head_dim)); got "
-                        f"{type(scale).__name__} {scale!r}.")
-    if np.ndim(scale) != 0:
-        raise ValueError(f"scale must be a scalar (one factor for every score); got shape "
-                         f"{np.shape(scale)}.")
-    return scale
 
 
 def _local_positions(name, positions, B, T, what):
@@ -519,9 +509,7 @@ def ring_attention(
     """
     P = _ring_size(axis_name)
     B, Tq, Tk, N, Nk, H = _check_inputs(q, k, v)
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a Python bool (static); got {type(causal).__name__}.")
-    causal = bool(causal)
+    causal = _check_causal(causal)
     if implementation is None:
         implementation = "chunked"
     if implementation == "pallas":
@@ -530,33 +518,14 @@ def ring_attention(
             "block's output by its log-sum-exp, which jaxpos.kernels does not return; use "
             "implementation='chunked' (the default) or 'reference'.")
     _checks.check_choice("implementation", implementation, RING_IMPLEMENTATIONS)
-    scheme = as_scheme(position)
-    scheme.check(N, H)
-    scheme.check_causal(causal)
-    if scheme.has_value_term and v.shape[-1] != H:
-        raise ValueError(f"v must have head_dim {H}: {type(scheme).__name__}'s value term adds "
-                         f"vectors of width {H} to the output; got v {v.shape}.")
+    scheme = _check_scheme(position, q, v, causal)
     q_pos = _local_positions("q_positions", q_positions, B, Tq, "q")
     kv_pos = _local_positions("kv_positions", kv_positions, B, Tk, "k/v")
-    if kv_segment_ids is None and segment_ids is not None:
-        if Tq != Tk:
-            raise ValueError(f"kv_segment_ids is required when the local Tq != Tk ({Tq} vs "
-                             f"{Tk}).")
-        kv_segment_ids = segment_ids
-    if (segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError("segment_ids and kv_segment_ids must be given together; got only "
-                         + ("segment_ids." if kv_segment_ids is None else "kv_segment_ids."))
-    seg_q = _segments("segment_ids", segment_ids, B, Tq)
-    seg_kv = _segments("kv_segment_ids", kv_segment_ids, B, Tk)
+    seg_q, seg_kv = _segment_pair(segment_ids, kv_segment_ids, B, Tq, Tk)
     sinks = _check_sinks(sinks, N)
     scale = _check_scale(scale, H)
-    for name, blk in (("block_q", block_q), ("block_k", block_k)):
-        if blk is not None:
-            _checks.check_positive_int(name, blk)
-    all_score_mods = compose_score_mods(scheme.score_mod(), score_mod)
-    for fn, kind in ((all_score_mods, "score"), (mask_mod, "mask")):
-        if fn is not None:  # a bad return shape or dtype is reported here
-            convert_mod(fn, kind, 2, 3)
+    _check_blocks(block_q, block_k)
+    all_score_mods = _check_mods(scheme, score_mod, mask_mod)
     if Tq == 0 or Tk == 0:
         return jnp.zeros((B, Tq, N, v.shape[-1]), q.dtype)
 
