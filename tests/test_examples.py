@@ -203,8 +203,9 @@ def _assert_packed_equals_separate(lg, model, *, P, L):
     return x
 
 
-@pytest.mark.parametrize("name", ["kerple_log", "kerple_power", "fire", "sandwich", "xpos",
-                                  "fox"])
+@pytest.mark.parametrize("name", ["kerple_log"] + [  # one in the default run, all in CI's slow run
+    pytest.param(n, marks=pytest.mark.slow)
+    for n in ("kerple_power", "fire", "sandwich", "xpos", "fox")])
 def test_registered_scheme_rows_evaluate_and_train(lg, name):
     """The main job's KERPLE, FIRE, Sandwich, xPos and FoX rows (DecoderLM from the scheme
     registry): packed evaluation equals separate windows, except FoX, whose gates are

@@ -95,6 +95,7 @@ def test_attention_matches_float64(impl):
     np.testing.assert_allclose(np.asarray(out), want, atol=3e-5)
 
 
+@pytest.mark.slow  # FIRE's per-score MLP is the costliest score_mod to compile on CPU
 @pytest.mark.parametrize("impl", IMPLS[1:])  # each compares with the reference
 def test_implementations_agree_forward_and_gradients(impl):
     q, k, v = qkv(2, T=12, N=N, H=8)
@@ -104,6 +105,7 @@ def test_implementations_agree_forward_and_gradients(impl):
     assert_impl_agrees(impl, make, p, q, k, v, causal=True)
 
 
+@pytest.mark.slow
 def test_translation_invariant_only_below_the_threshold():
     q, k, v = qkv(3, T=6, Tk=10, N=N)
     # every query position stays <= L = 1000 before and after the shift: invariant
