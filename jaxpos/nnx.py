@@ -1328,11 +1328,13 @@ class _Stack(nnx.Module):
     _causal = True
 
     def __init__(self, vocab_size: int, *, d_model: int, num_layers: int, num_heads: int,
-                 position: str, num_kv_heads: int | None, mlp_dim: int | None,
-                 max_len: int | None, rope_base: float, t5_num_buckets: int, t5_max_distance: int,
-                 shaw_max_distance: int, scheme_options: dict | None,
-                 implementation: str | None, sinks: bool, mask_mod, layer_mask_mods,
-                 dtype, param_dtype, rngs: nnx.Rngs):
+                 position: str, num_kv_heads: int | None = None, mlp_dim: int | None = None,
+                 max_len: int | None = None, rope_base: float = 10000.0,
+                 t5_num_buckets: int = 32, t5_max_distance: int = 128,
+                 shaw_max_distance: int = 16, scheme_options: dict | None = None,
+                 implementation: str | None = None, sinks: bool = False, mask_mod=None,
+                 layer_mask_mods=None, dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         self.vocab_size = _checks.check_positive_int("vocab_size", vocab_size)
         d_model, num_heads, num_kv_heads, head_dim = attention_dims(d_model, num_heads,
                                                                     num_kv_heads, None)
@@ -1427,21 +1429,10 @@ class DecoderLM(DecoderCore, _Stack):
 
     _causal = True
 
-    def __init__(self, vocab_size: int, *, d_model: int, num_layers: int, num_heads: int,
-                 position: str = "rope", num_kv_heads: int | None = None,
-                 mlp_dim: int | None = None, max_len: int | None = None,
-                 rope_base: float = 10000.0, t5_num_buckets: int = 32, t5_max_distance: int = 128,
-                 shaw_max_distance: int = 16, scheme_options: dict | None = None,
-                 implementation: str | None = None, sinks: bool = False, mask_mod=None,
-                 layer_mask_mods=None, dtype=jnp.float32, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
-        super().__init__(vocab_size, d_model=d_model, num_layers=num_layers, num_heads=num_heads,
-                         position=position, num_kv_heads=num_kv_heads, mlp_dim=mlp_dim,
-                         max_len=max_len, rope_base=rope_base, t5_num_buckets=t5_num_buckets,
-                         t5_max_distance=t5_max_distance, shaw_max_distance=shaw_max_distance,
-                         scheme_options=scheme_options, implementation=implementation,
-                         sinks=sinks, mask_mod=mask_mod, layer_mask_mods=layer_mask_mods,
-                         dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    def __init__(self, vocab_size: int, *, position: str = "rope", **kwargs):
+        """Arguments as the class docstring says (the other keywords and their defaults
+        are those of the shared stack constructor)."""
+        super().__init__(vocab_size, position=position, **kwargs)
 
 
 class Encoder(EncoderCore, _Stack):
@@ -1462,18 +1453,7 @@ class Encoder(EncoderCore, _Stack):
 
     _causal = False
 
-    def __init__(self, vocab_size: int, *, d_model: int, num_layers: int, num_heads: int,
-                 position: str = "nope", num_kv_heads: int | None = None,
-                 mlp_dim: int | None = None, max_len: int | None = None,
-                 rope_base: float = 10000.0, t5_num_buckets: int = 32, t5_max_distance: int = 128,
-                 shaw_max_distance: int = 16, scheme_options: dict | None = None,
-                 implementation: str | None = None, sinks: bool = False, mask_mod=None,
-                 layer_mask_mods=None, dtype=jnp.float32, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
-        super().__init__(vocab_size, d_model=d_model, num_layers=num_layers, num_heads=num_heads,
-                         position=position, num_kv_heads=num_kv_heads, mlp_dim=mlp_dim,
-                         max_len=max_len, rope_base=rope_base, t5_num_buckets=t5_num_buckets,
-                         t5_max_distance=t5_max_distance, shaw_max_distance=shaw_max_distance,
-                         scheme_options=scheme_options, implementation=implementation,
-                         sinks=sinks, mask_mod=mask_mod, layer_mask_mods=layer_mask_mods,
-                         dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    def __init__(self, vocab_size: int, *, position: str = "nope", **kwargs):
+        """Arguments as the class docstring says (the other keywords and their defaults
+        are those of the shared stack constructor)."""
+        super().__init__(vocab_size, position=position, **kwargs)
