@@ -399,7 +399,30 @@ class ShawRelativePosition(_PositionBase):
 
 # ================================================================== attention
 
-class MultiHeadAttention(AttentionCore, nn.Module):
+class _AttentionFields(nn.Module):
+    """The fields :class:`MultiHeadAttention` and :class:`TransformerBlock` share (the
+    arguments of their NNX twins)."""
+
+    d_model: int
+    num_heads: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    position: Any = "nope"
+    causal: bool = False
+    rotary_dim: int | None = None
+    rope_base: float = 10000.0
+    num_buckets: int = 32
+    max_distance: int | None = None
+    scale: float | None = None
+    implementation: str | None = None
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    scheme_options: Any = None
+    sinks: bool = False
+    mask_mod: Any = None
+
+
+class MultiHeadAttention(AttentionCore, _AttentionFields):
     """Linen twin of :class:`jaxpos.nnx.MultiHeadAttention`: grouped-query self- or
     cross-attention with any registered position scheme over :func:`jaxpos.attention`.
 
@@ -422,24 +445,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
     parameters. Raises as the NNX twin.
     """
 
-    d_model: int
-    num_heads: int
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    position: Any = "nope"
-    causal: bool = False
-    rotary_dim: int | None = None
-    rope_base: float = 10000.0
-    num_buckets: int = 32
-    max_distance: int | None = None
-    scale: float | None = None
-    implementation: str | None = None
     use_bias: bool = False
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
-    scheme_options: Any = None
-    sinks: bool = False
-    mask_mod: Any = None
 
     def _dims(self):
         return attention_dims(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim)
@@ -481,29 +487,12 @@ class MultiHeadAttention(AttentionCore, nn.Module):
 
 # ================================================================== blocks and stacks
 
-class TransformerBlock(BlockCore, nn.Module):
+class TransformerBlock(BlockCore, _AttentionFields):
     """Linen twin of :class:`jaxpos.nnx.TransformerBlock` (pre-LN, RMSNorm, GELU MLP).
     Fields as :class:`MultiHeadAttention` (``sinks``, ``mask_mod`` included) plus
     ``mlp_dim`` (default ``4 * d_model``)."""
 
-    d_model: int
-    num_heads: int
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
     mlp_dim: int | None = None
-    position: Any = "nope"
-    causal: bool = False
-    rotary_dim: int | None = None
-    rope_base: float = 10000.0
-    num_buckets: int = 32
-    max_distance: int | None = None
-    scale: float | None = None
-    implementation: str | None = None
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
-    scheme_options: Any = None
-    sinks: bool = False
-    mask_mod: Any = None
 
     def setup(self):
         D = _checks.check_positive_int("d_model", self.d_model)
