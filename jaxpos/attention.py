@@ -167,6 +167,9 @@ def _reference(terms: _Terms, qs, k, v, m: _Masking, causal: bool, sinks):
     s = _scores(terms, qs, k, m.q_pos, m.kv_pos)
     vis = _visible(causal, m.q_pos, m.kv_pos, m.kv_valid, m.mask, m.seg_q, m.seg_kv,
                    terms.mask, s.shape[:2])
+    # A score_mod may hide a pair with -inf: such a pair is hidden like a masked one (a row
+    # hidden everywhere gives zeros, as in the tiled implementations, not 0/0).
+    vis = s != -jnp.inf if vis is None else vis & (s != -jnp.inf)
     if vis is not None:
         vis = jnp.broadcast_to(vis, s.shape)
         # A finite fill keeps fully masked rows NaN-free in both passes; they are zeroed.
@@ -769,8 +772,9 @@ def attention(
         (``jax.nn.dot_product_attention`` on the transformed q and k, with the score term
         materialised as a dense bias: cuDNN on NVIDIA GPUs), or ``None`` for
         :func:`default_implementation`.
-      block_q, block_k: tile sizes for ``"chunked"`` (default 256 x 256) and ``"pallas"``
-        (the kernel's defaults). Any positive size works; T need not be a multiple.
+      block_q, block_k: tile sizes for ``"chunked"`` (default 256 x 256; any positive size)
+        and ``"pallas"`` (the kernel's 128 x 128 defaults; powers of two). T need not be a
+        multiple.
 
     Returns:
       ``[B, Tq, N, H_v]`` in q's dtype (softmax and accumulation in float32). A query with
@@ -806,7 +810,7 @@ def attention(
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a jaxpos.BlockMask (from "
                             f"jaxpos.create_block_mask); got {type(block_mask).__name__}.")
-        block_mask.check(B, N, Tq, Tk, block_q, block_k)
+        block_mask.check(B, N, Tq, Tk, block_q, block_k, q_positions=q_pos, kv_positions=kv_pos)
         if mask_mod is not None and mask_mod is not block_mask.mask_mod:
             raise ValueError("mask_mod differs from block_mask.mask_mod; pass one of them (the "
                              "block mask carries its mask_mod).")
@@ -817,10 +821,17 @@ def attention(
     if not explicit:
         implementation = default_implementation(scheme, score_mod=score_mod, mask_mod=mask_mod,
                                                 q_len=Tq, kv_len=Tk, num_heads=N, batch=B)
-        if implementation == "xla" and (mask4 is not None or v.shape[-1] != H):
-            implementation = "chunked"  # what jax.nn.dot_product_attention cannot take
+        cannot = mask4 is not None or not (q.dtype == k.dtype == v.dtype) or not \
+            _checks.is_concrete(scale) or (implementation == "xla" and v.shape[-1] != H)
+        if implementation in ("xla", "pallas") and cannot:
+            implementation = "chunked"  # what the kernel / dot_product_attention cannot take
     all_score_mods = _check_mods(scheme, score_mod, mask_mod)
-    if Tq == 0 or Tk == 0:  # nothing to attend from, or no visible key: zeros
+    if implementation in ("xla", "pallas") and not _checks.is_concrete(scale):
+        raise TypeError(f"implementation={implementation!r} needs a static scale (a Python or "
+                        f"concrete number: it is compiled into the kernel); got a traced "
+                        f"scale. Use implementation='chunked' or 'reference' to differentiate "
+                        f"or trace the scale.")
+    if B == 0 or Tq == 0 or Tk == 0:  # nothing to attend from, or no visible key: zeros
         return jnp.zeros((B, Tq, N, v.shape[-1]), q.dtype)
 
     q, k = scheme.transform_qk(q, k, q_pos, kv_pos)
@@ -833,11 +844,14 @@ def attention(
             f"content bias or value term depends on the query content or the weights); use "
             f"implementation='chunked' or 'reference'.")
     if implementation == "xla":
-        if mask4 is not None or v.shape[-1] != H:
+        if mask4 is not None:
             raise ValueError(
-                "implementation='xla' (jax.nn.dot_product_attention) takes neither a boolean "
-                "mask array nor a value head_dim other than q's; express the mask as a "
-                "mask_mod, or use implementation='chunked'.")
+                "implementation='xla' (jax.nn.dot_product_attention) does not take a boolean "
+                "mask array; express the mask as a mask_mod, or use implementation='chunked'.")
+        if v.shape[-1] != H:
+            raise ValueError(
+                f"implementation='xla' (jax.nn.dot_product_attention) needs v's head_dim to "
+                f"equal q's ({H}); got v {v.shape}. Use implementation='chunked'.")
         from jaxpos.kernels import attention_via_xla
 
         return attention_via_xla(q, k, v, score_mod=all_score_mods, mask_mod=mask_mod,

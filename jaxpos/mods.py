@@ -286,10 +286,12 @@ class BlockMask:
       rest filled with the last one (so every entry is a valid tile);
     * ``q_num_blocks``, ``q_indices``: the same per key tile over query tiles
       ``[B|1, N|1, nk]``, ``[B|1, N|1, nk, nq]`` (for the backward pass);
+    * ``q_positions``, ``kv_positions``: int32 ``[B|1, T]``, the positions it was built for;
     * static: ``mask_mod``, ``block_q``, ``block_k``, ``q_len``, ``kv_len``.
     """
 
-    _children = ("kinds", "kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices")
+    _children = ("kinds", "kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices",
+                 "q_positions", "kv_positions")
     _static = ("mask_mod", "block_q", "block_k", "q_len", "kv_len")
 
     def __init__(self, **fields):
@@ -308,8 +310,12 @@ class BlockMask:
         """Fraction of tiles that are empty (a concrete float)."""
         return float(np.mean(np.asarray(self.kinds) == EMPTY))
 
-    def check(self, B: int, N: int, Tq: int, Tk: int, block_q: int | None, block_k: int | None):
-        """Raise ``ValueError`` unless the mask was built for these lengths and blocks."""
+    def check(self, B: int, N: int, Tq: int, Tk: int, block_q: int | None, block_k: int | None,
+              q_positions=None, kv_positions=None):
+        """Raise ``ValueError`` unless the mask was built for these lengths, blocks and (when
+        both are concrete) positions. Under ``jit`` positions are traced and cannot be
+        compared: building the mask from the call's own positions is then the caller's
+        part."""
         if (self.q_len, self.kv_len) != (Tq, Tk):
             raise ValueError(f"block_mask was built for lengths (Tq, Tk) = ({self.q_len}, "
                              f"{self.kv_len}); the attention call has ({Tq}, {Tk}). Build it "
@@ -319,6 +325,18 @@ class BlockMask:
                 raise ValueError(f"{name}={got} differs from the block mask's {name}={own}; "
                                  f"omit {name} (the block mask's tiles are used) or rebuild the "
                                  f"block mask with {name}={got}.")
+        for name, got, own in (("q_positions", q_positions, self.q_positions),
+                               ("kv_positions", kv_positions, self.kv_positions)):
+            if got is None or not (_checks.is_concrete(got) and _checks.is_concrete(own)):
+                continue
+            g, o = np.asarray(got), np.asarray(own)
+            if not np.array_equal(np.broadcast_to(g, np.broadcast_shapes(g.shape, o.shape)),
+                                  np.broadcast_to(o, np.broadcast_shapes(g.shape, o.shape))):
+                raise ValueError(f"block_mask was built for other {name} than the call's (e.g. "
+                                 f"{o.ravel()[:4].tolist()}... against "
+                                 f"{g.ravel()[:4].tolist()}...): its tile kinds would be wrong. "
+                                 f"Build it with the call's positions (when decoding, the "
+                                 f"positions of the new tokens and of the cache).")
         b, n = self.kinds.shape[:2]
         if b not in (1, B) or n not in (1, N):
             raise ValueError(f"block_mask was built for batch_size={b}, num_heads={n}; the call "
@@ -336,6 +354,13 @@ jax.tree_util.register_pytree_node(
     lambda aux, ch: BlockMask(**dict(zip(BlockMask._children, ch)),
                               **dict(zip(BlockMask._static, aux))),
 )
+
+
+def _reads(jaxpr, index: int) -> bool:
+    """Whether the jaxpr's input ``index`` reaches any equation or output."""
+    var = jaxpr.invars[index]
+    return any(var is v for eqn in jaxpr.eqns for v in eqn.invars) or any(
+        var is v for v in jaxpr.outvars)
 
 
 def _sorted_live(kinds):
@@ -395,6 +420,12 @@ def create_block_mask(mask_mod: Callable, *, q_positions, kv_positions, block_q:
     bq, bk = block_q, block_k
     nq, nk = -(-Tq // bq), -(-Tk // bk)
     conv = convert_mod(mask_mod, "mask", bq, Tk)
+    for index, what, given, option in ((0, "batch", batch_size, "batch_size"),
+                                       (1, "head", num_heads, "num_heads")):
+        if given is None and (what != "batch" or Bp == 1) and _reads(conv.jaxpr, index):
+            raise ValueError(f"mask_mod reads its {what} argument, but create_block_mask was "
+                             f"not given {option}=: the tiles would be classified for "
+                             f"{what} 0 only. Pass {option}= (the call's).")
     Tq_p, Tk_p = nq * bq, nk * bk
     qp = jnp.pad(qp, ((0, 0), (0, Tq_p - Tq)), mode="edge")
     q_real = jnp.arange(Tq_p) < Tq
@@ -416,7 +447,8 @@ def create_block_mask(mask_mod: Callable, *, q_positions, kv_positions, block_q:
     kv_num, kv_idx = _sorted_live(kinds)
     q_num, q_idx = _sorted_live(jnp.swapaxes(kinds, 2, 3))
     return BlockMask(kinds=kinds, kv_num_blocks=kv_num, kv_indices=kv_idx, q_num_blocks=q_num,
-                     q_indices=q_idx, mask_mod=mask_mod, block_q=bq, block_k=bk, q_len=Tq,
+                     q_indices=q_idx, q_positions=qp[:, :Tq], kv_positions=kp,
+                     mask_mod=mask_mod, block_q=bq, block_k=bk, q_len=Tq,
                      kv_len=Tk)
 
 

@@ -304,3 +304,53 @@ def test_t5_bidirectional_with_causal_is_refused():
     q, k, v = _qkv(0)
     with pytest.raises(ValueError, match=r"bidirectional=True\) with causal=True"):
         jaxpos.attention(q, k, v, position=jaxpos.T5Bias(jnp.zeros((32, N))), causal=True)
+
+
+# ------------------------------------------------ a fresh-user review's silent cases
+def test_block_mask_refuses_a_mask_mod_it_would_classify_for_one_row_only():
+    lens = jnp.array([10, 40])
+    by_row = lambda b, h, qp, kp: kp < lens[b]
+    pos = jnp.arange(40)
+    with pytest.raises(ValueError, match=r"mask_mod reads its batch argument.*batch_size="):
+        jaxpos.create_block_mask(by_row, q_positions=pos, kv_positions=pos, block_q=8, block_k=8)
+    with pytest.raises(ValueError, match=r"mask_mod reads its head argument.*num_heads="):
+        jaxpos.create_block_mask(lambda b, h, qp, kp: kp < 10 * (h + 1), q_positions=pos,
+                                 kv_positions=pos, block_q=8, block_k=8)
+    q, k, v = _qkv(12, T=40)
+    bm = jaxpos.create_block_mask(by_row, q_positions=pos, kv_positions=pos, block_q=8,
+                                  block_k=8, batch_size=B)
+    want = _dense64(q, k, v, vis_fn=lambda b, h, i, j: (j <= i) & (j < [10, 40][b]))
+    for impl in ("chunked", "pallas"):
+        out = jaxpos.attention(q, k, v, block_mask=bm, causal=True, implementation=impl)
+        np.testing.assert_allclose(np.asarray(out), want, atol=2e-5)
+
+
+def test_block_mask_built_for_other_positions_is_refused():
+    q, k, v = _qkv(13, T=32)
+    pos = jnp.arange(32)
+    bm = jaxpos.create_block_mask(jaxpos.PrefixLMMask(8), q_positions=pos, kv_positions=pos,
+                                  block_q=8, block_k=8)
+    with pytest.raises(ValueError, match=r"block_mask was built for other q_positions"):
+        jaxpos.attention(q, k, v, block_mask=bm, q_positions=pos + 100, kv_positions=pos + 100,
+                         implementation="chunked")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_row_hidden_by_the_score_mod_gives_zeros(impl):
+    q, k, v = _qkv(14)
+    hide_early = lambda s, b, h, qp, kp: jnp.where(qp >= 5, s, -jnp.inf)
+    out = np.asarray(_attn(impl, q, k, v, score_mod=hide_early))
+    np.testing.assert_array_equal(out[:, :5], 0.0)
+    want = _dense64(q, k, v, vis_fn=lambda b, h, i, j: np.broadcast_to(i >= 5, (T, T)))
+    np.testing.assert_allclose(out, want, atol=2e-5)
+
+
+def test_traced_scale_and_empty_batch():
+    q, k, v = _qkv(15)
+    with pytest.raises(TypeError, match=r"implementation='pallas' needs a static scale"):
+        jax.jit(lambda s: jaxpos.attention(q, k, v, scale=s, implementation="pallas"))(0.5)
+    traced = jax.jit(lambda s: jaxpos.attention(q, k, v, scale=s, implementation="chunked"))
+    np.testing.assert_allclose(np.asarray(traced(0.5)), np.asarray(jaxpos.attention(
+        q, k, v, scale=0.5, implementation="reference")), atol=2e-5)
+    for impl in IMPLS:
+        assert jaxpos.attention(q[:0], k[:0], v[:0], implementation=impl).shape == (0, T, N, H)
