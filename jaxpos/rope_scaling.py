@@ -408,7 +408,7 @@ def _llama3(s: Llama3Scaling, dim: int, base: float, seq_len):
     with np.errstate(divide="ignore", invalid="ignore"):
         smooth = (_recip(wavelen) * _f32(L) - _f32(s.low_freq_factor)) / _f32(
             s.high_freq_factor - s.low_freq_factor)
-    smoothed = (_f32(1) - smooth) * inv_llama / _f32(s.factor) + smooth * inv_llama
+        smoothed = (_f32(1) - smooth) * inv_llama / _f32(s.factor) + smooth * inv_llama
     medium = ~(wavelen < _f32(high_freq_wavelen)) & ~(wavelen > _f32(low_freq_wavelen))
     return np.where(medium, smoothed, inv_llama).astype(_f32), 1.0
 

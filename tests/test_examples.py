@@ -203,9 +203,9 @@ def _assert_packed_equals_separate(lg, model, *, P, L):
     return x
 
 
-@pytest.mark.parametrize("name", ["kerple_log"] + [  # one in the default run, all in CI's slow run
-    pytest.param(n, marks=pytest.mark.slow)
-    for n in ("kerple_power", "fire", "sandwich", "xpos", "fox")])
+@pytest.mark.slow  # 13-30 s each; the main job's default rows run in the end-to-end test
+@pytest.mark.parametrize("name", ["kerple_log", "kerple_power", "fire", "sandwich", "xpos",
+                                  "fox"])
 def test_registered_scheme_rows_evaluate_and_train(lg, name):
     """The main job's KERPLE, FIRE, Sandwich, xPos and FoX rows (DecoderLM from the scheme
     registry): packed evaluation equals separate windows, except FoX, whose gates are
@@ -244,6 +244,7 @@ def test_registered_scheme_rows_evaluate_and_train(lg, name):
 
 
 # --------------------------------------------------------------------- dog bites man
+@pytest.mark.slow  # a dozen encoders; the same maths is unit-tested in test_attention_properties
 def test_dog_bites_man(tmp_path):
     dbm = _load("dog_bites_man")
     res = dbm.run(seed=0, out=tmp_path)

@@ -49,6 +49,7 @@ def test_nnx_and_linen_encoders_agree(position):
     np.testing.assert_array_equal(got, nnx_model(tokens, mask=mask))
 
 
+@pytest.mark.slow  # Linen decode equals NNX decode also in tests/test_modules_sinks_windows.py
 def test_linen_decode_step_matches_full_forward_and_nnx():
     nnx_model, linen_model = twins("t5")
     params = {"params": jl.params_from_nnx(nnx_model)}

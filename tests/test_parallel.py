@@ -65,10 +65,12 @@ def _check_equal(res):
 
 
 # ------------------------------------------------------------------- 8 CPU devices
+@pytest.mark.slow  # one 8-device subprocess (~25 s) shared by these five tests
 def test_eight_devices(results):
     assert results["num_devices"] == 8
 
 
+@pytest.mark.slow  # one 8-device subprocess (~25 s) shared by these five tests
 def test_ring_equals_single_device(results):
     """Forward and every gradient equal the single-device call (see the worker)."""
     _check_equal(results)
@@ -85,18 +87,21 @@ def test_ring_equals_single_device(results):
         assert results[f"grad_norm/{name}"] > 1.0, name
 
 
+@pytest.mark.slow  # one 8-device subprocess (~25 s) shared by these five tests
 def test_ring_covers_kerple_when_present(results):
     if "kerple" not in next(k for k in results if k.startswith("available/")):
         pytest.skip("jaxpos.kerple not in this checkout")
     assert any(k.startswith("grad/kerple/") for k in results)
 
 
+@pytest.mark.slow  # one 8-device subprocess (~25 s) shared by these five tests
 def test_ring_needs_global_positions(results):
     """Negative control: every device passing a local arange(T / P) gets another answer."""
     for name in ("local_positions/rope_yarn", "local_positions/t5"):
         assert results[name] > 0.1, (name, results[name])
 
 
+@pytest.mark.slow  # one 8-device subprocess (~25 s) shared by these five tests
 def test_ring_skips_hidden_blocks(results):
     """NaN values in the last device's keys/values never reach earlier rows under a causal
     mask: hidden blocks (and tiles) are skipped, not computed and masked."""
