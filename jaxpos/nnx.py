@@ -311,6 +311,45 @@ def stack_options(position: str, *, rope_base, prefixed: dict, scheme_options) -
     return collect_options(rope_base=rope_base, scheme_options=extra)
 
 
+#: Options every attention layer passes (its constructor arguments), read or not.
+NAMED_OPTIONS = ("rotary_dim", "rope_base", "num_buckets", "max_distance")
+
+
+def check_options_read(name: str, options: tuple, params: dict, *, num_heads, head_dim,
+                       d_model, causal, x, dtype) -> None:
+    """Raise ``ValueError`` for a scheme option the scheme never reads (a typo such as
+    ``{"rope_lyout": ...}``, or ``{"layout": ...}`` for RoPE's ``rope_layout``): its
+    ``init_params`` and ``from_params`` run once with a dict that records each key read.
+    The named options of :data:`NAMED_OPTIONS` are exempt (every layer passes them)."""
+    read = set()
+
+    class _Recording(dict):
+        def get(self, key, default=None):
+            read.add(key)
+            return super().get(key, default)
+
+        def __getitem__(self, key):
+            read.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key):
+            read.add(key)
+            return super().__contains__(key)
+
+    cls = REGISTRY[name]
+    given = dict(options)
+    if has_params(cls):
+        cls.init_params(jax.random.PRNGKey(0), num_heads=num_heads, head_dim=head_dim,
+                        d_model=d_model, causal=causal, param_dtype=dtype,
+                        options=_Recording(given))
+    cls.from_params(params, num_heads=num_heads, head_dim=head_dim, causal=causal,
+                    options=_Recording(given), x=x, positions=jnp.zeros((1, 1), jnp.int32))
+    unknown = sorted(set(given) - read - set(NAMED_OPTIONS))
+    if unknown:
+        raise ValueError(f"scheme_options {unknown} are not options of {cls.__name__} "
+                         f"(position={name!r}); it reads {sorted(read)}.")
+
+
 def has_params(cls) -> bool:
     """True when scheme class ``cls`` declares learned parameters (overrides
     :meth:`jaxpos.PositionScheme.init_params`)."""
@@ -749,6 +788,9 @@ class PositionModule(PositionCore, nnx.Module):
     def _validate(self, dtype):
         x = None if self.d_model is None else jnp.zeros((1, 1, self.d_model), dtype)
         scheme = self.scheme(x=x, positions=jnp.zeros((1, 1), jnp.int32))
+        check_options_read(self.position_name, self.options, self._scheme_params(),
+                           num_heads=self.num_heads, head_dim=self.head_dim,
+                           d_model=self.d_model, causal=self.causal, x=x, dtype=dtype)
         scheme.check_causal(self.causal)
         if self.num_heads is not None and self.head_dim is not None:
             scheme.check(self.num_heads, self.head_dim)

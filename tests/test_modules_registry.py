@@ -293,3 +293,18 @@ def test_bad_scheme_options_raise_when_the_layer_is_built(kw, error, words):
         jn.MultiHeadAttention(D, N, rngs=nnx.Rngs(0), **kw)
     with pytest.raises(error, match=pattern):
         jl.MultiHeadAttention(D, N, **kw).init(jax.random.key(0), jnp.ones((1, 3, D)))
+
+
+def test_unknown_scheme_options_are_refused_when_the_model_is_built():
+    """A typo in scheme_options used to be dropped silently (``{"layout": ...}`` for RoPE's
+    ``rope_layout``): every option must be one the scheme reads."""
+    from flax import nnx as _nnx
+
+    from jaxpos.nnx import DecoderLM
+
+    kw = dict(d_model=32, num_layers=1, num_heads=4, rngs=_nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"scheme_options \['layout'\] are not options of RoPE"):
+        DecoderLM(64, position="rope", scheme_options={"layout": "interleaved"}, **kw)
+    with pytest.raises(ValueError, match=r"scheme_options \['num_bucket'\] are not options of T5"):
+        DecoderLM(64, position="t5", scheme_options={"num_bucket": 8}, **kw)
+    DecoderLM(64, position="rope", scheme_options={"rope_layout": "interleaved"}, **kw)
