@@ -182,6 +182,14 @@ class KVCache(NamedTuple):
                        self.next_position + jnp.sum(attention_mask, axis=-1).astype(jnp.int32))
 
 
+def check_head_groups(config) -> None:
+    """``ValueError`` unless ``config.num_attention_heads`` is a multiple of
+    ``config.num_key_value_heads`` (grouped-query attention, Ainslie et al. 2023)."""
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ValueError(f"num_attention_heads ({config.num_attention_heads}) must be a multiple "
+                         f"of num_key_value_heads ({config.num_key_value_heads}).")
+
+
 def check_cache_room(cache: KVCache, T: int) -> None:
     """Raise ``ValueError`` when ``T`` more tokens do not fit (concrete index only)."""
     if _checks.is_concrete(cache.index) and int(cache.index) + T > cache.max_len:

@@ -196,9 +196,7 @@ class LlamaForCausalLM(nnx.Module):
     def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, angle_precision="float32",
                  rngs: nnx.Rngs):
         c = config
-        if c.num_attention_heads % c.num_key_value_heads:
-            raise ValueError(f"num_attention_heads ({c.num_attention_heads}) must be a multiple "
-                             f"of num_key_value_heads ({c.num_key_value_heads}).")
+        common.check_head_groups(c)
         self.config = c
         self.angle_precision = angle_precision
         rope_from_config(c, angle_precision=angle_precision)  # validate the rope settings now
