@@ -11,7 +11,6 @@ are ``cumsum(attention_mask) - 1`` (what ``generate`` passes for left padding).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -21,8 +20,8 @@ import numpy as np
 from flax import nnx
 
 import jaxpos
-from jaxpos.mods import ChunkedAttentionMask, SlidingWindowMask  # noqa: F401 (re-exported)
 from jaxpos import _checks
+from jaxpos.mods import ChunkedAttentionMask, SlidingWindowMask
 
 __all__ = [
     "ChunkedAttentionMask",
