@@ -483,11 +483,8 @@ def _match_vma(g, x):
     """Under ``shard_map``, sum the cotangent ``g`` over the mesh axes it varies over but
     its primal ``x`` does not: the gradient of a replicated input (a scheme table, or keys
     all-gathered for sequence parallelism) is the sum of the per-shard gradients."""
-    extra = tuple(sorted(_varying_axes(g) - _varying_axes(x)))
+    extra = tuple(sorted(varying_axes(g) - varying_axes(x)))
     return jax.lax.psum(g, extra) if extra else g
-
-
-_varying_axes = varying_axes  # (jaxpos.mods) the mesh axes an array varies over
 
 
 def _zero_cotangent(x):

@@ -52,7 +52,7 @@ from jaxpos.kernels import schedule as sched_lib
 from jaxpos.kernels._util import match_vma, pad_axis, pow2_at_least, varying_axes, zero_cotangent
 
 from jaxpos import _checks
-from jaxpos.mods import BlockMask, convert_mod
+from jaxpos.mods import BlockMask, cast_varying, convert_mod
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "kernel_attention"]
 
@@ -320,14 +320,6 @@ def _dkv_kernel(*refs, cfg, names, smod, mmod, style):
 
 
 # ------------------------------------------------------------------------ pallas plumbing
-def _cast_varying(x, axes):
-    """``x`` marked as varying over ``axes`` too (``lax.pcast(..., to="varying")``; older
-    JAX: ``lax.pvary``). A no-op on the values: each device keeps its own."""
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(x, tuple(sorted(axes)), to="varying")
-    return jax.lax.pvary(x, tuple(sorted(axes)))
-
-
 def _match_manual_axes(args, out_shape):
     """Make a ``pallas_call`` valid inside ``shard_map`` with ``check_vma=True`` (its
     default): every input must vary over the same manual mesh axes and each output's
@@ -340,7 +332,7 @@ def _match_manual_axes(args, out_shape):
     axes = frozenset().union(*vary)
     if not axes:
         return args, out_shape, axes
-    args = tuple(a if v == axes else _cast_varying(a, axes - v) for a, v in zip(args, vary))
+    args = tuple(a if v == axes else cast_varying(a, axes) for a, v in zip(args, vary))
     params = inspect.signature(jax.ShapeDtypeStruct).parameters
     aval = jax.typeof(args[0])
     mat = getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
