@@ -52,7 +52,7 @@ from jaxpos import _checks
 
 __all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMask", "ChunkedAttentionMask", "ConvertedMod",
            "PrefixLMMask", "SlidingWindowMask", "apply_mod", "compose_score_mods", "convert_mod",
-           "create_block_mask"]
+           "create_block_mask", "offset_score_mod"]
 
 # Tile kinds of a block mask.
 EMPTY, FULL, PARTIAL = 0, 1, 2
@@ -223,6 +223,18 @@ def convert_mod(fn: Callable, kind: str, tq: int, tk: int) -> ConvertedMod:
             raise ValueError(f"mask_mod must return a bool array broadcastable to [tq, tk] = "
                              f"{[tq, tk]}; {_mod_name(fn)} returned shape {list(out_shape.shape)}.")
     return ConvertedMod(closed.jaxpr, closed.consts, kind, _mod_name(fn))
+
+
+def offset_score_mod(offset_bias, radius: int):
+    """``score + offset_bias[head, clip(kv_pos - q_pos, -R, R) + R]`` as a score_mod: a
+    bias that depends on the clipped offset only, gathered from a per-head vector
+    ``offset_bias`` float ``[N, 2R + 1]`` (captured, differentiable; ``R = radius``). T5's
+    bucketed bias is this with ``R = max_distance`` (:meth:`jaxpos.T5Bias.score_mod`)."""
+
+    def offset(score, batch, head, q_pos, kv_pos):
+        return score + offset_bias[head][jnp.clip(kv_pos - q_pos, -radius, radius) + radius]
+
+    return offset
 
 
 def compose_score_mods(*mods: Callable | None) -> Callable | None:

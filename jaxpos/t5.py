@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxpos import _checks
 from jaxpos._checks import relative_offsets
+from jaxpos.mods import offset_score_mod
 from jaxpos.scheme import PositionScheme, register
 
 __all__ = ["T5Bias", "check_bucket_args", "relative_bias_attention", "t5_bias", "t5_bucket"]
@@ -301,10 +302,4 @@ class T5Bias(PositionScheme):
     def score_mod(self):
         """``score + table[bucket(kv_pos - q_pos), head]``, as a gather from
         :meth:`offset_vector` (computed once per call, so tiles do no bucket arithmetic)."""
-        vec, R = self.offset_vector(), self.max_distance
-
-        def t5_bias(score, batch, head, q_pos, kv_pos):
-            idx = jnp.clip(kv_pos - q_pos, -R, R) + R
-            return score + vec[head][idx]
-
-        return t5_bias
+        return offset_score_mod(self.offset_vector(), self.max_distance)

@@ -8,7 +8,7 @@ from jaxpos.kernels.dispatch import _check_qkv
 from jaxpos.kernels.fused import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, kernel_attention, resolve_mode
 
 from jaxpos import _checks
-from jaxpos.mods import compose_score_mods
+from jaxpos.mods import compose_score_mods, offset_score_mod
 from jaxpos.rope import ANGLE_PRECISIONS, LAYOUTS, apply_rope
 
 __all__ = ["alibi_score_mod", "fused_attention", "offset_bias_score_mod"]
@@ -49,12 +49,7 @@ def offset_bias_score_mod(offset_bias):
         raise ValueError(f"offset_bias must have shape [N, 2R + 1] (odd length, entry R is "
                          f"offset 0); got {_checks.shape_of(offset_bias)}.")
     ob = jnp.asarray(offset_bias, jnp.float32)
-    R = (ob.shape[1] - 1) // 2
-
-    def offset(score, batch, head, q_pos, kv_pos):
-        return score + ob[head][jnp.clip(kv_pos - q_pos, -R, R) + R]
-
-    return offset
+    return offset_score_mod(ob, (ob.shape[1] - 1) // 2)
 
 
 def fused_attention(q, k, v, *, q_positions, kv_positions, inv_freq=None, rope_layout="half",
