@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
-from jaxpos._checks import relative_offsets  # noqa: F401 (re-exported: its old home)
+from jaxpos._checks import relative_offsets
 from jaxpos.scheme import PositionScheme, register
 
-__all__ = ["ALiBi", "alibi_bias", "alibi_slopes"]
+__all__ = ["ALiBi", "alibi_bias", "alibi_score_mod", "alibi_slopes"]
 
 
 def _power_of_two_slopes(n: int) -> list[float]:
@@ -103,6 +103,25 @@ def alibi_bias_from_offsets(rel, slopes, *, bidirectional: bool = False) -> jax.
     return m[:, None, None] * r[..., None, :, :]
 
 
+def alibi_score_mod(slopes, *, bidirectional=False):
+    """``score + slopes[head] * (kv_pos - q_pos)`` (``- slopes[head] * |kv_pos - q_pos|``
+    when ``bidirectional``): ALiBi, Press et al. 2022 §3, as a score_mod. ``slopes``:
+    float ``[N]``, captured (differentiable).
+
+    Raises:
+      ValueError / TypeError: ``slopes`` not a rank-1 float array.
+    """
+    _checks.check_rank("alibi_slopes", slopes, (1,), "[num_heads]")
+    _checks.check_floating("alibi_slopes", slopes)
+    slopes = jnp.asarray(slopes, jnp.float32)
+
+    def alibi(score, batch, head, q_pos, kv_pos):
+        rel = (kv_pos - q_pos).astype(jnp.float32)
+        return score + slopes[head] * (-jnp.abs(rel) if bidirectional else rel)
+
+    return alibi
+
+
 @register("alibi")
 class ALiBi(PositionScheme):
     """ALiBi (Press et al. 2022, §3): ``slopes[h] * (kv_pos - q_pos)`` added to the scores
@@ -137,10 +156,4 @@ class ALiBi(PositionScheme):
     def score_mod(self):
         """``score + slopes[head] * (kv_pos - q_pos)`` (``- slopes[head] * |kv_pos - q_pos|``
         when bidirectional), computed in float32 from the positions of each tile."""
-        slopes, bidirectional = self.slopes, self.bidirectional
-
-        def alibi(score, batch, head, q_pos, kv_pos):
-            rel = (kv_pos - q_pos).astype(jnp.float32)
-            return score + slopes[head] * (-jnp.abs(rel) if bidirectional else rel)
-
-        return alibi
+        return alibi_score_mod(self.slopes, bidirectional=self.bidirectional)

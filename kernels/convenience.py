@@ -8,29 +8,11 @@ from jaxpos.kernels.dispatch import _check_qkv
 from jaxpos.kernels.fused import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, kernel_attention, resolve_mode
 
 from jaxpos import _checks
+from jaxpos.alibi import alibi_score_mod
 from jaxpos.mods import compose_score_mods, offset_score_mod
 from jaxpos.rope import ANGLE_PRECISIONS, LAYOUTS, apply_rope
 
 __all__ = ["alibi_score_mod", "fused_attention", "offset_bias_score_mod"]
-
-
-def alibi_score_mod(slopes, *, bidirectional=False):
-    """``score + slopes[head] * (kv_pos - q_pos)`` (``- slopes[head] * |kv_pos - q_pos|``
-    when ``bidirectional``): ALiBi, Press et al. 2022 §3, as a score_mod. ``slopes``:
-    float ``[N]``, captured (differentiable).
-
-    Raises:
-      ValueError / TypeError: ``slopes`` not a rank-1 float array.
-    """
-    _checks.check_rank("alibi_slopes", slopes, (1,), "[num_heads]")
-    _checks.check_floating("alibi_slopes", slopes)
-    slopes = jnp.asarray(slopes, jnp.float32)
-
-    def alibi(score, batch, head, q_pos, kv_pos):
-        rel = (kv_pos - q_pos).astype(jnp.float32)
-        return score + slopes[head] * (-jnp.abs(rel) if bidirectional else rel)
-
-    return alibi
 
 
 def offset_bias_score_mod(offset_bias):
