@@ -77,7 +77,7 @@ def default_implementation(position: PositionScheme | None = None, *, score_mod=
         return "chunked"
     from jaxpos.kernels import choose_implementation
 
-    has_score = scheme.score_mod() is not None or score_mod is not None
+    has_score = score_mod is not None or scheme.score_mod() is not None
     return choose_implementation(backend=backend, fusable=scheme.fusable,
                                  has_score_mod=has_score, has_mask_mod=mask_mod is not None,
                                  Tq=q_len, Tk=kv_len, num_heads=num_heads, batch=batch)
@@ -815,14 +815,15 @@ def attention(
         block_q, block_k = block_mask.block_q, block_mask.block_k
     sinks = _check_sinks(sinks, N)
     scale = _check_scale(scale, H)
+    all_score_mods = _check_mods(scheme, score_mod, mask_mod)
     if not explicit:
-        implementation = default_implementation(scheme, score_mod=score_mod, mask_mod=mask_mod,
-                                                q_len=Tq, kv_len=Tk, num_heads=N, batch=B)
+        implementation = default_implementation(scheme, score_mod=all_score_mods,
+                                                mask_mod=mask_mod, q_len=Tq, kv_len=Tk,
+                                                num_heads=N, batch=B)
         cannot = mask4 is not None or not (q.dtype == k.dtype == v.dtype) or not \
             _checks.is_concrete(scale) or (implementation == "xla" and v.shape[-1] != H)
         if implementation in ("xla", "pallas") and cannot:
             implementation = "chunked"  # what the kernel / dot_product_attention cannot take
-    all_score_mods = _check_mods(scheme, score_mod, mask_mod)
     if implementation in ("xla", "pallas") and not _checks.is_concrete(scale):
         raise TypeError(f"implementation={implementation!r} needs a static scale (a Python or "
                         f"concrete number: it is compiled into the kernel); got a traced "
