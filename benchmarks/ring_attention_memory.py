@@ -9,7 +9,7 @@ Both layouts shard the sequence of q, k and v over a ``seq`` mesh axis inside
   ``ring_zigzag`` is the same on the zigzag layout (:func:`jaxpos.parallel.to_zigzag`);
 * ``all_gather``: ``jax.lax.all_gather`` of k, v and their positions, then
   ``jaxpos.attention(..., implementation="chunked")`` of the local queries against the
-  whole sequence (the sequence-parallel layout of tests/_sharding_worker.py).
+  whole sequence (the sequence-parallel layout of tests/parallel/_sharding_worker.py).
 
 One step is forward + backward: the gradients of ``sum(out * g)`` with respect to q, k and
 v, under ``jax.jit``. Memory is read from the compiled executable, without running it:

@@ -18,7 +18,7 @@
    rotated with :func:`jaxpos.apply_rope` (d = 128, base 10,000).
 
 It also writes ``encodings.png`` with all five panels, and prints the numbers that the
-pictures show (``tests/test_examples.py`` checks them against the papers' formulas).
+pictures show (``tests/docs/test_examples.py`` checks them against the papers' formulas).
 
 Usage::
 

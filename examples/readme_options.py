@@ -8,7 +8,7 @@ script) and renders one Markdown table per script between the markers
     <!-- /options -->
 
 of ``examples/README.md``, so the documented options are exactly those of ``--help``.
-``tests/test_readme.py`` fails when the file and the parsers disagree.
+``tests/docs/test_readme.py`` fails when the file and the parsers disagree.
 
 Usage::
 

@@ -109,7 +109,7 @@ def p_rope_frequencies(head_dim: int, base: float = 10000.0, *, p: float) -> jax
 # ------------------------------------------------------------------------------ angles
 # 1/(2*pi) as a sum of float32 pieces, the first three with 12 significant bits, so that a
 # 12-bit number times any of them is exact in float32. Their sum equals 1/(2*pi) to 2.7e-20
-# (tests/test_rope.py checks it against 60 decimal digits).
+# (tests/schemes/test_rope.py checks it against 60 decimal digits).
 _INV_2PI = (float.fromhex("0x1.45ep-3"), float.fromhex("0x1.306p-15"),
             float.fromhex("0x1.b92p-28"), float.fromhex("0x1.91054ap-40"))
 _TWO_PI = 2.0 * np.pi

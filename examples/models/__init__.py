@@ -7,20 +7,20 @@ each with a converter from a Hugging Face PyTorch state dict (``from_hf``):
 * :mod:`examples.models.bloom`: BLOOM decoder, ALiBi.
 * :mod:`examples.models.gpt2`: GPT-2 decoder, learned absolute positions.
 * :mod:`examples.models.qwen3`: Qwen3 (dense) decoder, QK-norm, optional sliding-window
-  layers (``tests/test_parity_qwen3_gemma3_llama4.py``).
+  layers (``tests/parity/test_parity_qwen3_gemma3_llama4.py``).
 * :mod:`examples.models.gemma3`: Gemma 3 text decoder, local sliding-window / global layers
   with per-layer RoPE, QK-norm, ``query_pre_attn_scalar``, final logit soft-capping.
 * :mod:`examples.models.llama4`: Llama 4 text decoder, iRoPE (chunked RoPE layers, NoPE
   layers with attention temperature tuning), QK L2-norm, mixture of experts.
 * :mod:`examples.models.gpt_oss`: GPT-OSS decoder, attention sinks, sliding-window layers
-  (a mask_mod / block mask), YaRN RoPE, mixture of experts (``tests/test_parity_gpt_oss.py``).
+  (a mask_mod / block mask), YaRN RoPE, mixture of experts (``tests/parity/test_parity_gpt_oss.py``).
 * :mod:`examples.models.deepseek_v3`: DeepSeek-V3 decoder, multi-head latent attention with
   decoupled RoPE (:mod:`jaxpos.mla`), YaRN softmax mscale, a latent KV cache, DeepSeekMoE
-  (``tests/test_parity_deepseek_v3.py``).
+  (``tests/parity/test_parity_deepseek_v3.py``).
 * :mod:`examples.models.common`: padding -> positions and segment ids, the KV cache, and
   the checked state-dict loader.
 
-``tests/test_parity_models.py`` compares all four with transformers on CPU PyTorch.
+``tests/parity/test_parity_models.py`` compares all four with transformers on CPU PyTorch.
 """
 
 __all__ = ["bloom", "common", "deepseek_v3", "gemma3", "gpt2", "gpt_oss", "llama", "llama4", "qwen3",

@@ -49,7 +49,7 @@ def test_nnx_and_linen_encoders_agree(position):
     np.testing.assert_array_equal(got, nnx_model(tokens, mask=mask))
 
 
-@pytest.mark.slow  # Linen decode equals NNX decode also in tests/test_modules_sinks_windows.py
+@pytest.mark.slow  # Linen decode equals NNX decode also in tests/modules/test_sinks_windows.py
 def test_linen_decode_step_matches_full_forward_and_nnx():
     nnx_model, linen_model = twins("t5")
     params = {"params": jl.params_from_nnx(nnx_model)}
@@ -121,7 +121,7 @@ def test_linen_gradients_reach_position_parameters_as_in_nnx(position, names):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=str(path))
 
 
-@pytest.mark.slow  # GQA itself is covered by tests/test_attention.py
+@pytest.mark.slow  # GQA itself is covered by tests/attention/test_attention.py
 def test_linen_multi_head_attention_matches_nnx_with_grouped_query_heads():
     nnx_mha = jn.MultiHeadAttention(D, 4, num_kv_heads=2, position="rope", causal=True,
                                     implementation="reference", rngs=nnx.Rngs(0))

@@ -1,10 +1,10 @@
-"""Sharding checks, run by tests/test_sharding.py in a subprocess with 8 CPU devices.
+"""Sharding checks, run by tests/parallel/test_sharding.py in a subprocess with 8 CPU devices.
 
 XLA reads ``--xla_force_host_platform_device_count`` once, when the backend starts, so it
 must be in ``XLA_FLAGS`` before ``import jax``; a subprocess keeps the other tests on one
 device. Usage::
 
-    python tests/_sharding_worker.py [--full] OUT.json
+    python tests/parallel/_sharding_worker.py [--full] OUT.json
 
 Writes ``{check_name: max_abs_difference_vs_unsharded}`` (and a few other numbers) to
 OUT.json. ``--full`` runs every implementation and scheme; the default runs the chunked
@@ -46,7 +46,7 @@ def shard_map(f, *, mesh, in_specs, out_specs, checks=True):
 
     The Pallas kernel is the exception here: on CPU it runs in JAX's Pallas interpreter,
     which cannot lower under varying-axis checks (the compiled kernel can; its lowering
-    inside ``shard_map`` is tested in tests/test_kernel_export.py), so it runs with the
+    inside ``shard_map`` is tested in tests/kernels/test_lowering.py), so it runs with the
     checks off (README, "Sharding and context parallelism")."""
     kw = {}
     if not checks or os.environ.get("JAXPOS_SHARD_MAP_CHECKS", "1") == "0":

@@ -22,7 +22,7 @@ import re
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ("README.md", "examples/README.md")
 _FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
 _PARITY = re.compile(r"^\s*(import|from)\s+(torch|transformers|examples)\b", re.M)
@@ -40,7 +40,7 @@ BLOCKS = [b for doc in DOCS for b in python_blocks(doc)]
 
 
 # Blocks that compile a training step or build a PyTorch model took 25-30 s each on 2
-# shared cores: marked slow (tests/test_nnx.py and tests/test_parity_models.py cover the
+# shared cores: marked slow (tests/modules/test_nnx.py and tests/parity/test_parity_models.py cover the
 # same computations at smaller cost).
 SLOW = ("model = llama.from_hf(", "loss = train_step(model, optimizer, tokens)")
 

@@ -1,6 +1,6 @@
 """Sharding and context parallelism (issue 7, part 4), on 8 CPU devices.
 
-The checks run in a subprocess (``tests/_sharding_worker.py``), which sets
+The checks run in a subprocess (``tests/parallel/_sharding_worker.py``), which sets
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before importing JAX; this
 process keeps its single device. Every sharded result is compared with the same
 computation unsharded:

@@ -276,7 +276,7 @@ class TestMultiHeadAttention(chex.TestCase):
 
 
 # ------------------------------------------------------------ RoPE module property
-@pytest.mark.slow  # the scheme-level property is in tests/test_attention_properties.py
+@pytest.mark.slow  # the scheme-level property is in tests/attention/test_attention_properties.py
 @settings(max_examples=5, deadline=None)
 @given(m=st.integers(0, 500), n=st.integers(0, 500), shift=st.integers(-200, 200))
 def test_rotary_module_scores_depend_on_offset_only(m, n, shift):
@@ -309,7 +309,7 @@ def test_rope_scaling_applies_to_one_call_only():
 def test_dynamic_ntk_decode_keeps_each_key_rotated_as_written(implementation):
     """With dynamic NTK (a base that grows with each call's max(position) + 1), decode
     caches keys rotated with the frequencies of the call that wrote them, as HF's cache
-    does (the Llama port checks this against HF in tests/test_parity_models.py). Here the
+    does (the Llama port checks this against HF in tests/parity/test_parity_models.py). Here the
     reference is built by hand from the public pure functions: keys 0..P-1 rotated with
     the frequencies for length P, key and query P with those for length P + 1."""
     from jaxpos.rope_scaling import DynamicNTKScaling
@@ -366,7 +366,7 @@ def test_readme_decoder_example_runs_and_is_short():
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
     block = re.search(r"<!-- decoder-example -->\n```python\n(.*?)```", readme, re.DOTALL)
     assert block is not None, "README section 'Build a decoder in a few lines' is missing"
     code = block.group(1)

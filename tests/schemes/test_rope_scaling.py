@@ -1,6 +1,6 @@
 """RoPE context extension (jaxpos.rope_scaling) against float64 re-implementations of the
 published methods, and hand-computed attention factors. No torch needed; the parity
-with Hugging Face transformers is in tests/test_parity_rope_hf.py."""
+with Hugging Face transformers is in tests/parity/test_parity_rope_hf.py."""
 
 from __future__ import annotations
 

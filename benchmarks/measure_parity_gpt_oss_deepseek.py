@@ -2,10 +2,10 @@
 DeepSeek-V3 ports, per implementation, for the full pass and KV-cache decoding, and the
 negative controls: the numbers behind the README table (not a test; run it by hand)::
 
-    python tests/measure_parity_gpt_oss_deepseek.py [reference chunked pallas]
+    python benchmarks/measure_parity_gpt_oss_deepseek.py [reference chunked pallas]
 
-Same tiny models, seeds and inputs as tests/test_parity_gpt_oss.py and
-tests/test_parity_deepseek_v3.py.
+Same tiny models, seeds and inputs as tests/parity/test_parity_gpt_oss.py and
+tests/parity/test_parity_deepseek_v3.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests" / "parity"))
 jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
 
 import test_parity_deepseek_v3 as tds  # noqa: E402

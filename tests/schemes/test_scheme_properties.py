@@ -98,7 +98,7 @@ def build(p):
 
 def supported(impl, p):
     """The Pallas kernel takes no boolean mask and no Shaw scheme (it raises a ValueError
-    that says so; see tests/test_bad_input.py)."""
+    that says so; see tests/attention/test_bad_input.py)."""
     return not (impl == "pallas" and (p["mask_kind"] == "mask" or p["scheme"] == "shaw"))
 
 

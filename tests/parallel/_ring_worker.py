@@ -1,9 +1,9 @@
-"""Ring-attention checks, run by tests/test_parallel.py in a subprocess with 8 CPU devices.
+"""Ring-attention checks, run by tests/parallel/test_ring.py in a subprocess with 8 CPU devices.
 
 ``--xla_force_host_platform_device_count`` must be in ``XLA_FLAGS`` before JAX starts,
-so these checks live in their own process (as tests/_sharding_worker.py). Usage::
+so these checks live in their own process (as tests/parallel/_sharding_worker.py). Usage::
 
-    python tests/_ring_worker.py [--full] OUT.json
+    python tests/parallel/_ring_worker.py [--full] OUT.json
 
 Every check compares :func:`jaxpos.parallel.ring_attention` inside ``jax.shard_map``
 (default ``check_vma`` on) over an 8-device ``seq`` axis with the single-device

@@ -36,7 +36,7 @@ transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # The example models live in examples/models/ at the repository root (not installed).
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 bloom, gpt2, llama, t5 = (importlib.import_module(f"examples.models.{name}")
                           for name in ("bloom", "gpt2", "llama", "t5"))
 

@@ -345,7 +345,7 @@ def test_cpu_benchmark_tiny_mode_runs(tmp_path):
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "attention_cpu.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "attention_cpu.py"
     spec = importlib.util.spec_from_file_location("attention_cpu", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -94,7 +94,7 @@ CASES = {"t5": case_t5, "alibi": case_alibi, "shaw": case_shaw, "learned": case_
 PARAMS = [
     pytest.param(p, i, id=f"{p}-{i}", marks=[] if (p, i) in DEFAULT else [pytest.mark.slow])
     for p, i in itertools.product(CASES, IMPLS)
-    if not (i == "pallas" and p == "shaw")  # the kernel rejects Shaw (tests/test_bad_input.py)
+    if not (i == "pallas" and p == "shaw")  # the kernel rejects Shaw (tests/attention/test_bad_input.py)
 ]
 
 

@@ -5,7 +5,7 @@ twin: ``context=`` supplies keys and values (T5's decoder, encoder-decoder model
 The reference is Flax's own ``flax.nnx.MultiHeadAttention`` (an independent, published
 implementation) given the same weights; the Linen twin must match NNX bit for bit. Bad
 input (context width or batch, kv_positions without a context, use_bias) is in
-tests/test_bad_input.py."""
+tests/attention/test_bad_input.py."""
 
 import jax
 import jax.numpy as jnp

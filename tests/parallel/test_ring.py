@@ -1,6 +1,6 @@
 """Ring attention (context parallelism, :mod:`jaxpos.parallel`), issue 15.
 
-The 8-device checks run in a subprocess (``tests/_ring_worker.py``, which sets
+The 8-device checks run in a subprocess (``tests/parallel/_ring_worker.py``, which sets
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before importing JAX): each
 compares ``ring_attention`` inside ``jax.shard_map`` with the single-device
 ``jaxpos.attention(..., implementation="reference")`` on the whole sequence, forward and
@@ -287,7 +287,7 @@ def test_memory_benchmark_runs(tmp_path):
     """``benchmarks/ring_attention_memory.py --tiny`` runs end to end on 8 CPU devices and
     writes its table, in which the ring needs less memory per device than the all-gather
     layout and its memory falls with P."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ring_attention_memory.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "ring_attention_memory.py"
     out = tmp_path / "ring.md"
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)

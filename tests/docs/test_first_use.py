@@ -1,6 +1,6 @@
 """The first hour of a new user (issue 13): each rough edge a newcomer met, as a test.
 
-Item numbers are the issue's. README snippets themselves run in ``tests/test_readme.py``.
+Item numbers are the issue's. README snippets themselves run in ``tests/docs/test_readme.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 import jaxpos
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------- 1: lazy subpackages

@@ -4,7 +4,7 @@ respect to the scheme's arrays and q, k, v) on this CPU machine.
 
 ``jax.export.export(..., platforms=[...])`` runs the Pallas lowering for the target
 without the hardware (Pallas Triton for ``cuda``, Mosaic for ``tpu``), so a score_mod
-construct either compiler rejects fails here; see tests/test_kernel_export.py for the
+construct either compiler rejects fails here; see tests/kernels/test_lowering.py for the
 kernel's own exports. Lowering only: running on the hardware is not claimed. Block
 shapes are the kernel's defaults, with a length of 192 so the padding path is lowered.
 """

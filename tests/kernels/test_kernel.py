@@ -440,7 +440,7 @@ def test_gpu_benchmark_script_runs_tiny(tmp_path):
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "gpu_attention.py"
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "gpu_attention.py"
     spec = importlib.util.spec_from_file_location("gpu_attention", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
