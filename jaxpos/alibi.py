@@ -74,7 +74,7 @@ def alibi_bias(q_positions, kv_positions, slopes, *, bidirectional: bool = False
 
     Raises:
       TypeError: float positions. ValueError: ranks other than 1 or 2, ``slopes`` not
-      rank 1, or batch sizes that differ.
+        rank 1, or batch sizes that differ.
     """
     _checks.check_integer_positions("q_positions", q_positions)
     _checks.check_integer_positions("kv_positions", kv_positions)

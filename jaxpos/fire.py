@@ -157,7 +157,7 @@ class FIRE(PositionScheme):
 
     Raises:
       TypeError / ValueError: as :func:`fire_bias` for the MLP and ``c``;
-      ``L_multiplier`` not a finite scalar; ``init_L`` or ``eps`` not a finite number > 0.
+        ``L_multiplier`` not a finite scalar; ``init_L`` or ``eps`` not a finite number > 0.
     """
 
     _children = ("w1", "b1", "w2", "b2", "c", "L_multiplier")

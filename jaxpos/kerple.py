@@ -151,7 +151,7 @@ class KERPLE(PositionScheme):
 
     Raises:
       TypeError / ValueError: as :func:`kerple_bias` for ``r1``/``r2``/``kind``; a
-      ``kind`` other than a subclass's own; ``eps`` not a finite number > 0.
+        ``kind`` other than a subclass's own; ``eps`` not a finite number > 0.
     """
 
     _children = ("r1", "r2")

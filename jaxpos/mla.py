@@ -141,12 +141,14 @@ def mla_qk(q_nope, q_rope, k_nope, k_rope):
     Rotate them with ``RoPE(rotary_dim=qk_rope_head_dim)`` (inside :func:`jaxpos.attention`,
     or :func:`mla_attention`): its first ``rotary_dim`` features are exactly the rope part.
 
+    All inputs are floating; ``Dn`` may be 0.
+
     Args:
-      q_nope: ``[B, Tq, N, Dn]``; q_rope: ``[B, Tq, N, Dr]`` (per head).
-      k_nope: ``[B, Tk, N, Dn]`` (per head, from the up-projected latent);
+      q_nope: ``[B, Tq, N, Dn]`` (per head).
+      q_rope: ``[B, Tq, N, Dr]`` (per head).
+      k_nope: ``[B, Tk, N, Dn]`` (per head, from the up-projected latent).
       k_rope: ``[B, Tk, Dr]`` or ``[B, Tk, 1, Dr]``, the one key rope head all query heads
         share (``W^{KR} h_t``), unrotated.
-      All floating; ``Dn`` may be 0.
 
     Returns:
       ``(q [B, Tq, N, Dr + Dn], k [B, Tk, N, Dr + Dn])`` in the dtype the inputs promote to.

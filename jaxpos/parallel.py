@@ -127,7 +127,7 @@ def zigzag_permutation(T: int, num_devices: int) -> np.ndarray:
 
     Raises:
       TypeError / ValueError: ``T`` or ``num_devices`` not a positive int; ``T`` not
-      divisible by ``2 * num_devices``.
+        divisible by ``2 * num_devices``.
     """
     T, P = _check_zigzag_args(T, num_devices)
     c = T // (2 * P)
@@ -176,7 +176,7 @@ def to_zigzag(x, axis: int, num_devices: int) -> jax.Array:
 
     Raises:
       TypeError / ValueError: ``axis`` not an int or out of range; the length of ``axis``
-      not divisible by ``2 * num_devices``.
+        not divisible by ``2 * num_devices``.
     """
     return _zigzag_take("x", x, axis, num_devices, inverse=False)
 

@@ -506,7 +506,7 @@ def frequencies_for_length(rotary_dim: int, base: float, scaling, seq_len):
 
     Raises:
       The errors of :func:`scaled_frequencies`; ``TypeError`` for a ``seq_len`` that is
-      not an integer (a Python int or an integer array).
+        not an integer (a Python int or an integer array).
     """
     if isinstance(seq_len, bool) or not (
             isinstance(seq_len, (int, np.integer))

@@ -262,7 +262,7 @@ def attention_scores(q, k, *, position=None, q_positions=None, kv_positions=None
 
     Raises:
       ValueError / TypeError: as :func:`jaxpos.attention` for bad shapes, dtypes or
-      positions.
+        positions.
     """
     from jaxpos.attention import _check_inputs, _make_terms, _scores, default_positions
     from jaxpos.schemes import as_scheme

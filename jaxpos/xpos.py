@@ -43,7 +43,7 @@ def xpos_zeta(rotary_dim: int, gamma: float = 0.4) -> np.ndarray:
 
     Raises:
       TypeError / ValueError: ``rotary_dim`` not a positive even int; ``gamma`` not a
-      finite number > 0.
+        finite number > 0.
     """
     d = check_rotary_dim(rotary_dim)
     g = _checks.check_positive_float("gamma", gamma)
@@ -67,7 +67,7 @@ def xpos_scale(positions, rotary_dim: int, *, scale_base: float = 512.0, gamma: 
 
     Raises:
       TypeError: float positions. ValueError: bad ``rotary_dim``, ``scale_base``,
-      ``gamma``.
+        ``gamma``.
     """
     _checks.check_integer_positions("positions", positions)
     base = _checks.check_positive_float("scale_base", scale_base)
@@ -144,7 +144,7 @@ class XPos(PositionScheme):
 
     Raises:
       ValueError: neither ``rotary_dim`` nor ``inv_freq``, or both disagreeing; bad
-      ``scale_base``/``gamma``/``layout``/``angle_precision``.
+        ``scale_base``/``gamma``/``layout``/``angle_precision``.
       TypeError: non-float ``inv_freq``.
     """
 
