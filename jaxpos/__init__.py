@@ -38,6 +38,7 @@ from jaxpos.sandwich import Sandwich
 from jaxpos.scheme import REGISTRY, NoPE, PositionScheme, as_scheme, get_scheme
 from jaxpos.shaw import Shaw, shaw_attention
 from jaxpos.sinusoidal import relative_head_W, shift_matrix, sinusoidal_pe
+from jaxpos.ssmax import SSMax
 from jaxpos.t5 import T5Bias, relative_bias_attention, t5_bias, t5_bucket
 from jaxpos.xpos import XPos
 
@@ -64,6 +65,7 @@ __all__ = [
     "PrefixLMMask",
     "ProportionalScaling",
     "RoPE",
+    "SSMax",
     "Sandwich",
     "Shaw",
     "SlidingWindowMask",

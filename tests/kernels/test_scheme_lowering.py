@@ -1,4 +1,4 @@
-"""KERPLE, FIRE, Sandwich, xPos and FoX in the fused kernel lower for GPU and TPU: export
+"""KERPLE, FIRE, Sandwich, xPos, FoX and SSMax in the fused kernel lower for GPU and TPU: export
 ``jaxpos.attention(..., implementation="pallas")`` forward and backward (gradients with
 respect to the scheme's arrays and q, k, v) on this CPU machine.
 
@@ -20,6 +20,7 @@ from jaxpos.fire import FIRE
 from jaxpos.fox import FoX
 from jaxpos.kerple import KERPLELog, KERPLEPower
 from jaxpos.sandwich import Sandwich
+from jaxpos.ssmax import SSMax
 from jaxpos.xpos import XPos
 
 B, T, N, H = 1, 192, 4, 128
@@ -32,6 +33,7 @@ SCHEMES = {
     "sandwich": lambda: Sandwich(N),
     "xpos": lambda: XPos(H),
     "fox": lambda: FoX(jnp.zeros((B, T, N))),
+    "ssmax": lambda: SSMax(jnp.full((N,), 0.4)),
 }
 
 
