@@ -13,6 +13,7 @@ ring attention in :mod:`jaxpos.parallel`. Importing :mod:`jaxpos` registers ever
 from jaxpos.alibi import ALiBi, alibi_bias, alibi_slopes
 from jaxpos.attention import ALL_IMPLEMENTATIONS, IMPLEMENTATIONS, attention, default_implementation
 from jaxpos.fire import FIRE
+from jaxpos.flax_adapter import flax_attention_fn
 from jaxpos.fox import FoX
 from jaxpos.hf import rope_from_hf_config
 from jaxpos.irope import TemperatureTunedNoPE
@@ -80,6 +81,7 @@ __all__ = [
     "attention",
     "create_block_mask",
     "default_implementation",
+    "flax_attention_fn",
     "get_scheme",
     "half_to_interleaved",
     "interleaved_to_half",
