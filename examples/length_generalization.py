@@ -1,13 +1,27 @@
 """The main job of jaxpos: how far does each position scheme generalise past its training length?
 
 For every scheme (NoPE, sinusoidal, learned, RoPE, ALiBi, T5, Shaw, and RoPE with a
-context-extension scaling applied at evaluation; on request also KERPLE, FIRE, Sandwich,
-xPos and the FoX forget gate) this script trains the same small
-byte-level decoder-only language model (:class:`jaxpos.nnx.DecoderLM`) at one training
-length with optax, then measures held-out loss in **bits per byte** at 1x, 2x, 4x, 8x and
-16x that length. It is the experiment of Press, Smith & Lewis 2022 ("Train Short, Test
-Long: Attention with Linear Biases Enables Input Length Extrapolation", §2 and Fig. 1),
-scaled down to run on a laptop CPU in a few minutes.
+context-extension scaling applied at evaluation; on request any other registered scheme
+of :data:`jaxpos.REGISTRY`, e.g. KERPLE, FIRE, Sandwich, xPos, the FoX forget gate) this
+script trains the same small byte-level decoder-only language model
+(:class:`jaxpos.nnx.DecoderLM`) at one training length with optax, then measures held-out
+loss in **bits per byte** at 1x, 2x, 4x, 8x and 16x that length. It is the experiment of
+Press, Smith & Lewis 2022 ("Train Short, Test Long: Attention with Linear Biases Enables
+Input Length Extrapolation", §2 and Fig. 1), scaled down to run on a laptop CPU in a few
+minutes.
+
+Seeds: ``--seeds N`` trains every row N times, with seeds ``--seed``, ``--seed + 1``,
+... for the initialisation and the training batches (the data split and the held-out
+bytes stay those of ``--seed``). The table then shows mean ± sample standard deviation
+(``ddof = 1``) over the seeds at every length, the plot draws mean ± one standard
+deviation as a band, and ``results.json`` keeps every seed's numbers. Two cells differ
+beyond the spread when ``|mean_a - mean_b| > 2 * pooled std``, ``pooled std =
+sqrt((std_a**2 + std_b**2) / 2)`` (:func:`compare_cells`).
+
+``--preset study`` is the committed study (docs/study.md): the rows of
+:data:`STUDY_SCHEMES` with 3 seeds; a row whose scheme this jaxpos does not register is
+reported as "not run". ``--report RESULTS_JSON`` prints the table and the paper-claim
+comparisons (:data:`CLAIMS`) of a finished run without training anything.
 
 Data: real text with no download. By default the Python standard library's own source
 files on this machine (found through ``sysconfig``; the ``test``/``tests`` folders and
@@ -15,32 +29,39 @@ files on this machine (found through ``sysconfig``; the ``test``/``tests`` folde
 seeded shuffle of the sorted file list. ``--corpus PATH`` takes any text file or folder
 (a single file is split by bytes: the first 90% trains, the rest is held out).
 
-Fairness: every scheme sees the same training batches (one seeded stream of random
-windows), the same initialisation seed, model size, optimizer and number of steps. Every
-evaluation length scores exactly the same held-out bytes: ``--eval-bytes`` bytes are taken
-as chunks of ``lcm(eval_lens)`` predicted bytes, spaced evenly through the held-out stream,
-and each chunk is cut into non-overlapping windows of the evaluation length (Press et al.
-call this non-overlapping evaluation, §B). Tokens near the start of a window have little
-context, so a model that generalises perfectly gets *lower* loss at longer windows.
+Fairness: within a seed every scheme sees the same training batches (one seeded stream of
+random windows), the same initialisation seed, model size, optimizer and number of steps.
+Every evaluation length scores exactly the same held-out bytes: ``--eval-bytes`` bytes
+are taken as chunks of ``lcm(eval_lens)`` predicted bytes, spaced evenly through the
+held-out stream, and each chunk is cut into non-overlapping windows of the evaluation
+length (Press et al. call this non-overlapping evaluation, §B). Tokens near the start of
+a window have little context, so a model that generalises perfectly gets *lower* loss at
+longer windows.
 
 Scheme settings: T5 uses 32 causal buckets with ``max_distance = min(128, train_len)``
 (at least 32), so that every bucket is trained, as in Press et al., whose training
-lengths (512 and more) exceed T5's 128; Shaw clips at K = 16; RoPE uses base 10,000.
+lengths (512 and more) exceed T5's 128; Shaw clips at K = 16; RoPE uses base 10,000;
+FIRE's threshold is ``init_L = train_len / 4``; every other scheme uses its defaults
+unless ``--scheme-options`` says otherwise.
 
 Learned absolute positions have no row past the training length: the library raises
 ``ValueError`` there, and the table reports "cannot run" instead of clamping.
 
 Bits per byte = mean next-byte cross-entropy in nats / ln 2 (a byte is a token here).
 
-Outputs under ``--out`` (default ``runs/length_generalization/``): ``results.json``,
+Outputs under ``--out`` (default ``runs/length_generalization/``): ``results.json``
+(rewritten after every row; ``--resume`` keeps the finished rows of an interrupted run),
 ``length_generalization.png`` (loss against evaluation length, one line per scheme, the
 training length marked) and the table printed on stdout. Progress bars (tqdm) go to stderr.
 
 Usage::
 
-    python examples/length_generalization.py                       # defaults, ~3 min on 2 CPU cores
-    python examples/length_generalization.py --schemes rope,alibi --steps 2000 --d-model 256
-    python examples/length_generalization.py --corpus ~/books/ --train-len 128
+    python examples/length_generalization.py                       # defaults, ~2 min of CPU time
+    python examples/length_generalization.py --schemes rope,alibi --seeds 3
+    python examples/length_generalization.py --preset study --out docs/study
+    python examples/length_generalization.py --report docs/study/results.json
+    python examples/length_generalization.py --schemes rope,fire --steps 2000 --d-model 256 \
+        --scheme-options '{"fire": {"init_L": 64}}'
 
 The same script runs unchanged on GPU or TPU; ``--implementation`` defaults to the
 library's choice for the backend (the fused Pallas kernel where it supports the scheme,
@@ -65,16 +86,25 @@ import numpy as np
 
 VOCAB_SIZE = 256  # byte-level: one token per byte
 BASE_SCHEMES = ("nope", "sinusoidal", "learned", "rope", "alibi", "t5", "shaw")
-# More registered schemes (jaxpos.kerple, fire, sandwich, xpos, fox); not in the default
-# run, ask for them with --schemes.
-SCHEME_OBJECTS = ("kerple_log", "kerple_power", "fire", "sandwich", "xpos", "fox")
-# Schemes evaluated one window per row instead of packed rows: learned positions (checked
-# against the table by value) and FoX (its forget gates are indexed by token position, so
-# positions must run 0 .. T-1 along a row).
-UNPACKED = ("learned", "fox")
+# Schemes whose packed evaluation (windows packed into one row with restarted positions and
+# segment ids) is tested equal to running the windows separately (tests/docs/test_examples.py).
+# Every other scheme is evaluated one window per row: learned positions (checked against the
+# table by value), FoX (its forget gates are indexed by token position, so positions must
+# run 0 .. T-1 along a row) and any scheme registered later, whose packed form is untested.
+PACKED = ("nope", "sinusoidal", "rope", "alibi", "t5", "shaw", "kerple_log", "kerple_power",
+          "fire", "sandwich", "xpos")
 # RoPE evaluated with a context-extension scaling at lengths beyond training (jaxpos.rope_scaling).
 ROPE_VARIANTS = ("rope+yarn", "rope+ntk", "rope+pi")
 DEFAULT_SCHEMES = BASE_SCHEMES + ("rope+yarn",)
+# The committed study (docs/study.md): KERPLE is its logarithmic variant (Chi et al. 2022
+# report it as the better extrapolator of the two).
+STUDY_SCHEMES = ("nope", "sinusoidal", "rope", "rope+yarn", "alibi", "t5", "shaw", "kerple_log",
+                 "fire", "sandwich", "xpos", "fox", "ssmax", "stick_breaking", "pope")
+# --preset NAME: defaults that explicit flags override.
+PRESETS = {"study": {"schemes": STUDY_SCHEMES, "seeds": 3}}
+# A cell differs from another beyond the spread when |mean difference| > SPREAD_FACTOR *
+# pooled standard deviation (compare_cells).
+SPREAD_FACTOR = 2.0
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests",
                            "idle_test"})
 
@@ -113,7 +143,8 @@ def list_files(root: Path, *, suffix: str | None = None) -> list[Path]:
         raise ValueError(f"--corpus must be an existing file or folder; got {str(root)!r}.")
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS and not d.startswith("."))
+        dirnames[:] = sorted(d for d in dirnames
+                             if d not in EXCLUDED_DIRS and not d.startswith("."))
         for name in sorted(filenames):
             p = Path(dirpath) / name
             if name.startswith(".") or not p.is_file() or p.is_symlink():
@@ -165,7 +196,8 @@ def load_corpus(path: str | None, *, heldout_fraction: float = 0.1, seed: int = 
 
 
 def train_offsets(n_bytes: int, *, steps: int, batch_size: int, train_len: int, seed: int):
-    """Start offsets ``[steps, batch_size]`` of the random training windows (train_len + 1 bytes)."""
+    """Start offsets ``[steps, batch_size]`` of the random training windows (``train_len + 1``
+    bytes each)."""
     if n_bytes < train_len + 2:
         raise ValueError(f"the training text has {n_bytes} bytes; --train-len {train_len} needs "
                          f"at least {train_len + 2}.")
@@ -232,9 +264,11 @@ def rope_scaling_for(name: str, train_len: int, eval_len: int):
     factor = eval_len / train_len
     kind = name.split("+", 1)[1]
     if kind == "yarn":
-        return rope_scaling.YaRNScaling(factor=factor, original_max_position_embeddings=train_len)
+        return rope_scaling.YaRNScaling(factor=factor,
+                                        original_max_position_embeddings=train_len)
     if kind == "ntk":
-        return rope_scaling.DynamicNTKScaling(factor=2.0, original_max_position_embeddings=train_len)
+        return rope_scaling.DynamicNTKScaling(factor=2.0,
+                                              original_max_position_embeddings=train_len)
     if kind == "pi":
         return rope_scaling.LinearScaling(factor=factor)
     raise ValueError(f"unknown RoPE variant {name!r}; expected one of {ROPE_VARIANTS}.")
@@ -249,25 +283,42 @@ def rope_scaling_available() -> bool:
 
 
 # ------------------------------------------------------------------------------ model
-def build_model(position: str, args):
-    """A fresh :class:`jaxpos.nnx.DecoderLM` with the run's size and seed.
+def registered_positions() -> tuple[str, ...]:
+    """Every position a :class:`jaxpos.nnx.DecoderLM` of this jaxpos can be built with:
+    ``"nope"``, the absolute ``"sinusoidal"`` and ``"learned"``, and every registered scheme
+    the Flax modules build (:func:`jaxpos.nnx.stack_positions`, read from the registry now)."""
+    from jaxpos.nnx import stack_positions
 
-    The schemes of :data:`SCHEME_OBJECTS` come from the scheme registry with their
-    defaults (KERPLE's and FIRE's parameters shared by the stack, FoX's gate projection
-    per layer, computed from the block's normalised input), except FIRE's threshold:
-    ``init_L = train_len / 4`` (the authors' 512 for 2048-token training, scaled).
+    return tuple(stack_positions())
+
+
+def scheme_options_for(position: str, args) -> dict | None:
+    """Options the run gives scheme ``position``: FIRE's threshold ``init_L = train_len / 4``
+    (the authors' 512 for 2048-token training, scaled) updated by ``--scheme-options``."""
+    options = {"init_L": max(1.0, args.train_len / 4)} if position == "fire" else {}
+    options.update((getattr(args, "scheme_options", None) or {}).get(position, {}))
+    return options or None
+
+
+def build_model(position: str, args, seed: int | None = None):
+    """A fresh :class:`jaxpos.nnx.DecoderLM` with the run's size, initialised from ``seed``
+    (default ``args.seed``).
+
+    Registered schemes come from the scheme registry with their defaults (KERPLE's and
+    FIRE's parameters shared by the stack, FoX's gate projection per layer, computed from
+    the block's normalised input) and the options of :func:`scheme_options_for`.
     """
     import jax.numpy as jnp
     from flax import nnx
 
     from jaxpos.nnx import DecoderLM
 
-    options = {"init_L": max(1.0, args.train_len / 4)} if position == "fire" else None
     return DecoderLM(
         VOCAB_SIZE, d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
         position=position, max_len=args.train_len if position == "learned" else None,
-        t5_max_distance=args.t5_max_distance, scheme_options=options,
-        implementation=args.implementation, dtype=jnp.float32, rngs=nnx.Rngs(args.seed))
+        t5_max_distance=args.t5_max_distance, scheme_options=scheme_options_for(position, args),
+        implementation=args.implementation, dtype=jnp.float32,
+        rngs=nnx.Rngs(args.seed if seed is None else seed))
 
 
 def cross_entropy_nats(logits, targets):
@@ -292,39 +343,51 @@ def make_optimizer(args):
                        optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=0.1, mask=decay_mask))
 
 
-def train(position: str, args, corpus: Corpus, offsets: np.ndarray, progress: bool):
-    """Train one model; returns ``(graphdef, params, rest, stats)``."""
+def train(position: str, args, corpus: Corpus, offsets: np.ndarray, progress: bool,
+          seed: int | None = None, compiled: dict | None = None):
+    """Train one model initialised from ``seed`` (default ``args.seed``) on the batches at
+    ``offsets`` ``[steps, batch_size]``; returns ``(graphdef, params, rest, stats)``.
+
+    ``compiled`` caches the compiled training step by model structure across calls (the
+    seeds of one row differ only in values, so they compile once).
+    """
     import jax
     from flax import nnx
     from tqdm.auto import tqdm
 
-    model = build_model(position, args)
+    compiled = {} if compiled is None else compiled
+    model = build_model(position, args, seed)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = make_optimizer(args)
     opt_state = tx.init(params)
 
-    def loss_fn(p, batch):
-        logits = nnx.merge(graphdef, p, rest)(batch[:, :-1])
+    def loss_fn(p, r, batch):
+        logits = nnx.merge(graphdef, p, r)(batch[:, :-1])
         return cross_entropy_nats(logits, batch[:, 1:]).mean()
 
-    def step(p, s, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(p, batch)
+    def step(p, s, r, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(p, r, batch)
         updates, s = tx.update(grads, s, p)
         return jax.tree.map(lambda a, u: a + u, p, updates), s, loss
 
     first = windows(corpus.train, offsets[0], args.train_len + 1)
     cpu0 = time.process_time()
     t0 = time.perf_counter()
-    step_fn = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, first).compile()
+    key = ("train", graphdef, first.shape)
+    if key not in compiled:
+        compiled[key] = jax.jit(step, donate_argnums=(0, 1)).lower(
+            params, opt_state, rest, first).compile()
+    step_fn = compiled[key]
     compile_s = time.perf_counter() - t0
 
     losses = []
-    bar = tqdm(range(args.steps), desc=f"train {position:<10}", unit="step", disable=not progress,
-               leave=False, file=sys.stderr, dynamic_ncols=True)
+    shown_seed = args.seed if seed is None else seed
+    bar = tqdm(range(args.steps), desc=f"train {position:<10} seed {shown_seed}", unit="step",
+               disable=not progress, leave=False, file=sys.stderr, dynamic_ncols=True)
     t0 = time.perf_counter()
     for i in bar:
         batch = first if i == 0 else windows(corpus.train, offsets[i], args.train_len + 1)
-        params, opt_state, loss = step_fn(params, opt_state, batch)
+        params, opt_state, loss = step_fn(params, opt_state, rest, batch)
         losses.append(loss)
         if progress and (i % 25 == 0 or i == args.steps - 1):
             bar.set_postfix(bpb=f"{float(loss) / math.log(2):.3f}")
@@ -342,7 +405,8 @@ def train(position: str, args, corpus: Corpus, offsets: np.ndarray, progress: bo
         "train_cpu_s": round(cpu_s, 3),  # process CPU time, compile included (all threads)
         "train_tokens_per_s": round(args.steps * args.batch_size * args.train_len / train_s, 1),
         "final_train_bits_per_byte": round(float(losses[-tail:].mean()), 4),
-        "train_curve_bits_per_byte": [round(float(v), 4) for v in losses[:: max(1, len(losses) // 50)]],
+        "train_curve_bits_per_byte": [round(float(v), 4)
+                                      for v in losses[:: max(1, len(losses) // 50)]],
     }
     return graphdef, params, rest, stats
 
@@ -368,14 +432,15 @@ def evaluate(name: str, graphdef, params, rest, args, chunks: np.ndarray, progre
 
     Every length scores the same bytes: the chunks ``[n, P + 1]`` are fed as ``[n, P]``
     inputs with :func:`packed_positions` (one compiled function per RoPE scaling, not per
-    length); learned positions and FoX (:data:`UNPACKED`) run unpacked, one window per
-    row. Learned positions past their table are tried on one unpacked window
-    (``jax.eval_shape``, nothing computed): the library raises ``ValueError`` and the
-    length is reported as ``"cannot run"``.
+    length) for the schemes of :data:`PACKED`; every other scheme runs unpacked, one
+    window per row (one compiled function per length). Learned positions past their
+    table are tried on one unpacked window (``jax.eval_shape``, nothing computed): the
+    library raises ``ValueError`` and the length is reported as ``"cannot run"``.
 
     Returns ``(bits_per_byte, status, stats)``: ``bits_per_byte[str(L)]`` is a float or
     ``None``; ``status[str(L)]`` is ``"ok"``, ``"cannot run"`` or ``"not finite"``.
-    ``compiled`` caches compiled functions by scaling across calls for the same model.
+    ``compiled`` caches compiled functions by model structure, scaling and shape across
+    calls (the seeds of one row, and RoPE's variants, share them).
     """
     import jax
     import jax.numpy as jnp
@@ -406,22 +471,22 @@ def evaluate(name: str, graphdef, params, rest, args, chunks: np.ndarray, progre
             raise RuntimeError(f"learned positions ran at length {L} > max_len {args.train_len}; "
                                f"they must raise instead of clamping.")
         scaling = rope_scaling_for(name, args.train_len, L)
-        # Packed rows need traced positions; a learned table checks positions against its
-        # rows by value or by sequence length, and FoX reads its gates at positions 0 .. T-1
-        # of a row, so those windows run one per row instead (UNPACKED).
-        packed = base_scheme(name) not in UNPACKED
+        # Packed rows need traced positions and segment ids; only the schemes of PACKED are
+        # tested to give the same numbers packed and separate, the others run one window
+        # per row.
+        packed = base_scheme(name) in PACKED
         shape = (rows, period) if packed else (rows * period // L, L)
-        cache_key = (repr(scaling), shape)
+        cache_key = ("eval", graphdef, repr(scaling), shape)
         if cache_key not in compiled:
-            def loss_sum(p, xb, yb, pos, seg, scaling=scaling):
-                logits = nnx.merge(graphdef, p, rest)(xb, positions=pos, segment_ids=seg,
-                                                      rope_scaling=scaling)
+            def loss_sum(p, r, xb, yb, pos, seg, scaling=scaling):
+                logits = nnx.merge(graphdef, p, r)(xb, positions=pos, segment_ids=seg,
+                                                   rope_scaling=scaling)
                 return jnp.sum(cross_entropy_nats(logits, yb), dtype=jnp.float32)
 
             ints = jax.ShapeDtypeStruct(shape, jnp.int32)
             t0 = time.perf_counter()
             compiled[cache_key] = jax.jit(loss_sum).lower(
-                params, ints, ints, *((ints, ints) if packed else (None, None))).compile()
+                params, rest, ints, ints, *((ints, ints) if packed else (None, None))).compile()
             compile_s += time.perf_counter() - t0
         fn = compiled[cache_key]
         if packed:
@@ -432,7 +497,7 @@ def evaluate(name: str, graphdef, params, rest, args, chunks: np.ndarray, progre
         total = 0.0
         for r in range(0, n, rows):
             xb, yb = x[r:r + rows].reshape(shape), y[r:r + rows].reshape(shape)
-            total += float(fn(params, xb, yb, pos, seg))
+            total += float(fn(params, rest, xb, yb, pos, seg))
         run_s += time.perf_counter() - t0
         tokens += y.size
         value = total / y.size / math.log(2)
@@ -449,32 +514,221 @@ def evaluate(name: str, graphdef, params, rest, args, chunks: np.ndarray, progre
     return bpb, status, stats
 
 
-# ------------------------------------------------------------------------- reporting
-def format_table(results: dict) -> str:
-    """Plain-text (Markdown) table: one row per scheme, bits per byte per evaluation length."""
+# ----------------------------------------------------------------------------- seeds
+# Per-seed statistics averaged into a row's summary (mean over the seeds that have them).
+_MEAN_STATS = ("num_params", "compile_s", "train_s", "train_cpu_s", "train_tokens_per_s",
+               "final_train_bits_per_byte", "eval_compile_s", "eval_s", "eval_cpu_s",
+               "eval_tokens_per_s")
+
+
+def aggregate_seeds(per_seed: list[dict], eval_lens) -> tuple[dict, dict, dict]:
+    """Mean, sample standard deviation and status over seeds at every evaluation length.
+
+    Args:
+      per_seed: one dict per seed with ``"bits_per_byte"`` and ``"status"``, each keyed by
+        ``str(L)`` (what :func:`evaluate` returns).
+      eval_lens: the lengths ``L``.
+
+    Returns ``(mean, std, status)``, each keyed by ``str(L)``: where every seed's status is
+    ``"ok"``, the mean and the standard deviation with ``ddof = 1`` (``None`` for a single
+    seed), rounded to 4 digits, and status ``"ok"``; elsewhere ``None``, ``None`` and the
+    seeds' common status, or ``"not finite in k of n seeds"`` when they differ.
+
+    Raises:
+      ValueError: ``per_seed`` is empty.
+    """
+    if not per_seed:
+        raise ValueError("per_seed must hold at least one seed's results; got none.")
+    mean, std, status = {}, {}, {}
+    for L in eval_lens:
+        key = str(L)
+        states = [e["status"][key] for e in per_seed]
+        if all(st == "ok" for st in states):
+            values = np.array([e["bits_per_byte"][key] for e in per_seed], np.float64)
+            mean[key] = round(float(values.mean()), 4)
+            std[key] = round(float(values.std(ddof=1)), 4) if len(values) > 1 else None
+            status[key] = "ok"
+            continue
+        mean[key] = std[key] = None
+        bad = [st for st in states if st != "ok"]
+        if len(bad) == len(states) and len(set(bad)) == 1:
+            status[key] = bad[0]
+        else:
+            status[key] = f"not finite in {len(bad)} of {len(states)} seeds"
+    return mean, std, status
+
+
+def summarize_row(base: str, per_seed: list[dict], eval_lens) -> dict:
+    """A row of ``results["schemes"]``: :func:`aggregate_seeds` of ``per_seed`` as
+    ``bits_per_byte`` (the mean), ``std`` and ``status``, the seeds' mean of the timing
+    statistics, and every seed's own entry under ``per_seed``."""
+    mean, std, status = aggregate_seeds(per_seed, eval_lens)
+    row = {"bits_per_byte": mean, "std": std, "status": status, "trained_as": base,
+           "seeds": [e["seed"] for e in per_seed]}
+    if "same_model_as" in per_seed[0]:
+        row["same_model_as"] = per_seed[0]["same_model_as"]
+    for k in _MEAN_STATS:
+        values = [e[k] for e in per_seed if e.get(k) is not None]
+        if values:
+            row[k] = round(float(np.mean(values)), 3 if k != "num_params" else None)
+    if "messages" in per_seed[0]:
+        row["messages"] = per_seed[0]["messages"]
+    row["per_seed"] = per_seed
+    return row
+
+
+def not_run_row(base: str, eval_lens, reason: str) -> dict:
+    """A row for a scheme this jaxpos does not register: status ``"not run"`` everywhere."""
+    keys = [str(L) for L in eval_lens]
+    return {"bits_per_byte": dict.fromkeys(keys), "std": dict.fromkeys(keys),
+            "status": dict.fromkeys(keys, "not run"), "trained_as": base, "seeds": [],
+            "reason": reason, "per_seed": []}
+
+
+def compare_cells(results: dict, a: str, length_a: int, b: str, length_b: int) -> dict | None:
+    """Whether row ``a`` at ``length_a`` and row ``b`` at ``length_b`` differ beyond the spread.
+
+    ``difference = mean_a - mean_b`` (bits per byte; negative: ``a`` is lower, i.e.
+    better), ``pooled_std = sqrt((std_a**2 + std_b**2) / 2)`` and ``exceeds = |difference|
+    > SPREAD_FACTOR * pooled_std`` (:data:`SPREAD_FACTOR` = 2). With one seed there is no
+    spread: ``pooled_std`` and ``exceeds`` are ``None``.
+
+    Returns ``None`` when either cell has no value (a row not run, "cannot run", "not
+    finite").
+    """
+    rows = results["schemes"]
+    if a not in rows or b not in rows:
+        return None
+    ma, mb = rows[a]["bits_per_byte"][str(length_a)], rows[b]["bits_per_byte"][str(length_b)]
+    if ma is None or mb is None:
+        return None
+    sa = rows[a].get("std", {}).get(str(length_a))
+    sb = rows[b].get("std", {}).get(str(length_b))
+    diff = ma - mb
+    if sa is None or sb is None:
+        return {"difference": round(diff, 4), "pooled_std": None, "exceeds": None}
+    pooled = math.sqrt((sa ** 2 + sb ** 2) / 2)
+    return {"difference": round(diff, 4), "pooled_std": round(pooled, 4),
+            "exceeds": abs(diff) > SPREAD_FACTOR * pooled}
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A paper's claim as one comparison: row ``a`` at ``at_a`` has *lower* loss than row
+    ``b`` at ``at_b``; ``at_*`` index ``eval_lens`` (0: the training length, -1: the longest)."""
+
+    paper: str
+    claim: str
+    a: str
+    b: str
+    at_a: int = -1
+    at_b: int = -1
+
+
+CLAIMS = (
+    Claim("Press et al. 2022 (ALiBi)", "ALiBi extrapolates better than sinusoidal", "alibi",
+          "sinusoidal"),
+    Claim("Press et al. 2022 (ALiBi)", "ALiBi extrapolates better than rotary", "alibi", "rope"),
+    Claim("Press et al. 2022 (ALiBi)", "ALiBi's loss keeps falling past the training length",
+          "alibi", "alibi", -1, 0),
+    Claim("Chi et al. 2022 (KERPLE)", "the logarithmic kernel extrapolates better than ALiBi",
+          "kerple_log", "alibi"),
+    Claim("Chi et al. 2022 (KERPLE)", "the logarithmic kernel extrapolates better than T5",
+          "kerple_log", "t5"),
+    Claim("Li et al. 2023 (FIRE)", "FIRE generalises to longer inputs better than KERPLE",
+          "fire", "kerple_log"),
+    Claim("Li et al. 2023 (FIRE)", "FIRE generalises to longer inputs better than ALiBi",
+          "fire", "alibi"),
+    Claim("Li et al. 2023 (FIRE)", "FIRE generalises to longer inputs better than RoPE",
+          "fire", "rope"),
+    Claim("Lin et al. 2025 (FoX)", "the forget gate extrapolates better than RoPE", "fox",
+          "rope"),
+    Claim("Lin et al. 2025 (FoX)", "the forget gate extrapolates better than no gate (NoPE)",
+          "fox", "nope"),
+    Claim("Tan et al. 2025 (stick-breaking)", "stick-breaking extrapolates better than "
+          "softmax with RoPE", "stick_breaking", "rope"),
+    Claim("Tan et al. 2025 (stick-breaking)", "stick-breaking extrapolates better than "
+          "softmax with no positions (NoPE)", "stick_breaking", "nope"),
+    Claim("Nakanishi 2025 (SSMax)", "Scalable-Softmax lowers the loss past the training "
+          "length against plain softmax (NoPE)", "ssmax", "nope"),
+)
+
+
+def judge(claim: Claim, results: dict) -> dict:
+    """One claim against a run: the two cells, :func:`compare_cells` and a verdict:
+    ``"matches"`` (``a`` lower beyond the spread), ``"does not match"`` (``a`` higher
+    beyond the spread), ``"cannot be told apart"``, ``"one seed"`` (no spread) or
+    ``"not run"`` (a cell without a value)."""
     lens = results["eval_lens"]
-    T = results["config"]["train_len"]
-    head = ["scheme"] + [f"{L} ({L / T:g}x)" for L in lens] + ["train s", "train tok/s", "eval s"]
-    rows = []
-    for name, r in results["schemes"].items():
-        cells = [name]
-        for L in lens:
-            v, st = r["bits_per_byte"][str(L)], r["status"][str(L)]
-            cells.append(f"{v:.3f}" if v is not None else st)
-        cells += [f"{r.get('train_s', 0) + r.get('compile_s', 0):.1f}" if "train_s" in r else "-",
-                  f"{r['train_tokens_per_s']:.0f}" if "train_tokens_per_s" in r else "-",
-                  f"{r['eval_s'] + r['eval_compile_s']:.1f}"]
-        rows.append(cells)
+    la, lb = lens[claim.at_a], lens[claim.at_b]
+    c = compare_cells(results, claim.a, la, claim.b, lb)
+    out = {"paper": claim.paper, "claim": claim.claim, "a": claim.a, "length_a": la,
+           "b": claim.b, "length_b": lb, "comparison": c}
+    if c is None:
+        out["verdict"] = "not run"
+    elif c["exceeds"] is None:
+        out["verdict"] = "one seed"
+    elif not c["exceeds"]:
+        out["verdict"] = "cannot be told apart"
+    else:
+        out["verdict"] = "matches" if c["difference"] < 0 else "does not match"
+    return out
+
+
+# ------------------------------------------------------------------------- reporting
+def _markdown(head: list[str], rows: list[list[str]], *, text_columns: int = 1) -> str:
+    """Markdown table; the first ``text_columns`` columns left-aligned, the rest right."""
     widths = [max(len(h), *(len(c[i]) for c in rows)) for i, h in enumerate(head)]
-    line = lambda cells: "| " + " | ".join(c.rjust(w) if i else c.ljust(w)
-                                           for i, (c, w) in enumerate(zip(cells, widths))) + " |"
-    sep = "|" + "|".join(("-" * (w + 1) + ":") if i else ("-" * (w + 2))
+    line = lambda cells: "| " + " | ".join(
+        c.ljust(w) if i < text_columns else c.rjust(w)
+        for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+    sep = "|" + "|".join(("-" * (w + 2)) if i < text_columns else ("-" * (w + 1) + ":")
                          for i, w in enumerate(widths)) + "|"
     return "\n".join([line(head), sep] + [line(r) for r in rows])
 
 
+def format_table(results: dict, *, timings: bool = True) -> str:
+    """Markdown table: one row per scheme, bits per byte per evaluation length (mean ±
+    standard deviation over seeds when there are several), then the mean time per seed."""
+    lens = results["eval_lens"]
+    T = results["config"]["train_len"]
+    head = ["scheme"] + [f"{L} ({L / T:g}x)" for L in lens]
+    if timings:
+        head += ["train s", "train tok/s", "eval s"]
+    rows = []
+    for name, r in results["schemes"].items():
+        cells = [name]
+        std = r.get("std", {})
+        for L in lens:
+            v, st, sd = r["bits_per_byte"][str(L)], r["status"][str(L)], std.get(str(L))
+            cells.append(st if v is None else f"{v:.3f}" if sd is None else f"{v:.3f} ± {sd:.3f}")
+        if timings:
+            cells += [f"{r['train_s'] + r['compile_s']:.1f}" if "train_s" in r else "-",
+                      f"{r['train_tokens_per_s']:.0f}" if "train_tokens_per_s" in r else "-",
+                      f"{r['eval_s'] + r['eval_compile_s']:.1f}" if "eval_s" in r else "-"]
+        rows.append(cells)
+    return _markdown(head, rows)
+
+
+def format_claims(results: dict) -> str:
+    """Markdown table of :data:`CLAIMS` judged against ``results`` (:func:`judge`)."""
+    T = results["config"]["train_len"]
+    rows = []
+    for claim in CLAIMS:
+        j = judge(claim, results)
+        c = j["comparison"]
+        where = (f"{j['a']} {j['length_a'] / T:g}x vs {j['b']} {j['length_b'] / T:g}x")
+        diff = "-" if c is None else f"{c['difference']:+.3f}"
+        spread = "-" if c is None or c["pooled_std"] is None else (
+            f"{SPREAD_FACTOR * c['pooled_std']:.3f}")
+        rows.append([j["paper"], j["claim"], where, j["verdict"], diff, spread])
+    head = ["paper", "claim", "cells (a vs b)", "verdict", "a - b", "2 × pooled std"]
+    return _markdown(head, rows, text_columns=4)
+
+
 def plot(results: dict, path: Path) -> None:
-    """Bits per byte against evaluation length (log2 axis), one line per scheme."""
+    """Bits per byte against evaluation length (log2 axis), one line per scheme, with a band
+    of ± one standard deviation over seeds where there are several."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -482,15 +736,24 @@ def plot(results: dict, path: Path) -> None:
 
     lens = results["eval_lens"]
     T = results["config"]["train_len"]
-    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=110)
-    markers = "osv^D<>phX*"
-    for i, (name, r) in enumerate(results["schemes"].items()):
+    rows = {n: r for n, r in results["schemes"].items()
+            if any(v is not None for v in r["bits_per_byte"].values())}
+    fig, ax = plt.subplots(figsize=(9.5 if len(rows) > 10 else 7.5, 5.2), dpi=110)
+    markers = "osv^D<>phX*P"
+    colors = plt.get_cmap("tab20" if len(rows) > 10 else "tab10").colors
+    for i, (name, r) in enumerate(rows.items()):
         xs = [L for L in lens if r["bits_per_byte"][str(L)] is not None]
-        ys = [r["bits_per_byte"][str(L)] for L in xs]
+        ys = np.array([r["bits_per_byte"][str(L)] for L in xs])
         style = "--" if "+" in name else "-"
         label = name + (" (cannot run past its table)" if any(
             r["status"][str(L)] == "cannot run" for L in lens) else "")
-        ax.plot(xs, ys, style, marker=markers[i % len(markers)], label=label, lw=1.6, ms=5)
+        color = colors[i % len(colors)]
+        ax.plot(xs, ys, style, marker=markers[i % len(markers)], label=label, lw=1.5, ms=4.5,
+                color=color)
+        sd = [r.get("std", {}).get(str(L)) for L in xs]
+        if xs and all(v is not None for v in sd):
+            sd = np.array(sd)
+            ax.fill_between(xs, ys - sd, ys + sd, color=color, alpha=0.18, lw=0)
     ax.axvline(T, color="0.4", ls=":", lw=1.2)
     ax.text(T, 0.98, " training length", transform=ax.get_xaxis_transform(), va="top",
             fontsize=8, color="0.3")
@@ -499,10 +762,15 @@ def plot(results: dict, path: Path) -> None:
     ax.set_xlabel("evaluation length (bytes)")
     ax.set_ylabel("held-out bits per byte (lower is better)")
     c = results["config"]
+    n_seeds = len(results.get("seeds", [c["seed"]]))
+    seeds = f", mean ± std of {n_seeds} seeds" if n_seeds > 1 else ""
     ax.set_title(f"Length generalisation: trained at {T} bytes, {c['steps']} steps, "
-                 f"d_model {c['d_model']}, {c['layers']} layers", fontsize=10)
+                 f"d_model {c['d_model']}, {c['layers']} layers{seeds}", fontsize=10)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+    if len(rows) > 10:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -513,7 +781,8 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.replace(",", " ").split()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers; got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers; got {text!r}") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers; got {text!r}")
     return values
@@ -526,15 +795,43 @@ def _name_list(text: str) -> list[str]:
     return names
 
 
+def _options(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object; got {text!r} ({e})") from None
+    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+        raise argparse.ArgumentTypeError(
+            f'expected a JSON object of scheme name -> options, e.g. \'{{"fire": {{"init_L": '
+            f'16}}}}\'; got {text!r}')
+    return {k.lower(): v for k, v in value.items()}
+
+
+# Configuration entries that must agree for --resume to reuse a finished row.
+_RESUME_KEYS = ("steps", "train_len", "eval_lens", "d_model", "layers", "heads", "batch_size",
+                "t5_max_distance", "lr", "seed", "seeds", "corpus", "eval_bytes",
+                "eval_batch_tokens", "implementation", "scheme_options")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Train a small byte-level LM per position scheme at one length and evaluate "
                     "held-out bits per byte at 1x-16x that length.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--schemes", type=_name_list, default=None,
-                   help=f"comma-separated; default {','.join(DEFAULT_SCHEMES)} (the RoPE "
-                        f"variants need jaxpos.rope_scaling). Variants: {','.join(ROPE_VARIANTS)}. "
-                        f"Also: {','.join(SCHEME_OBJECTS)}")
+                   help=f"comma-separated rows: any position jaxpos.nnx.DecoderLM takes (the "
+                        f"registered schemes, e.g. kerple_log, fire, fox), or a RoPE variant "
+                        f"{','.join(ROPE_VARIANTS)} (the trained RoPE model evaluated with "
+                        f"jaxpos.rope_scaling); default {','.join(DEFAULT_SCHEMES)}")
+    p.add_argument("--seeds", type=int, default=None,
+                   help="seeds per row (--seed, --seed + 1, ...: initialisation and batches); "
+                        "the table shows mean ± std; default 1 (3 for --preset study)")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help=f"study: the rows {','.join(STUDY_SCHEMES)} with 3 seeds (explicit "
+                        f"flags override); rows this jaxpos does not register are 'not run'")
+    p.add_argument("--scheme-options", type=_options, default=None,
+                   help='JSON object of scheme name -> DecoderLM scheme_options, e.g. '
+                        '\'{"fire": {"init_L": 16}}\'')
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per scheme")
     p.add_argument("--train-len", type=int, default=64, help="training sequence length (bytes)")
     p.add_argument("--eval-lens", type=_int_list, default=None,
@@ -548,7 +845,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="T5's max_distance; default max(32, min(128, --train-len)), so that every "
                         "bucket is trained, as in Press et al. (trained on 512+ tokens)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
-    p.add_argument("--seed", type=int, default=0, help="data split, batches and initialisation")
+    p.add_argument("--seed", type=int, default=0,
+                   help="data split and held-out bytes; initialisation and batches of the first "
+                        "seed")
     p.add_argument("--corpus", default=None,
                    help="text file or folder; default: the Python standard library's source")
     p.add_argument("--eval-bytes", type=int, default=8192,
@@ -557,11 +856,29 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tokens per evaluation forward pass")
     p.add_argument("--implementation", default=None, choices=("reference", "chunked", "pallas"),
                    help="attention implementation; default: the library's choice for the backend")
-    p.add_argument("--out", default="runs/length_generalization", help="output folder")
+    p.add_argument("--out", default=None,
+                   help="output folder; default runs/length_generalization (runs/study for "
+                        "--preset study)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the rows of --out's results.json that were run with the same "
+                        "settings and seeds; train only the others")
+    p.add_argument("--report", default=None, metavar="RESULTS_JSON",
+                   help="print the table and the paper-claim comparisons of a results.json "
+                        "and exit (nothing is trained)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     args = p.parse_args(argv)
+    if args.report is not None:
+        return args
+    preset = PRESETS.get(args.preset, {})
+    from_preset = args.schemes is None and "schemes" in preset
+    if args.seeds is None:
+        args.seeds = preset.get("seeds", 1)
+    if args.schemes is None:
+        args.schemes = list(preset.get("schemes", DEFAULT_SCHEMES))
+    if args.out is None:
+        args.out = f"runs/{args.preset}" if args.preset else "runs/length_generalization"
     for name in ("steps", "train_len", "d_model", "layers", "heads", "batch_size", "eval_bytes",
-                 "eval_batch_tokens"):
+                 "eval_batch_tokens", "seeds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.d_model % args.heads:
@@ -571,17 +888,58 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.eval_lens is None:
         args.eval_lens = [args.train_len * m for m in (1, 2, 4, 8, 16)]
     args.eval_lens = sorted(set(args.eval_lens))
-    if args.schemes is None:
-        args.schemes = [s for s in DEFAULT_SCHEMES if "+" not in s or rope_scaling_available()]
+    args.schemes = list(dict.fromkeys(args.schemes))
+    has_scaling = rope_scaling_available()
+    if args.preset is None and args.schemes == list(DEFAULT_SCHEMES) and not has_scaling:
+        args.schemes = [s for s in args.schemes if "+" not in s]
+    known = registered_positions()
+    args.not_registered = []
     for s in args.schemes:
-        if "+" not in s and s not in BASE_SCHEMES + SCHEME_OBJECTS:
-            p.error(f"--schemes: unknown scheme {s!r}; expected one of "
-                    f"{BASE_SCHEMES + SCHEME_OBJECTS} or a RoPE variant {ROPE_VARIANTS}")
-        if "+" in s and s not in ROPE_VARIANTS:
-            p.error(f"--schemes: unknown variant {s!r}; the RoPE variants are {ROPE_VARIANTS}")
-        if "+" in s and not rope_scaling_available():
-            p.error(f"--schemes: {s!r} needs jaxpos.rope_scaling, which is not installed")
+        if "+" in s:
+            if s not in ROPE_VARIANTS:
+                p.error(f"--schemes: unknown variant {s!r}; the RoPE variants are "
+                        f"{ROPE_VARIANTS}")
+            if not has_scaling:
+                p.error(f"--schemes: {s!r} needs jaxpos.rope_scaling, which is not installed")
+        elif s not in known:
+            if not from_preset:
+                p.error(f"--schemes: unknown scheme {s!r}; this jaxpos builds {known} and the "
+                        f"RoPE variants {ROPE_VARIANTS}")
+            args.not_registered.append(s)
+    for s in args.scheme_options or {}:
+        if base_scheme(s) not in [base_scheme(n) for n in args.schemes]:
+            p.error(f"--scheme-options: {s!r} is not one of the rows {args.schemes}")
     return args
+
+
+def _git_commit() -> str | None:
+    """The checkout's commit (``+dirty`` when files differ from it), or ``None``."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, text=True,
+                              capture_output=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=here, text=True, capture_output=True, timeout=10,
+                               check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty.strip() else "")
+
+
+def _previous_rows(args, path: Path) -> dict:
+    """The rows of ``path`` (a results.json) that ``--resume`` keeps: all of them when its
+    configuration agrees with ``args`` on :data:`_RESUME_KEYS`, except rows not run."""
+    if not path.is_file():
+        return {}
+    old = json.loads(path.read_text())
+    config = dict(vars(args))
+    if any(old["config"].get(k) != config.get(k) for k in _RESUME_KEYS):
+        print(f"--resume: {path} was run with other settings; starting afresh", file=sys.stderr)
+        return {}
+    return {n: r for n, r in old["schemes"].items()
+            if r["per_seed"] and r["seeds"] == old["seeds"]}
 
 
 def run(args) -> dict:
@@ -592,9 +950,10 @@ def run(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
+    seeds = [args.seed + i for i in range(args.seeds)]
     corpus = load_corpus(args.corpus, seed=args.seed)
-    offsets = train_offsets(len(corpus.train), steps=args.steps, batch_size=args.batch_size,
-                            train_len=args.train_len, seed=args.seed)
+    offsets = {s: train_offsets(len(corpus.train), steps=args.steps, batch_size=args.batch_size,
+                                train_len=args.train_len, seed=s) for s in seeds}
     chunks = eval_chunks(corpus.heldout, args.eval_lens, args.eval_bytes)
     print(f"corpus: {corpus.source}\n  train {len(corpus.train):,} bytes in {corpus.train_files} "
           f"files; held-out {len(corpus.heldout):,} bytes in {corpus.heldout_files} files; "
@@ -602,53 +961,112 @@ def run(args) -> dict:
     print(f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind}); attention "
           f"implementation: {args.implementation or 'library default'}")
     print(f"model: d_model {args.d_model}, {args.layers} layers, {args.heads} heads; training "
-          f"{args.steps} steps x {args.batch_size} x {args.train_len} bytes, seed {args.seed}; "
+          f"{args.steps} steps x {args.batch_size} x {args.train_len} bytes, "
+          f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}; "
           f"T5 max_distance {args.t5_max_distance}")
 
+    previous = _previous_rows(args, out / "results.json") if args.resume else {}
     results = {
-        "config": {k: v for k, v in vars(args).items() if k not in ("no_progress",)},
+        "config": {k: v for k, v in vars(args).items()
+                   if k not in ("no_progress", "resume", "report", "not_registered")},
         "eval_lens": list(args.eval_lens),
+        "seeds": seeds,
         "corpus": {"source": corpus.source, "train_bytes": len(corpus.train),
                    "heldout_bytes": len(corpus.heldout), "train_files": corpus.train_files,
                    "heldout_files": corpus.heldout_files,
                    "eval_bytes_per_length": int(chunks.size - len(chunks))},
         "environment": {"jax": jax.__version__, "backend": jax.default_backend(),
                         "device": jax.devices()[0].device_kind, "python": platform.python_version(),
-                        "cpu_count": os.cpu_count()},
+                        "cpu_count": os.cpu_count(), "git_commit": _git_commit()},
         "units": "bits per byte = mean next-byte cross-entropy (nats) / ln 2",
+        "spread_rule": f"two cells differ beyond the spread when |mean_a - mean_b| > "
+                       f"{SPREAD_FACTOR:g} * sqrt((std_a**2 + std_b**2) / 2), std with ddof=1 "
+                       f"over the seeds",
         "schemes": {},
     }
+
+    def write():
+        rows = results["schemes"]
+        results["schemes"] = {s: rows[s] for s in args.schemes if s in rows}
+        results["total_s"] = round(time.perf_counter() - t_start, 1)
+        tmp = out / "results.json.tmp"
+        with open(tmp, "w") as f:
+            json.dump(results, f, indent=1)
+        tmp.replace(out / "results.json")
+
+    def shown(bpb, status, std=None):
+        return "  ".join(
+            f"{L}:{status[str(L)]}" if bpb[str(L)] is None else f"{L}:{bpb[str(L)]:.3f}" + (
+                "" if std is None or std[str(L)] is None else f"±{std[str(L)]:.3f}")
+            for L in args.eval_lens)
+
     bases = list(dict.fromkeys(base_scheme(s) for s in args.schemes))
     for base in bases:
+        names = [s for s in args.schemes if base_scheme(s) == base]
+        if base in args.not_registered:
+            for name in names:
+                results["schemes"][name] = not_run_row(
+                    base, args.eval_lens, f"this jaxpos registers no scheme {base!r}")
+                print(f"{name:<14} not run: this jaxpos registers no scheme {base!r}", flush=True)
+            write()
+            continue
+        if all(n in previous for n in names):
+            for name in names:
+                results["schemes"][name] = previous[name]
+                print(f"{name:<14} kept from the previous results.json (--resume)", flush=True)
+            write()
+            continue
         t0 = time.perf_counter()
-        graphdef, params, rest, train_stats = train(base, args, corpus, offsets, progress)
-        compiled = {}
-        for name in [s for s in args.schemes if base_scheme(s) == base]:
-            bpb, status, eval_stats = evaluate(name, graphdef, params, rest, args, chunks, progress,
-                                               compiled)
-            entry = {"bits_per_byte": bpb, "status": status, "trained_as": base}
-            shared = name != base and base in args.schemes
-            entry.update({"same_model_as": base} if shared else train_stats)
-            entry.update(eval_stats)
-            results["schemes"][name] = entry
-            shown = "  ".join(f"{L}:{bpb[str(L)]:.3f}" if bpb[str(L)] is not None
-                              else f"{L}:{status[str(L)]}" for L in args.eval_lens)
-            print(f"{name:<11} {shown}   ({time.perf_counter() - t0:.1f} s)", flush=True)
-    results["schemes"] = {s: results["schemes"][s] for s in args.schemes}
-    results["total_s"] = round(time.perf_counter() - t_start, 1)
-
-    with open(out / "results.json", "w") as f:
-        json.dump(results, f, indent=1)
+        per_seed = {name: [] for name in names}
+        compiled = {}  # one compilation per row, shared by its seeds
+        for seed in seeds:
+            graphdef, params, rest, train_stats = train(base, args, corpus, offsets[seed],
+                                                        progress, seed=seed, compiled=compiled)
+            for name in names:
+                bpb, status, eval_stats = evaluate(name, graphdef, params, rest, args, chunks,
+                                                   progress, compiled)
+                entry = {"seed": seed, "bits_per_byte": bpb, "status": status}
+                shared = name != base and base in args.schemes
+                entry.update({"same_model_as": base} if shared else train_stats)
+                entry.update(eval_stats)
+                per_seed[name].append(entry)
+                if len(seeds) > 1:
+                    print(f"{name:<14} seed {seed}  {shown(bpb, status)}   "
+                          f"({time.perf_counter() - t0:.1f} s)", flush=True)
+        for name in names:
+            row = summarize_row(base, per_seed[name], args.eval_lens)
+            row["git_commit"] = results["environment"]["git_commit"]
+            results["schemes"][name] = row
+            print(f"{name:<14} {shown(row['bits_per_byte'], row['status'], row['std'])}   "
+                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+        write()
+    write()
     plot(results, out / "length_generalization.png")
     print()
     print(format_table(results))
+    if len(seeds) > 1 and any(c.a in results["schemes"] for c in CLAIMS):
+        print()
+        print(format_claims(results))
     print(f"\nwrote {out / 'results.json'} and {out / 'length_generalization.png'} "
           f"({results['total_s']:.0f} s in all)")
     return results
 
 
+def report(path: str) -> dict:
+    """Print the table and the claim comparisons of a finished run's results.json."""
+    results = json.loads(Path(path).read_text())
+    print(format_table(results))
+    print()
+    print(format_claims(results))
+    return results
+
+
 def main(argv=None) -> int:
-    run(parse_args(argv))
+    args = parse_args(argv)
+    if args.report is not None:
+        report(args.report)
+    else:
+        run(args)
     return 0
 
 

@@ -48,8 +48,9 @@ def test_length_generalization_end_to_end(tmp_path, lg):
     schemes = ["learned", "rope+yarn" if lg.rope_scaling_available() else "alibi"]
     out = tmp_path / "run"
     cmd = [sys.executable, str(EXAMPLES / "length_generalization.py"),
-           "--steps", "30", "--lr", "1e-2", "--train-len", "8", "--eval-lens", "8,16", "--d-model", "16",
-           "--layers", "1", "--heads", "2", "--batch-size", "8", "--eval-bytes", "32",
+           "--steps", "30", "--lr", "1e-2", "--train-len", "8", "--eval-lens", "8,16",
+           "--d-model", "16", "--layers", "1", "--heads", "2", "--batch-size", "8",
+           "--eval-bytes", "32",
            "--schemes", ",".join(schemes), "--seed", "1", "--out", str(out), "--no-progress"]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600,
                           cwd=ROOT)
@@ -174,6 +175,154 @@ def test_bad_arguments_exit_with_a_message(lg, capsys):
     assert args.eval_lens == [32, 64, 128, 256, 512]
 
 
+# ------------------------------------------------------------------- seeds and spread
+def _fake_seed(seed, values, status=None):
+    """One seed's entry as evaluate() returns it, at lengths 8, 16, 32."""
+    keys = ["8", "16", "32"]
+    status = status or ["ok"] * 3
+    return {"seed": seed, "bits_per_byte": {k: (v if st == "ok" else None)
+                                            for k, v, st in zip(keys, values, status)},
+            "status": dict(zip(keys, status)), "train_s": 2.0 * (seed + 1), "compile_s": 1.0,
+            "num_params": 1000, "eval_s": 0.5, "eval_compile_s": 0.25}
+
+
+def test_seed_aggregation_is_mean_and_sample_std(lg):
+    """Three seeds at 8: 3.0, 3.2, 3.4 -> mean 3.2, std (ddof=1) sqrt(0.08 / 2) = 0.2;
+    at 16: 3.1, 3.1, 3.4 -> mean 3.2, std sqrt(0.06 / 2) = 0.17320508...; at 32 one seed
+    is not finite, so the cell has no mean and says so."""
+    per_seed = [_fake_seed(0, [3.0, 3.1, 3.3], ["ok", "ok", "ok"]),
+                _fake_seed(1, [3.2, 3.1, None], ["ok", "ok", "not finite"]),
+                _fake_seed(2, [3.4, 3.4, 3.5], ["ok", "ok", "ok"])]
+    mean, std, status = lg.aggregate_seeds(per_seed, [8, 16, 32])
+    assert mean == {"8": 3.2, "16": 3.2, "32": None}
+    assert std == {"8": 0.2, "16": 0.1732, "32": None}
+    assert status == {"8": "ok", "16": "ok", "32": "not finite in 1 of 3 seeds"}
+
+    row = lg.summarize_row("alibi", per_seed, [8, 16, 32])
+    assert row["seeds"] == [0, 1, 2] and row["per_seed"] == per_seed
+    assert row["train_s"] == 4.0  # (2 + 4 + 6) / 3
+    assert row["num_params"] == 1000 and row["eval_s"] == 0.5
+
+    # one seed: its own numbers and no spread; a status every seed shares is kept
+    mean, std, status = lg.aggregate_seeds([_fake_seed(0, [3.0, 3.1, 3.3])], [8, 16, 32])
+    assert mean == {"8": 3.0, "16": 3.1, "32": 3.3} and std == dict.fromkeys(mean)
+    cannot = [_fake_seed(s, [3.0, 0, 0], ["ok", "cannot run", "cannot run"]) for s in (0, 1)]
+    assert lg.aggregate_seeds(cannot, [8, 16, 32])[2] == {"8": "ok", "16": "cannot run",
+                                                          "32": "cannot run"}
+    with pytest.raises(ValueError, match="per_seed"):
+        lg.aggregate_seeds([], [8])
+
+
+def _fake_results(rows, lens=(8, 128)):
+    """A results dict with rows {name: (means, stds)} at lengths ``lens`` (train_len 8)."""
+    schemes = {}
+    for name, (means, stds) in rows.items():
+        schemes[name] = {"bits_per_byte": {str(L): m for L, m in zip(lens, means)},
+                         "std": {str(L): s for L, s in zip(lens, stds)},
+                         "status": {str(L): "ok" if m is not None else "not run"
+                                    for L, m in zip(lens, means)}}
+    return {"config": {"train_len": lens[0], "steps": 3, "d_model": 8, "layers": 1, "seed": 0},
+            "eval_lens": list(lens), "seeds": [0, 1, 2], "schemes": schemes}
+
+
+def test_spread_rule_and_claim_verdicts(lg):
+    """|a - b| > 2 * sqrt((sa^2 + sb^2) / 2): at 128, alibi 3.2 +- 0.2 vs rope 3.5 +- 0.1
+    gives -0.3 against 2 * sqrt(0.025) = 0.3162 (not beyond the spread); alibi vs
+    sinusoidal 4.0 +- 0.1: -0.8 (beyond, alibi lower: the claim matches)."""
+    res = _fake_results({"alibi": ((3.25, 3.2), (0.05, 0.2)),
+                         "rope": ((3.1, 3.5), (0.02, 0.1)),
+                         "sinusoidal": ((3.3, 4.0), (0.1, 0.1)),
+                         "fire": ((3.0, 3.9), (0.0, 0.01)),
+                         "kerple_log": ((3.0, 3.1), (0.01, None)),
+                         "ssmax": ((None, None), (None, None))})
+    c = lg.compare_cells(res, "alibi", 128, "rope", 128)
+    assert c == {"difference": -0.3, "pooled_std": 0.1581, "exceeds": False}
+    c = lg.compare_cells(res, "alibi", 128, "sinusoidal", 128)
+    assert c == {"difference": -0.8, "pooled_std": 0.1581, "exceeds": True}
+    c = lg.compare_cells(res, "alibi", 128, "alibi", 8)  # sqrt((0.04 + 0.0025) / 2) = 0.1458
+    assert c == {"difference": -0.05, "pooled_std": 0.1458, "exceeds": False}
+    assert lg.compare_cells(res, "ssmax", 128, "nope", 128) is None
+    assert lg.compare_cells(res, "kerple_log", 128, "alibi", 128)["exceeds"] is None
+
+    verdict = lambda a, b, at_a=-1, at_b=-1: lg.judge(lg.Claim("p", "c", a, b, at_a, at_b),
+                                                      res)["verdict"]
+    assert verdict("alibi", "sinusoidal") == "matches"
+    assert verdict("fire", "alibi") == "does not match"  # +0.7 > 2 * 0.1415
+    assert verdict("alibi", "rope") == "cannot be told apart"
+    assert verdict("alibi", "alibi", -1, 0) == "cannot be told apart"
+    assert verdict("kerple_log", "alibi") == "one seed"
+    assert verdict("ssmax", "nope") == "not run"
+    rows = [[c.strip() for c in line.split("|")[1:-1]]
+            for line in lg.format_claims(res).splitlines()]
+    assert rows[0][2:] == ["cells (a vs b)", "verdict", "a - b", "2 × pooled std"]
+    assert ["alibi 16x vs sinusoidal 16x", "matches", "-0.800", "0.316"] in [r[2:] for r in rows]
+    assert ["ssmax 16x vs nope 16x", "not run", "-", "-"] in [r[2:] for r in rows]
+
+
+def test_table_shows_mean_and_std(lg):
+    res = _fake_results({"alibi": ((3.25, 3.2), (0.05, 0.2)),
+                         "ssmax": ((None, None), (None, None))})
+    table = lg.format_table(res, timings=False).splitlines()
+    assert [c.strip() for c in table[0].split("|")[1:-1]] == ["scheme", "8 (1x)", "128 (16x)"]
+    assert table[2] == "| alibi  | 3.250 ± 0.050 | 3.200 ± 0.200 |"
+    assert table[3] == "| ssmax  |       not run |       not run |"
+
+
+def test_seeds_preset_and_options_arguments(lg, capsys):
+    args = lg.parse_args([])
+    assert args.seeds == 1 and args.schemes[:7] == list(lg.BASE_SCHEMES)
+    assert args.out == "runs/length_generalization" and args.not_registered == []
+    args = lg.parse_args(["--preset", "study"])
+    assert args.seeds == 3 and args.schemes == list(lg.STUDY_SCHEMES)
+    assert args.out == "runs/study"
+    missing = [s for s in lg.STUDY_SCHEMES
+               if "+" not in s and s not in lg.registered_positions()]
+    assert args.not_registered == missing  # rows reported as "not run"
+    args = lg.parse_args(["--preset", "study", "--seeds", "2", "--schemes", "rope,alibi"])
+    assert args.seeds == 2 and args.schemes == ["rope", "alibi"]
+    args = lg.parse_args(["--schemes", "fire,rope", "--scheme-options", '{"FIRE": {"init_L": 4}}'])
+    assert lg.scheme_options_for("fire", args) == {"init_L": 4}
+    assert lg.scheme_options_for("rope", args) is None
+    assert lg.scheme_options_for("fire", lg.parse_args(["--train-len", "32"])) == {"init_L": 8.0}
+    assert lg.parse_args(["--report", "x.json"]).report == "x.json"
+    for bad, message in [(["--seeds", "0"], "--seeds must be >= 1"),
+                         (["--schemes", "ssmax_typo"], "unknown scheme 'ssmax_typo'"),
+                         (["--scheme-options", "{fire}"], "JSON object"),
+                         (["--scheme-options", '{"fire": 3}'], "scheme name -> options"),
+                         (["--schemes", "rope", "--scheme-options", '{"fire": {}}'],
+                          "not one of the rows")]:
+        with pytest.raises(SystemExit):
+            lg.parse_args(bad)
+        assert message in capsys.readouterr().err, bad
+
+
+@pytest.mark.slow  # about 5 s of CPU time (two compilations, a plot)
+def test_seeds_end_to_end_and_resume(tmp_path, lg, capsys):
+    """One row, two seeds, three steps: results.json keeps both seeds' numbers, the row is
+    their mean and sample std, the plot is written; --resume trains nothing again."""
+    argv = ["--schemes", "alibi", "--seeds", "2", "--seed", "1", "--steps", "3",
+            "--train-len", "8", "--eval-lens", "8,16", "--d-model", "8", "--layers", "1",
+            "--heads", "2", "--batch-size", "4", "--eval-bytes", "32", "--out", str(tmp_path),
+            "--no-progress"]
+    res = lg.run(lg.parse_args(argv))
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["seeds"] == [1, 2] and saved["schemes"] == res["schemes"]
+    row = saved["schemes"]["alibi"]
+    assert [e["seed"] for e in row["per_seed"]] == [1, 2]
+    for L in ("8", "16"):
+        values = np.array([e["bits_per_byte"][L] for e in row["per_seed"]])
+        assert values[0] != values[1]  # other initialisation and batches
+        assert row["bits_per_byte"][L] == pytest.approx(values.mean(), abs=6e-5)
+        assert row["std"][L] == pytest.approx(abs(values[0] - values[1]) / math.sqrt(2),
+                                              abs=6e-5)
+    assert _is_png(tmp_path / "length_generalization.png")
+    assert " ± " in capsys.readouterr().out
+
+    again = lg.run(lg.parse_args(argv + ["--resume"]))
+    assert "kept from the previous results.json" in capsys.readouterr().out
+    assert again["schemes"] == res["schemes"]
+
+
 # ------------------------------------------------------------- packed = separate windows
 @pytest.mark.parametrize("position", ["sinusoidal", "rope", "t5", "shaw"])
 def test_packed_evaluation_equals_separate_windows(lg, position):
@@ -210,18 +359,18 @@ def test_registered_scheme_rows_evaluate_and_train(lg, name):
     """The main job's KERPLE, FIRE, Sandwich, xPos and FoX rows (DecoderLM from the scheme
     registry): packed evaluation equals separate windows, except FoX, whose gates are
     indexed by token position: the library refuses its packed rows, and the script runs
-    it one window per row (UNPACKED); the scheme's own parameters are trained."""
+    it one window per row (it is not in PACKED); the scheme's own parameters are trained."""
     import argparse
 
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    assert name in lg.SCHEME_OBJECTS
+    assert name in lg.registered_positions()
     args = argparse.Namespace(d_model=16, layers=1, heads=2, train_len=8, seed=0,
                               implementation="reference", t5_max_distance=32)
     model = lg.build_model(name, args)
-    if name in lg.UNPACKED:
+    if name not in lg.PACKED:
         pos, seg = lg.packed_positions(16, 8)
         x = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, 256)
         with pytest.raises(ValueError, match="positions must be 0 .. 15"):
