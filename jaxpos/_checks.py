@@ -173,3 +173,26 @@ def relative_offsets(q_positions, kv_positions) -> jax.Array:
             f"sizes {q.shape[0]} and {k.shape[0]} (shapes {q.shape} and {k.shape})."
         )
     return k[..., None, :] - q[..., :, None]
+
+
+def check_qkv(q: Any, k: Any, v: Any) -> None:
+    """q ``[B, Tq, N, H]``, k ``[B, Tk, N_kv, H]``, v ``[B, Tk, N_kv, H_v]``, one floating
+    dtype, ``N % N_kv == 0``.
+
+    Raises:
+      ValueError: a wrong rank, mismatched shapes, or ``N`` not a multiple of ``N_kv``.
+      TypeError: a non-floating dtype, or dtypes that differ.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_rank(name, x, (4,), "[batch, seq, heads, head_dim]")
+        check_floating(name, x)
+    dq, dk, dv = (dtype_of(x) for x in (q, k, v))
+    if not (dq == dk == dv):
+        raise TypeError(f"q, k and v must share a dtype; got {dq}, {dk}, {dv}.")
+    (B, Tq, N, H), (Bk, Tk, Nk, Hk), (Bv, Tv, Nv, _) = (shape_of(x) for x in (q, k, v))
+    if Bk != B or Bv != B or Hk != H or (Tv, Nv) != (Tk, Nk):
+        raise ValueError(f"expected q [B, Tq, N, H], k [B, Tk, N_kv, H], v [B, Tk, N_kv, H_v]; "
+                         f"got q {(B, Tq, N, H)}, k {(Bk, Tk, Nk, Hk)}, v {shape_of(v)}.")
+    if N % Nk:
+        raise ValueError(f"query heads ({N}) must be a multiple of key/value heads ({Nk}); "
+                         f"got q {(B, Tq, N, H)}, k {(Bk, Tk, Nk, Hk)}.")

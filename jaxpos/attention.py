@@ -833,6 +833,8 @@ def attention(
         return jnp.zeros((B, Tq, N, v.shape[-1]), q.dtype)
 
     q, k = scheme.transform_qk(q, k, q_pos, kv_pos)
+    if not explicit and implementation == "xla" and q.shape[-1] != v.shape[-1]:
+        implementation = "pallas"  # a transform that widens q and k (PoPE); cuDNN cannot
     k, v = _nonfinite_values_to_keys(k, v)
     if implementation in ("pallas", "xla") and not scheme.fusable:
         what = "the fused Pallas kernel" if implementation == "pallas" else \
@@ -850,7 +852,7 @@ def attention(
             raise ValueError(
                 f"implementation='xla' (jax.nn.dot_product_attention) needs v's head_dim to "
                 f"equal q's ({H}); got v {v.shape}. Use implementation='chunked'.")
-        from jaxpos.kernels import attention_via_xla
+        from jaxpos.xla import attention_via_xla
 
         return attention_via_xla(q, k, v, score_mod=all_score_mods, mask_mod=mask_mod,
                                  q_positions=q_pos, kv_positions=kv_pos, causal=causal,

@@ -52,7 +52,7 @@ from jaxpos import _checks
 
 __all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMask", "ChunkedAttentionMask", "ConvertedMod",
            "PrefixLMMask", "SlidingWindowMask", "apply_mod", "compose_score_mods", "convert_mod",
-           "create_block_mask", "offset_score_mod"]
+           "create_block_mask", "is_additive", "offset_score_mod", "reads_input"]
 
 # Tile kinds of a block mask.
 EMPTY, FULL, PARTIAL = 0, 1, 2
@@ -368,11 +368,27 @@ jax.tree_util.register_pytree_node(
 )
 
 
-def _reads(jaxpr, index: int) -> bool:
-    """Whether the jaxpr's input ``index`` reaches any equation or output."""
+def reads_input(jaxpr, index: int) -> bool:
+    """Whether the jaxpr's input ``index`` reaches any equation or output (e.g. whether a
+    converted mod reads ``batch``: ``reads_input(conv.jaxpr, 1)``)."""
     var = jaxpr.invars[index]
     return any(var is v for eqn in jaxpr.eqns for v in eqn.invars) or any(
         var is v for v in jaxpr.outvars)
+
+
+def is_additive(conv: ConvertedMod | None) -> bool:
+    """True when ``d score_mod / d score`` is identically 1 (the mod adds a term that does
+    not depend on the score, e.g. ALiBi, T5): decided from the mod's JVP jaxpr, whose
+    tangent output is then its tangent input itself. ``None`` counts as additive."""
+    if conv is None:
+        return True
+    args = tuple(jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype) for x in conv.jaxpr.invars)
+
+    def tangent(s, t, *rest):
+        return jax.jvp(lambda x: conv(x, *rest), (s,), (t,))[1]
+
+    jaxpr = jax.make_jaxpr(tangent)(args[0], args[0], *args[1:]).jaxpr
+    return jaxpr.outvars[0] is jaxpr.invars[1]
 
 
 def _sorted_live(kinds):
@@ -434,7 +450,7 @@ def create_block_mask(mask_mod: Callable, *, q_positions, kv_positions, block_q:
     conv = convert_mod(mask_mod, "mask", bq, Tk)
     for index, what, given, option in ((0, "batch", batch_size, "batch_size"),
                                        (1, "head", num_heads, "num_heads")):
-        if given is None and (what != "batch" or Bp == 1) and _reads(conv.jaxpr, index):
+        if given is None and (what != "batch" or Bp == 1) and reads_input(conv.jaxpr, index):
             raise ValueError(f"mask_mod reads its {what} argument, but create_block_mask was "
                              f"not given {option}=: the tiles would be classified for "
                              f"{what} 0 only. Pass {option}= (the call's).")

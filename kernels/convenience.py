@@ -4,7 +4,6 @@ plain arrays (no scheme objects), translated into a per-token rotation and score
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jaxpos.kernels.dispatch import _check_qkv
 from jaxpos.kernels.fused import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, kernel_attention, resolve_mode
 
 from jaxpos import _checks
@@ -90,7 +89,7 @@ def fused_attention(q, k, v, *, q_positions, kv_positions, inv_freq=None, rope_l
       than ``H / 2``, block sizes that are not powers of two, segment ids given alone,
       unknown ``rope_layout`` / ``angle_precision``, ``interpret`` not a bool or None.
     """
-    _check_qkv(q, k, v)
+    _checks.check_qkv(q, k, v)
     B, Tq, N, H = _checks.shape_of(q)
     Tk = _checks.shape_of(k)[1]
     _checks.check_choice("rope_layout", rope_layout, LAYOUTS)
