@@ -1,4 +1,6 @@
-"""Every ```python block of README.md and examples/README.md runs as written, on its own.
+"""Every ```python block of README.md, examples/README.md and the docs pages (docs/**/*.md)
+runs as written, on its own; the README stays a front page and every docs page is on the
+site's navigation. A ```py fence is highlighted but not run: use it for a signature.
 
 Blocks are collected from the files at test time, so a new section is tested as soon as
 it is written. Each block runs in a fresh namespace (no block may rely on another), with
@@ -23,7 +25,8 @@ import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-DOCS = ("README.md", "examples/README.md")
+DOCS = ("README.md", "examples/README.md",
+        *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")))
 _FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
 _PARITY = re.compile(r"^\s*(import|from)\s+(torch|transformers|examples)\b", re.M)
 _EXTRAS = ("optax", "matplotlib", "tqdm")
@@ -120,7 +123,7 @@ def test_blocks_are_found():
     ids = [b for b, _ in BLOCKS]
     assert len(ids) >= 6, ids
     for key in CHECKS:  # every check still has its block
-        assert any(key in code for _, code in BLOCKS), f"no README block contains {key!r}"
+        assert any(key in code for _, code in BLOCKS), f"no documented block contains {key!r}"
 
 
 @pytest.mark.parametrize("block_id, code", list(_params()))
@@ -163,12 +166,31 @@ def test_examples_readme_option_tables_match_the_parsers():
         "python examples/readme_options.py --write")
 
 
-def test_main_readme_lists_every_option_of_the_main_job():
+def test_main_job_page_lists_every_option_of_the_main_job():
     ro = _readme_options()
     parser = ro.parser_of("length_generalization.py")
     flags = {s for a in parser._actions for s in a.option_strings if s.startswith("--")}
     flags -= {"--help"}
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "length_generalization.md").read_text()
     paragraph = text[text.index("\nOptions ("):]
     paragraph = paragraph[:paragraph.index("Outputs:")]
     assert set(re.findall(r"`(--[a-z0-9-]+)", paragraph)) == flags
+
+
+# ------------------------------------------------ the README is a front page; the site
+def test_readme_is_a_front_page_with_the_two_commands():
+    text = (ROOT / "README.md").read_text()
+    assert text.count("\n") <= 260, f"README.md has {text.count(chr(10))} lines; move detail to docs/"
+    for marker in ("<!-- main-command -->\n```bash\n", "<!-- test-command -->\n```bash\n"):
+        assert marker in text, marker
+    # every docs page the README links to exists
+    for target in re.findall(r"\]\((docs/[^)#]+)", text):
+        assert (ROOT / target).exists(), target
+
+
+def test_every_docs_page_is_in_the_site_navigation():
+    nav = (ROOT / "mkdocs.yml").read_text().split("\nnav:", 1)[1]
+    listed = set(re.findall(r"([\w/.-]+\.md)\s*$", nav, re.M))
+    pages = {str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md")}
+    assert pages <= listed, f"docs pages missing from mkdocs.yml's nav: {sorted(pages - listed)}"
+    assert listed <= pages, f"nav entries without a page: {sorted(listed - pages)}"
