@@ -26,6 +26,7 @@ from jaxpos.mods import (
     SlidingWindowMask,
     create_block_mask,
 )
+from jaxpos.pope import PoPE
 from jaxpos.rope import RoPE, apply_rope, half_to_interleaved, interleaved_to_half, rope_frequencies
 from jaxpos.rope_scaling import (
     DynamicNTKScaling,
@@ -62,6 +63,7 @@ __all__ = [
     "Llama3Scaling",
     "LongRoPEScaling",
     "NoPE",
+    "PoPE",
     "PositionScheme",
     "PrefixLMMask",
     "ProportionalScaling",

@@ -1,5 +1,5 @@
-"""KERPLE, FIRE, Sandwich, xPos, FoX and SSMax in the fused kernel lower for GPU and TPU: export
-``jaxpos.attention(..., implementation="pallas")`` forward and backward (gradients with
+"""KERPLE, FIRE, Sandwich, xPos, FoX, SSMax and PoPE in the fused kernel lower for GPU and
+TPU: export ``jaxpos.attention(..., implementation="pallas")`` forward and backward (gradients with
 respect to the scheme's arrays and q, k, v) on this CPU machine.
 
 ``jax.export.export(..., platforms=[...])`` runs the Pallas lowering for the target
@@ -19,6 +19,7 @@ import jaxpos
 from jaxpos.fire import FIRE
 from jaxpos.fox import FoX
 from jaxpos.kerple import KERPLELog, KERPLEPower
+from jaxpos.pope import PoPE
 from jaxpos.sandwich import Sandwich
 from jaxpos.ssmax import SSMax
 from jaxpos.xpos import XPos
@@ -34,6 +35,7 @@ SCHEMES = {
     "xpos": lambda: XPos(H),
     "fox": lambda: FoX(jnp.zeros((B, T, N))),
     "ssmax": lambda: SSMax(jnp.full((N,), 0.4)),
+    "pope": lambda: PoPE(H, phase_bias=jnp.full((N, H), -0.5)),
 }
 
 

@@ -19,7 +19,7 @@ def _model(name, **kw):
                         implementation="reference", rngs=nnx.Rngs(0), **kw)
 
 
-@pytest.mark.parametrize("name", ["ssmax"])
+@pytest.mark.parametrize("name", ["ssmax", "pope"])
 def test_cached_decoding_equals_the_full_pass(name):
     model = _model(name)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, T), 0, V)
