@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -533,9 +534,37 @@ def frequencies_for_length(rotary_dim: int, base: float, scaling, seq_len):
     return jnp.where(seq_len > L, scaled, short), af
 
 
+#: Keys any ``rope_scaling`` / ``rope_parameters`` dict may hold besides its type's own
+#: (HF's ``_check_received_keys`` accepts these for every type).
+_COMMON_ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+
+
+def _warn_as_hf(rope_type: str, cls, params: dict, fields: set) -> None:
+    """Warn where Hugging Face's ``rope_config_validation`` warns
+    (``transformers/modeling_rope_utils.py``): keys the type does not read (a typo such
+    as ``"beta_fats"`` would otherwise be dropped silently) and a context-extension
+    ``factor`` below 1 (which shrinks the context: ``"linear"`` with 0.5 doubles every
+    frequency). Proportional RoPE takes factors in ``[0, 1)`` by design."""
+    unknown = sorted(set(params) - fields - _COMMON_ROPE_KEYS)
+    if unknown:
+        warnings.warn(f"Unrecognized keys in rope_scaling for rope_type={rope_type!r}: "
+                      f"{unknown} (ignored; {cls.__name__} reads {sorted(fields)}).",
+                      UserWarning, stacklevel=3)
+    factor = params.get("factor")
+    if cls is not ProportionalScaling and isinstance(factor, (int, float)) \
+            and not isinstance(factor, bool) and factor < 1:
+        warnings.warn(f"rope_scaling's factor must be a number >= 1 for rope_type="
+                      f"{rope_type!r} (a context-extension factor, as Hugging Face "
+                      f"checks); got {factor}, which shrinks the context.", UserWarning,
+                      stacklevel=3)
+
+
 def scaling_from_dict(params: dict[str, Any], *, max_position_embeddings=None):
     """A scaling dataclass from an HF ``rope_scaling`` / ``rope_parameters`` dict, or None
     for ``"default"`` (and Qwen2-VL's ``"mrope"``). Used by :mod:`jaxpos.hf`.
+
+    Warns (``UserWarning``, where Hugging Face's ``rope_config_validation`` warns): keys
+    the type does not read; a ``factor`` below 1 (except proportional RoPE).
 
     Raises:
       ValueError: unknown ``rope_type``; missing keys.
@@ -559,6 +588,7 @@ def scaling_from_dict(params: dict[str, Any], *, max_position_embeddings=None):
             p.get("original_max_position_embeddings")
         p["original_max_position_embeddings"] = L
     fields = {f.name for f in dataclasses.fields(cls)}
+    _warn_as_hf(rope_type, cls, params, fields)
     kwargs = {k: v for k, v in p.items() if k in fields and v is not None}
     if cls is YaRNScaling:
         for k in ("beta_fast", "beta_slow"):

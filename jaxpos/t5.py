@@ -156,13 +156,26 @@ def t5_bias(
                                 num_buckets=num_buckets, max_distance=max_distance)
 
 
+def transposed_hint(shape, *, num_buckets=None, num_heads=None) -> str:
+    """`` It looks transposed ...`` when a ``[N, num_buckets]`` table was passed where
+    ``[num_buckets, N]`` is expected (judged from whichever size is known), else ''."""
+    if len(shape) != 2 or shape[0] == shape[1]:
+        return ""
+    if (num_buckets is not None and shape[1] == num_buckets) or (
+            num_heads is not None and shape[0] == num_heads):
+        return (f" It looks transposed: the T5 checkpoint layout is [num_buckets, N]; got "
+                f"[N, num_buckets] = {list(shape)}? Pass table.T.")
+    return ""
+
+
 def check_t5_table(table, num_buckets) -> None:
     """Raise ``ValueError`` unless ``table`` is ``[num_buckets, num_heads]``."""
     _checks.check_rank("table", table, (2,), "[num_buckets, num_heads]")
-    if _checks.shape_of(table)[0] != num_buckets:
+    shape = _checks.shape_of(table)
+    if shape[0] != num_buckets:
         raise ValueError(
-            f"table must have shape [num_buckets={num_buckets}, num_heads]; got shape "
-            f"{_checks.shape_of(table)}."
+            f"table must have shape [num_buckets, N] = [{num_buckets}, num_heads]; got shape "
+            f"{shape}.{transposed_hint(shape, num_buckets=num_buckets)}"
         )
 
 
@@ -218,8 +231,9 @@ def relative_bias_attention(Q, K, V, bias_table, *, scale: float = 1.0, causal: 
     _checks.check_rank("bias_table", bias_table, (2,), "[num_buckets, num_heads]")
     if _checks.shape_of(bias_table)[1] != Q.shape[-2]:
         raise ValueError(
-            f"bias_table must have shape [num_buckets, N={Q.shape[-2]}] (one column per head "
-            f"of Q {Q.shape}); got shape {_checks.shape_of(bias_table)}."
+            f"bias_table must have shape [num_buckets, N] = [num_buckets, {Q.shape[-2]}] (one "
+            f"column per head of Q {Q.shape}); got shape {_checks.shape_of(bias_table)}."
+            f"{transposed_hint(_checks.shape_of(bias_table), num_heads=Q.shape[-2])}"
         )
     lead = Q.shape[:-3]
     flat = lambda x: x.reshape((-1,) + x.shape[-3:])
@@ -258,8 +272,10 @@ class T5Bias(PositionScheme):
 
     def check(self, num_heads, head_dim):
         if _checks.shape_of(self.table)[1] != num_heads:
-            raise ValueError(f"T5 table must have shape [{self.num_buckets}, {num_heads}] (one "
-                             f"column per query head); got {_checks.shape_of(self.table)}.")
+            shape = _checks.shape_of(self.table)
+            raise ValueError(f"T5 table must have shape [num_buckets, N] = [{self.num_buckets}, "
+                             f"{num_heads}] (one column per query head); got {shape}."
+                             f"{transposed_hint(shape, num_heads=num_heads)}")
 
     @classmethod
     def init_params(cls, key, *, num_heads, d_model, causal, param_dtype, options, **_):

@@ -265,3 +265,34 @@ def test_hf_settings_need_head_width():
         rope_from_hf_config({"rope_theta": 10000.0})
     with pytest.raises(TypeError, match="config must be a dict"):
         rope_from_hf_config(["not", "a", "config"])
+
+
+@pytest.mark.parametrize("rope_scaling,match", [
+    ({"rope_type": "linear", "factor": 0.5}, r"factor must be a number >= 1.*got 0.5"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+      "beta_fats": 16}, r"Unrecognized keys.*'yarn'.*\['beta_fats'\]"),
+])
+def test_hf_rope_dicts_that_hf_warns_about_warn(rope_scaling, match):
+    """Hugging Face's rope_config_validation warns for a factor below 1 and for keys the
+    type does not read (transformers/modeling_rope_utils.py); so does jaxpos.hf, while
+    still building the scheme (as HF does)."""
+    from jaxpos.hf import rope_from_hf_config
+    cfg = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+           "max_position_embeddings": 16384, "rope_scaling": rope_scaling}
+    with pytest.warns(UserWarning, match=match):
+        rope = rope_from_hf_config(cfg)
+    assert rope.scaling is not None
+
+
+def test_hf_rope_dict_with_only_known_keys_does_not_warn():
+    import warnings
+
+    from jaxpos.hf import rope_from_hf_config
+    cfg = {"model_type": "deepseek_v3", "hidden_size": 64, "num_attention_heads": 4,
+           "qk_rope_head_dim": 8, "max_position_embeddings": 16384,
+           "rope_scaling": {"type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
+                            "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "original_max_position_embeddings": 4096}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rope_from_hf_config(cfg)

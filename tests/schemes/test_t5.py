@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
+import jaxpos
 from jaxpos import relative_bias_attention, t5_bias, t5_bucket
 
 # num_buckets=32, max_distance=128, bidirectional: 16 buckets per direction; distances
@@ -186,3 +187,20 @@ def test_bad_input(argument, error, call, got):
     msg = str(info.value)
     assert msg.startswith((argument + " ", argument + "=")), msg
     assert "got" in msg and got in msg, msg
+
+
+@pytest.mark.parametrize("call", [
+    lambda t: jaxpos.T5Bias(t, num_buckets=32),
+    lambda t: jaxpos.t5_bias(np.arange(4), np.arange(4), t),
+    lambda t: jaxpos.attention(np.ones((1, 4, 8, 16), np.float32),
+                               np.ones((1, 4, 8, 16), np.float32),
+                               np.ones((1, 4, 8, 16), np.float32), position=jaxpos.T5Bias(t)),
+    lambda t: jaxpos.relative_bias_attention(np.ones((1, 4, 8, 16), np.float32),
+                                             np.ones((1, 4, 8, 16), np.float32),
+                                             np.ones((1, 4, 8, 16), np.float32), t),
+], ids=["T5Bias", "t5_bias", "attention", "relative_bias_attention"])
+def test_transposed_t5_table_is_named_as_transposed(call):
+    """A table in [N, num_buckets] = [8, 32] layout (a transposed checkpoint array): the
+    message names the expected [num_buckets, N] layout and says it looks transposed."""
+    with pytest.raises(ValueError, match=r"\[num_buckets, N\].*looks transposed"):
+        call(np.zeros((8, 32), np.float32))
