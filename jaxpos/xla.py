@@ -20,7 +20,8 @@ import numpy as np
 from jaxpos import _checks
 from jaxpos.mods import apply_mod, convert_mod, is_additive, reads_input
 
-__all__ = ["GPU_BACKENDS", "attention_via_xla", "dense_attention", "is_arange", "sdpa"]
+__all__ = ["GPU_BACKENDS", "attention_via_xla", "dense_attention", "is_arange", "run_xla",
+           "sdpa"]
 
 #: ``jax.default_backend()`` names of NVIDIA GPUs (where cuDNN is available).
 GPU_BACKENDS = ("gpu", "cuda")
@@ -110,7 +111,8 @@ def attention_via_xla(q, k, v, *, score_mod=None, mask_mod=None, q_positions, kv
     else:
         bias = None
         if smod is not None:
-            bb = B if (reads_input(smod.jaxpr, 1) or q_pos.shape[0] > 1 or kv_pos.shape[0] > 1) else 1
+            per_row = reads_input(smod.jaxpr, 1) or q_pos.shape[0] > 1 or kv_pos.shape[0] > 1
+            bb = B if per_row else 1
             bias = apply_mod(smod, q_pos, kv_pos, score=jnp.zeros((bb, N, Tq, Tk), jnp.float32))
         kk, vv, m2 = k, v, mask
         if sinks is not None:  # one extra key: k = 0, v = 0, bias = the sink logit
@@ -175,3 +177,14 @@ def dense_attention(q, k, v, smod, mask, is_causal, q_pos, kv_pos, scale, sinks)
     out = jnp.einsum("bnqk,bknh->bqnh", p.astype(v.dtype), vv, precision=prec,
                      preferred_element_type=jnp.float32)
     return out.astype(q.dtype)
+
+
+def run_xla(call) -> jax.Array:
+    """The ``"xla"`` runner of :func:`jaxpos.attention`: :func:`attention_via_xla` on a
+    validated, transformed :class:`jaxpos.call.AttentionCall`. ``[B, Tq, N, H]`` in q's
+    dtype."""
+    return attention_via_xla(call.q, call.k, call.v, score_mod=call.score_mod,
+                             mask_mod=call.mask_mod, q_positions=call.q_positions,
+                             kv_positions=call.kv_positions, causal=call.causal,
+                             segment_ids=call.segment_ids, kv_segment_ids=call.kv_segment_ids,
+                             scale=call.scale, sinks=call.sinks)
