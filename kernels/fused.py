@@ -1,22 +1,51 @@
 """The fused attention kernel: FlashAttention-2 (Dao 2023, Alg. 1 and 2) forward and
 backward as Pallas kernels, programmable by a score_mod and a mask_mod (FlexAttention,
-Dong et al. 2024), with block-sparse tile skipping and attention sinks.
+Dong et al. 2024), with block-sparse tile skipping, attention sinks, per-row key lengths,
+split-K decoding and RoPE applied to q and k as they are loaded.
 
-Work layout (``B`` batch, ``N`` query heads, ``bq`` / ``bk`` tiles):
+Layout. The kernels read q, k, v and write the output and the gradients in the caller's
+``[B, T, N, H]`` layout through their BlockSpecs (one head of one tile is a strided block,
+as in JAX's ``pallas/ops/gpu/attention.py``): no transpose or padding copy of q, k, v, the
+output or the gradients. Rows past ``T`` in a last partial tile and feature columns past
+``H`` are handled in the kernel:
 
-* forward, grid ``(B, N, Tq / bq)``: one query tile per program, two loops over key
-  tiles, first the PARTIAL tiles of its row of the tile schedule (masked), then the FULL
-  ones (no masking at all), with the online softmax (Milakov & Gimelshein 2018). EMPTY
-  tiles are never visited: with ``causal=True`` and monotone positions the loop of query
-  tile ``i`` stops at the diagonal. Writes the output and the log-sum-exp ``lse``.
+* Triton (CUDA / ROCm) blocks are powers of two: the feature block is
+  ``next_pow2(max(H, 16))`` wide and every load / store of a tile is masked
+  (``pl.load(..., mask=..., other=0)``) on the real rows and columns;
+* interpret mode (CPU) and TPU take blocks of the exact width ``H``; rows past ``T`` of a
+  last tile are zeroed with ``where`` after the load (those reads are padding) and their
+  writes are dropped by Pallas;
+* TPU (Mosaic) needs the last two block dims aligned to ``(8, 128)`` or whole, so one head
+  of ``[B, T, N, H]`` is a block only through the free reshape ``[B, T, N * H]`` when
+  ``H % 128 == 0``; for other head dims the TPU lowering keeps a ``[B, N, T, H]``
+  transpose (a copy; TPU only).
+
+Work layout (``B`` batch, ``N`` query heads, ``N_kv`` key/value heads, ``g = N / N_kv``,
+``bq`` / ``bk`` tiles):
+
+* forward, grid ``(B, N / G, Tq / bq[, S])``: one query tile of ``G`` query heads per
+  program (``G = g`` for decode-shaped calls, where the ``g`` heads that share a KV head
+  read each K/V tile once; else ``G = 1``), two loops over key tiles, first the PARTIAL
+  tiles of its row of the tile schedule (masked), then the FULL ones (no masking at all),
+  with the online softmax (Milakov & Gimelshein 2018). EMPTY tiles are never visited:
+  with ``causal=True`` and monotone positions the loop of query tile ``i`` stops at the
+  diagonal; with ``kv_lengths`` it stops at the row's filled length. With ``S > 1``
+  key splits (flash decoding) each program covers a slice of the key tiles and writes a
+  partial output with its log-sum-exp; the partials are combined outside by their
+  log-sum-exps. Writes the output and the log-sum-exp ``lse``.
 * backward ``dq``, grid ``(B, N, Tq / bq)``: the same loops, recomputing the
   probabilities from ``lse``.
-* backward ``dk, dv``, grid ``(B, N, Tk / bk)``: one key tile per program, looping over
-  the query tiles of its column of the schedule (with causal, from the diagonal down).
+* backward ``dk, dv``, grid ``(B, N_kv, Tk / bk)``: one key tile of one KV head per
+  program, looping over the query tiles of its column of the schedule (with causal, from
+  the diagonal down) for each of the ``g`` query heads of the group, so dk and dv are
+  written once per KV head in k's layout (no per-query-head buffer, no group sum).
 
 Scores are ``scale * q . k`` (float32 accumulation), then the score_mod, then ``-inf``
-where hidden. Per-token transforms (RoPE, xPos) are applied to ``q`` and ``k`` *before*
-the kernel, once per token (``O(T * H)``); the kernel rotates nothing.
+where hidden. RoPE (Su et al. 2024 §3.4, the ``"half"`` layout) is either applied to q and
+k before the kernel, or, with ``rope_tables``, inside it: the kernel takes unrotated q and
+k and cos/sin tables of their positions (computed once per call outside the kernels, no
+sin/cos in a kernel body), rotates the query tile once per program and each key tile as
+it is loaded; the backward rotates dq and dk back (the transpose of the rotation).
 
 The score_mod / mask_mod are traced inside the kernel bodies (see
 :mod:`jaxpos.kernels.modeval`): captured arrays are kernel inputs, indexing them becomes
@@ -28,8 +57,11 @@ kernels by a blockwise plain-JAX pass that recomputes the score tiles from the s
 ``lse`` (:func:`_mod_const_grads`): exact, lowered by XLA on every backend (a gather's
 transpose is a scatter-add, which neither Triton nor Mosaic lowers), and removed by
 XLA's dead-code elimination under ``jit`` when no captured array needs a gradient, so
-training ``q``, ``k``, ``v`` never pays for it. The sink gradient comes from ``lse``
-too: ``d sink_h = -sum_{b,i} exp(sink_h - lse_bhi) * delta_bhi``.
+training ``q``, ``k``, ``v`` never pays for it. The sink gradient and the gradient
+through a returned ``lse`` come from ``lse`` too: with ``dlse`` the cotangent of the
+returned log-sum-exp, ``delta' = rowsum(dO * O) - dlse`` replaces ``delta`` in the
+backward kernels (``d lse / d s = p``), and ``d sink_h = -sum_{b,i} exp(sink_h -
+lse_bhi) * delta'_bhi``.
 
 Nothing of size ``Tq x Tk`` is written by the kernels. The same kernel bodies are lowered
 by Pallas to Triton (``platforms=["cuda"]``) and to Mosaic TPU (``["tpu"]``), and run on
@@ -47,18 +79,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jaxpos.kernels import modeval
-from jaxpos.kernels import schedule as sched_lib
-from jaxpos.kernels._util import match_vma, pad_axis, pow2_at_least, varying_axes, zero_cotangent
 
 from jaxpos import _checks
-from jaxpos.mods import BlockMask, cast_varying, convert_mod, is_additive
+from jaxpos.kernels import modeval
+from jaxpos.kernels import schedule as sched_lib
+from jaxpos._util import (
+    cast_varying,
+    match_vma,
+    pad_axis,
+    pow2_at_least,
+    varying_axes,
+    zero_cotangent,
+)
+from jaxpos.mods import BlockMask, convert_mod, is_additive
 
-__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "kernel_attention"]
+__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "RopeTables", "kernel_attention",
+           "rope_tables"]
 
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
 _MIN_WIDTH = 16  # smallest feature width (Triton dots need K >= 16)
+#: A forward program takes all ``g`` query heads of a KV head when ``block_q * g`` rows
+#: fit this (decode-shaped calls); otherwise one query head per program.
+GROUP_ROWS = 128
+#: ``kv_splits=None`` splits the keys of a single-query-tile call until the forward grid
+#: has about this many programs (flash decoding: a decode step has ``B * N_kv`` programs
+#: otherwise, too few to fill a GPU).
+SPLIT_PROGRAMS = 128
 
 # Test hooks, read at trace time.
 # POISON_OUTPUTS: every kernel output starts as NaN (aliased NaN-filled inputs), so an
@@ -71,6 +118,64 @@ INTERPRET_STYLE = "load"
 CONST_GRAD_BLOCK_BYTES = 1 << 27
 
 
+class RopeTables(NamedTuple):
+    """RoPE applied inside the kernel (Su et al. 2024 §3.4, ``"half"`` layout: feature
+    ``i < half`` pairs with ``i + half``; features past ``2 * half`` pass through).
+
+    ``q_cos``, ``q_sin``: float32 ``[B|1, Tq, half]`` at the query positions;
+    ``k_cos``, ``k_sin``: float32 ``[B|1, Tk, half]`` at the key positions. Any attention
+    factor (YaRN / LongRoPE) is already multiplied in. Build them with :func:`rope_tables`,
+    or directly (e.g. keys rotated with another base than queries, or slot positions of a
+    streaming cache). The tables are not differentiated."""
+
+    q_cos: Any
+    q_sin: Any
+    k_cos: Any
+    k_sin: Any
+
+
+def rope_tables(q_positions, kv_positions, inv_freq, *, attention_factor=1.0,
+                k_inv_freq=None, angle_precision: str = "high") -> RopeTables:
+    """cos/sin tables of the query and key positions for ``rope_tables=``.
+
+    Args:
+      q_positions, kv_positions: integer ``[T]`` or ``[B|1, T]``.
+      inv_freq: float ``[half]`` radians per position for the queries (and the keys when
+        ``k_inv_freq`` is None).
+      attention_factor: multiplies cos and sin (YaRN / LongRoPE).
+      k_inv_freq: float ``[half]`` for the keys, or None (exact dynamic NTK passes the
+        current length's frequencies for both).
+      angle_precision: as :func:`jaxpos.rope.rope_angles`.
+
+    Returns:
+      :class:`RopeTables` (float32 ``[B|1, T, half]``).
+
+    Raises:
+      ValueError / TypeError: float positions, ``inv_freq`` not rank 1, mismatched halves.
+    """
+    from jaxpos.rope import rope_angles
+
+    _checks.check_rank("inv_freq", inv_freq, (1,), "[half]")
+    k_inv_freq = inv_freq if k_inv_freq is None else k_inv_freq
+    _checks.check_rank("k_inv_freq", k_inv_freq, (1,), "[half]")
+    if _checks.shape_of(k_inv_freq) != _checks.shape_of(inv_freq):
+        raise ValueError(f"k_inv_freq must have inv_freq's shape {_checks.shape_of(inv_freq)}; "
+                         f"got {_checks.shape_of(k_inv_freq)}.")
+    af = jnp.float32(attention_factor)
+
+    def tab(pos, f, name):
+        p = jnp.asarray(pos)
+        if p.ndim == 1:
+            p = p[None]
+        _checks.check_integer_positions(name, p)
+        ang = rope_angles(p, jnp.asarray(f, jnp.float32), angle_precision=angle_precision)
+        return jnp.cos(ang) * af, jnp.sin(ang) * af
+
+    qc, qs = tab(q_positions, inv_freq, "q_positions")
+    kc, ks = tab(kv_positions, k_inv_freq, "kv_positions")
+    return RopeTables(qc, qs, kc, ks)
+
+
 class _Cfg(NamedTuple):
     """Static configuration of one call (hashable: a ``custom_vjp`` nondiff argument)."""
 
@@ -79,6 +184,8 @@ class _Cfg(NamedTuple):
     groups: int  # N // N_kv
     Tq: int  # real lengths
     Tk: int
+    H: int
+    Hv: int
     bq: int
     bk: int
     nq: int
@@ -94,7 +201,168 @@ class _Cfg(NamedTuple):
     additive: bool  # d score_mod / d score == 1 (or no score_mod)
     precise: bool  # float32 inputs: exact float32 dots
     mode: str  # "interpret", "compiled" or "auto"
+    heads: int = 1  # query heads per forward program (1, or groups)
+    splits: int = 1  # key splits of the forward (flash decoding)
+    has_kv_len: bool = False
+    rope_half: int = 0  # RoPE pairs rotated in the kernel (0: none)
+    rope_qb: bool = False  # the query tables differ per batch row
+    rope_kb: bool = False
     count_tiles: bool = False  # test hook: kernels also output their loop trip counts
+
+
+# ------------------------------------------------------------------- platform layouts
+class _Plat(NamedTuple):
+    """How one platform's kernels see ``[B, T, N, H]`` arrays: ``kind`` is ``"4d"`` (the
+    array itself, one head a strided block), ``"flat"`` (``[B, T, N * H]``, TPU with
+    ``H % 128 == 0``) or ``"bnth"`` (``[B, N, T, H]``, the TPU fallback); ``masked``:
+    Triton, power-of-two feature blocks and masked loads / stores."""
+
+    name: str
+    kind: str
+    masked: bool
+
+
+def _plat(platform, cfg):
+    if platform == "tpu":
+        flat = cfg.H % 128 == 0 and cfg.Hv % 128 == 0
+        return _Plat(platform, "flat" if flat else "bnth", False)
+    return _Plat(platform, "4d", platform in ("cuda", "rocm"))
+
+
+def _wb(plat, w):
+    """Block width of a feature segment of width ``w``."""
+    return pow2_at_least(w, _MIN_WIDTH) if plat.masked else w
+
+
+def _qk_segs(cfg):
+    """Feature segments ``(start, width)`` of q and k: the two RoPE halves and the
+    pass-through rest with in-kernel RoPE, else the whole head."""
+    if not cfg.rope_half:
+        return ((0, cfg.H),)
+    r = cfg.rope_half
+    return ((0, r), (r, r)) + (((2 * r, cfg.H - 2 * r),) if cfg.H > 2 * r else ())
+
+
+def _v_segs(cfg):
+    return ((0, cfg.Hv),)
+
+
+def _block_width(plat, segs, W):
+    if plat.kind != "4d":
+        return W
+    return pow2_at_least(max(c0 + _wb(plat, w) for c0, w in segs), 1) if plat.masked else W
+
+
+def _to_kernel(plat, x):
+    """``[B, T, n, W]`` -> this platform's kernel array."""
+    if plat.kind == "flat":
+        return x.reshape(x.shape[:2] + (-1,))
+    if plat.kind == "bnth":
+        return jnp.swapaxes(x, 1, 2)
+    return x
+
+
+def _from_kernel(plat, y, n):
+    if plat.kind == "flat":
+        return y.reshape(y.shape[:2] + (n, -1))
+    if plat.kind == "bnth":
+        return jnp.swapaxes(y, 1, 2)
+    return y
+
+
+def _tok_spec(plat, rows, heads, W, Wb, imap):
+    """BlockSpec of ``rows`` tokens of ``heads`` consecutive heads; ``imap(*grid) ->
+    (batch, row block, head block)``."""
+    hd = None if heads == 1 else heads
+    if plat.kind == "4d":
+        return pl.BlockSpec((None, rows, hd, Wb), lambda *g: (*imap(*g), 0))
+    if plat.kind == "flat":
+        return pl.BlockSpec((None, rows, heads * W), lambda *g: imap(*g))
+
+    def bnth(*g):
+        b, t, h = imap(*g)
+        return b, h, t, 0
+
+    return pl.BlockSpec((None, hd, rows, W), bnth)
+
+
+def _view(ref, plat, heads, hi, W, rows, c0, w):
+    """Kernel side: the ref view of head ``hi`` (of ``heads`` in the block), ``rows``,
+    features ``[c0, c0 + block width)``."""
+    if plat.kind == "flat":
+        return ref.at[rows, pl.ds(hi * W + c0, w)]
+    cols = pl.ds(c0, _wb(plat, w))
+    if heads == 1:
+        return ref.at[rows, cols]
+    return ref.at[rows, hi, cols] if plat.kind == "4d" else ref.at[hi, rows, cols]
+
+
+def _tile_mask(plat, shape, w, row_ok):
+    """The mask of a masked (Triton) load / store: real rows and real columns."""
+    mask = row_ok
+    if plat.masked and shape[-1] != w:
+        col = jax.lax.broadcasted_iota(jnp.int32, (1, shape[-1]), 1) < w
+        mask = col if mask is None else mask & col
+    return None if mask is None else jnp.broadcast_to(mask, shape)
+
+
+def _load(view, plat, w, row_ok):
+    """Load a tile; rows where ``row_ok`` ([r, 1] bool) is False and columns past ``w`` are
+    zero (masked loads on Triton; ``where`` elsewhere)."""
+    if plat.masked:
+        mask = _tile_mask(plat, view.shape, w, row_ok)
+        if mask is None:
+            return view[...]
+        from jax.experimental.pallas import triton as plgpu
+
+        return plgpu.load(view, mask=mask, other=0)
+    x = view[...]
+    if row_ok is not None:
+        x = jnp.where(row_ok, x, jnp.zeros((), x.dtype))
+    return x
+
+
+def _store(view, plat, w, row_ok, val):
+    val = val.astype(view.dtype)
+    if plat.masked:
+        mask = _tile_mask(plat, view.shape, w, row_ok)
+        if mask is not None:
+            from jax.experimental.pallas import triton as plgpu
+
+            plgpu.store(view, val, mask=mask)
+            return
+    view[...] = val
+
+
+def _rows_ok(start, n, limit):
+    return (start + jax.lax.broadcasted_iota(jnp.int32, (n, 1), 0)) < limit
+
+
+def _load_feats(ref, plat, cfg, heads, hi, W, rows, segs, row_ok, tab):
+    """The feature segments of one head's tile (rotated by ``tab = (cos, sin)`` when
+    given), each ``[r, block width]`` in the input dtype."""
+    xs = [_load(_view(ref, plat, heads, hi, W, rows, c0, w), plat, w, row_ok)
+          for c0, w in segs]
+    if tab is None:
+        return xs
+    c, s = tab
+    dtype = xs[0].dtype
+    x1, x2 = xs[0].astype(jnp.float32), xs[1].astype(jnp.float32)
+    return [(x1 * c - x2 * s).astype(dtype), (x2 * c + x1 * s).astype(dtype)] + xs[2:]
+
+
+def _unrotate(gs, tab):
+    """Gradients with respect to the unrotated features (the rotation's transpose)."""
+    if tab is None:
+        return gs
+    c, s = tab
+    g1, g2 = gs[0], gs[1]
+    return [g1 * c + g2 * s, g2 * c - g1 * s] + list(gs[2:])
+
+
+def _store_feats(ref, plat, heads, hi, W, rows, segs, row_ok, vals):
+    for (c0, w), val in zip(segs, vals):
+        _store(_view(ref, plat, heads, hi, W, rows, c0, w), plat, w, row_ok, val)
 
 
 # ------------------------------------------------------------------------ kernel pieces
@@ -102,6 +370,14 @@ def _dot(a, b, cfg, contract=((1,), (1,))):
     prec = jax.lax.Precision.HIGHEST if cfg.precise else None
     return jax.lax.dot_general(a, b, (contract, ((), ())), precision=prec,
                                preferred_element_type=jnp.float32)
+
+
+def _dots(xs, ys, cfg):
+    """``sum_seg xs[seg] . ys[seg]^T`` (the scores over feature segments)."""
+    out = _dot(xs[0], ys[0], cfg)
+    for x, y in zip(xs[1:], ys[1:]):
+        out = out + _dot(x, y, cfg)
+    return out
 
 
 def _loader(style, refs):
@@ -123,7 +399,7 @@ class _Mods:
 
 def _scores(cfg, mods, b, h, q, k, q_pos, kv_pos):
     """``(s_raw, s)``: the scaled scores of a tile and the score_mod applied to them."""
-    s_raw = _dot(q, k, cfg) * jnp.float32(cfg.scale)
+    s_raw = _dots(q, k, cfg) * jnp.float32(cfg.scale)
     if mods.score is None:
         return s_raw, s_raw
     return s_raw, mods.score(s_raw, b, h, q_pos, kv_pos)
@@ -138,8 +414,13 @@ def _score_derivative(cfg, mods, b, h, s_raw, q_pos, kv_pos):
     return t
 
 
-def _visible(cfg, mods, b, h, q_pos, kv_pos, q_seg, kv_seg, j):
-    """bool ``[bq, bk]`` visibility of a PARTIAL tile (key tile ``j``)."""
+def _kv_padded(cfg):
+    """Whether key tiles may hold keys that do not exist (past ``Tk`` or a row's length)."""
+    return cfg.nk * cfg.bk != cfg.Tk or cfg.has_kv_len
+
+
+def _visible(cfg, mods, b, h, q_pos, kv_pos, q_seg, kv_seg, j, kv_lim, shape):
+    """bool ``shape`` visibility of a PARTIAL tile (key tile ``j``)."""
     vis = None
 
     def conj(a, x):
@@ -147,23 +428,22 @@ def _visible(cfg, mods, b, h, q_pos, kv_pos, q_seg, kv_seg, j):
 
     if cfg.causal:
         vis = conj(vis, kv_pos <= q_pos)
-    if cfg.nk * cfg.bk != cfg.Tk:
+    if _kv_padded(cfg):
         idx = j * cfg.bk + jax.lax.broadcasted_iota(jnp.int32, (1, cfg.bk), 1)
-        vis = conj(vis, idx < cfg.Tk)
+        vis = conj(vis, idx < kv_lim)
     if cfg.has_segments:
         vis = conj(vis, q_seg == kv_seg)
     if mods.mask is not None:
         vis = conj(vis, mods.mask(b, h, q_pos, kv_pos))
     if vis is None:
-        return jnp.ones((cfg.bq, cfg.bk), jnp.bool_)
-    return jnp.broadcast_to(vis, (cfg.bq, cfg.bk))
+        return jnp.ones(shape, jnp.bool_)
+    return jnp.broadcast_to(vis, shape)
 
 
-def _loops(r, carry, tile):
+def _loops(count, item, carry, tile, offset=0):
     """Run ``tile(index, carry, masked)`` over the PARTIAL then the FULL tiles of this
-    program's schedule row; each loop's trip count is the number of such tiles."""
-    counts, lists = r["counts"], r["lists"]
-    last = lists.shape[-1] - 1
+    program's schedule row (``count(row)``, ``item(row, t)``); each loop's trip count is
+    the number of such tiles. ``offset`` is added to every index (a key split's start)."""
 
     def run(row, carry, masked):
         # The next tile's index is read one iteration ahead and carried (as FlexAttention's
@@ -171,12 +451,20 @@ def _loops(r, carry, tile):
         # issued in the same iteration (what lets Triton pipeline the tile loads).
         def body(t, c):
             j, inner = c
-            nxt = lists[row, jnp.minimum(t + 1, last)]
-            return nxt, tile(j, inner, masked)
+            nxt = item(row, t + 1)
+            return nxt, tile(j + offset, inner, masked)
 
-        return jax.lax.fori_loop(0, counts[0, row], body, (lists[row, 0], carry))[1]
+        return jax.lax.fori_loop(0, count(row), body, (item(row, 0), carry))[1]
 
     return run(1, run(0, carry, True), False)
+
+
+def _sched_fns(counts, lists, lead=()):
+    """``count(row)`` / ``item(row, t)`` of a counts ref ``[*lead, 1, 2]`` and a lists ref
+    ``[*lead, 2, L]`` (``lead``: static indices of a head inside the block)."""
+    last = lists.shape[-1] - 1
+    return (lambda row: counts[(*lead, 0, row)],
+            lambda row, t: lists[(*lead, row, jnp.minimum(t, last))])
 
 
 def _count(cfg, carry_cnt, masked):
@@ -190,86 +478,80 @@ def _names(refs, names):
     return dict(zip(names, refs))
 
 
+def _hd(heads, hi, *idx):
+    """One index tuple (Triton takes a single indexer): head ``hi`` of a block of ``heads``
+    heads (a leading block dim when ``heads > 1``), then ``idx``."""
+    return idx if heads == 1 else (hi, *idx)
+
+
 # ------------------------------------------------------------------------------ forward
-def _fwd_kernel(*refs, cfg, names, smod, mmod, style):
+def _fwd_kernel(*refs, cfg, names, smod, mmod, style, plat):
     r = _names(refs, names)
-    b, h = pl.program_id(0), pl.program_id(1)
-    bq, bk = cfg.bq, cfg.bk
+    b, p, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    split = pl.program_id(3) if cfg.splits > 1 else None
+    G, bq, bk = cfg.heads, cfg.bq, cfg.bk
     mods = _Mods(r, smod, mmod, style)
-    q = r["q"][...]
+    segs, vsegs = _qk_segs(cfg), _v_segs(cfg)
     q_pos = r["q_pos"][...]  # [bq, 1]
     q_seg = r["q_seg"][...] if cfg.has_segments else None
-    hv = r["v"].shape[-1]
-    if cfg.has_sinks:
-        m0 = jnp.full((bq, 1), r["sinks"][h], jnp.float32)
-        l0 = jnp.ones((bq, 1), jnp.float32)
+    q_row = _rows_ok(i * bq, bq, cfg.Tq) if cfg.nq * bq != cfg.Tq else None
+    q_tab = (r["q_cos"][...], r["q_sin"][...]) if cfg.rope_half else None
+    qs = [_load_feats(r["q"], plat, cfg, G, hi, cfg.H, slice(None), segs, q_row, q_tab)
+          for hi in range(G)]
+    kv_lim = r["kv_len"][b] if cfg.has_kv_len else cfg.Tk
+    wv = _wb(plat, cfg.Hv)
+    if cfg.has_sinks and cfg.splits == 1:
+        init_ml = [(jnp.full((bq, 1), r["sinks"][p * G + hi], jnp.float32),
+                    jnp.ones((bq, 1), jnp.float32)) for hi in range(G)]
     else:
-        m0 = jnp.full((bq, 1), -jnp.inf, jnp.float32)
-        l0 = jnp.zeros((bq, 1), jnp.float32)
+        init_ml = [(jnp.full((bq, 1), -jnp.inf, jnp.float32), jnp.zeros((bq, 1), jnp.float32))
+                   for _ in range(G)]
 
     def tile(j, carry, masked):
-        m, l, acc, cnt = carry
-        kv_pos = r["kv_pos"][:, pl.ds(j * bk, bk)]  # [1, bk]
-        k = r["k"][pl.ds(j * bk, bk), :]
-        _, s = _scores(cfg, mods, b, h, q, k, q_pos, kv_pos)
-        if masked:
-            kv_seg = r["kv_seg"][:, pl.ds(j * bk, bk)] if cfg.has_segments else None
-            s = jnp.where(_visible(cfg, mods, b, h, q_pos, kv_pos, q_seg, kv_seg, j), s,
-                          -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(s - m_safe)
-        corr = jnp.exp(m - m_safe)
-        l = l * corr + jnp.sum(p, axis=1, keepdims=True)
-        v = r["v"][pl.ds(j * bk, bk), :]
-        acc = acc * corr + _dot(p.astype(v.dtype), v, cfg, ((1,), (0,)))
-        return m_new, l, acc, _count(cfg, cnt, masked)
+        state, cnt = carry
+        rows = pl.ds(j * bk, bk)
+        kv_pos = r["kv_pos"][:, rows]  # [1, bk]
+        k_row = _rows_ok(j * bk, bk, kv_lim) if masked and _kv_padded(cfg) else None
+        k_tab = (r["k_cos"][rows, :], r["k_sin"][rows, :]) if cfg.rope_half else None
+        k = _load_feats(r["k"], plat, cfg, 1, 0, cfg.H, rows, segs, k_row, k_tab)
+        (v,) = _load_feats(r["v"], plat, cfg, 1, 0, cfg.Hv, rows, vsegs, k_row, None)
+        kv_seg = r["kv_seg"][:, rows] if (masked and cfg.has_segments) else None
+        new = []
+        for hi in range(G):
+            h = p * G + hi
+            m, l, acc = state[hi]
+            _, s = _scores(cfg, mods, b, h, qs[hi], k, q_pos, kv_pos)
+            if masked:
+                vis = _visible(cfg, mods, b, h, q_pos, kv_pos, q_seg, kv_seg, j, kv_lim, s.shape)
+                s = jnp.where(vis, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            pr = jnp.exp(s - m_safe)
+            corr = jnp.exp(m - m_safe)
+            l = l * corr + jnp.sum(pr, axis=1, keepdims=True)
+            acc = acc * corr + _dot(pr.astype(v.dtype), v, cfg, ((1,), (0,)))
+            new.append((m_new, l, acc))
+        return new, _count(cfg, cnt, masked)
 
-    init = (m0, l0, jnp.zeros((bq, hv), jnp.float32), jnp.zeros((2,), jnp.int32))
-    m, l, acc, cnt = _loops(r, init, tile)
-    l_safe = jnp.where(l == 0.0, 1.0, l)
-    r["out"][...] = (acc / l_safe).astype(r["out"].dtype)
-    r["lse"][...] = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(l_safe))
+    init = ([(m0, l0, jnp.zeros((bq, wv), jnp.float32)) for m0, l0 in init_ml],
+            jnp.zeros((2,), jnp.int32))
+    count, item = _sched_fns(r["counts"], r["lists"])
+    offset = 0 if split is None else split * _split_len(cfg)
+    state, cnt = _loops(count, item, init, tile, offset)
+    for hi, (m, l, acc) in enumerate(state):
+        l_safe = jnp.where(l == 0.0, 1.0, l)
+        lse = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(l_safe))
+        if cfg.splits == 1:
+            _store_feats(r["out"], plat, G, hi, cfg.Hv, slice(None), vsegs, q_row,
+                         [acc / l_safe])
+        else:
+            r["out"][_hd(G, hi, slice(None), slice(None))] = acc / l_safe
+        r["lse"][_hd(G, hi, slice(None), slice(None))] = lse
     if cfg.count_tiles:
         r["visits"][...] = cnt[None, :]
 
 
 # ----------------------------------------------------------------------------- backward
-def _dq_kernel(*refs, cfg, names, smod, mmod, style):
-    r = _names(refs, names)
-    b, h = pl.program_id(0), pl.program_id(1)
-    bk = cfg.bk
-    mods = _Mods(r, smod, mmod, style)
-    q = r["q"][...]
-    dtype = q.dtype
-    q_pos = r["q_pos"][...]
-    q_seg = r["q_seg"][...] if cfg.has_segments else None
-    do = r["do"][...]
-    lse = r["lse"][...]
-    lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
-    delta = r["delta"][...]
-
-    def tile(j, carry, masked):
-        dq, cnt = carry
-        kv_pos = r["kv_pos"][:, pl.ds(j * bk, bk)]
-        k = r["k"][pl.ds(j * bk, bk), :]
-        s_raw, s = _scores(cfg, mods, b, h, q, k, q_pos, kv_pos)
-        vis = None
-        if masked:
-            kv_seg = r["kv_seg"][:, pl.ds(j * bk, bk)] if cfg.has_segments else None
-            vis = _visible(cfg, mods, b, h, q_pos, kv_pos, q_seg, kv_seg, j)
-            s = jnp.where(vis, s, -jnp.inf)
-        p = jnp.exp(s - lse_safe)  # 0 where hidden
-        v = r["v"][pl.ds(j * bk, bk), :]
-        ds = p * (_dot(do, v, cfg) - delta)
-        ds = _chain(cfg, mods, b, h, ds, s_raw, q_pos, kv_pos, vis)
-        dq = dq + _dot(ds.astype(dtype), k, cfg, ((1,), (0,)))
-        return dq, _count(cfg, cnt, masked)
-
-    dq, _ = _loops(r, (jnp.zeros(q.shape, jnp.float32), jnp.zeros((2,), jnp.int32)), tile)
-    r["dq"][...] = (dq * jnp.float32(cfg.scale)).astype(r["dq"].dtype)
-
-
 def _chain(cfg, mods, b, h, ds, s_raw, q_pos, kv_pos, vis):
     """The gradient with respect to the raw score: ``ds * d score_mod / d score``."""
     d = _score_derivative(cfg, mods, b, h, s_raw, q_pos, kv_pos)
@@ -279,110 +561,203 @@ def _chain(cfg, mods, b, h, ds, s_raw, q_pos, kv_pos, vis):
     return ds if vis is None else jnp.where(vis, ds, 0.0)
 
 
-def _dkv_kernel(*refs, cfg, names, smod, mmod, style):
+def _dq_kernel(*refs, cfg, names, smod, mmod, style, plat):
     r = _names(refs, names)
-    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    bq = cfg.bq
+    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bq, bk = cfg.bq, cfg.bk
     mods = _Mods(r, smod, mmod, style)
-    k = r["k"][...]
-    v = r["v"][...]
-    dtype = k.dtype
-    kv_pos = r["kv_pos"][...]  # [1, bk]
-    kv_seg = r["kv_seg"][...] if cfg.has_segments else None
+    segs, vsegs = _qk_segs(cfg), _v_segs(cfg)
+    q_row = _rows_ok(i * bq, bq, cfg.Tq) if cfg.nq * bq != cfg.Tq else None
+    q_tab = (r["q_cos"][...], r["q_sin"][...]) if cfg.rope_half else None
+    q = _load_feats(r["q"], plat, cfg, 1, 0, cfg.H, slice(None), segs, q_row, q_tab)
+    dtype = q[0].dtype
+    q_pos = r["q_pos"][...]
+    q_seg = r["q_seg"][...] if cfg.has_segments else None
+    (do,) = _load_feats(r["do"], plat, cfg, 1, 0, cfg.Hv, slice(None), vsegs, q_row, None)
+    lse = r["lse"][...]
+    lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
+    delta = r["delta"][...]
+    kv_lim = r["kv_len"][b] if cfg.has_kv_len else cfg.Tk
 
-    def tile(i, carry, masked):
-        dk, dv, cnt = carry
-        rows = pl.ds(i * bq, bq)
-        q = r["q"][rows, :]
-        q_pos = r["q_pos"][rows, :]
+    def tile(j, carry, masked):
+        dq, cnt = carry
+        rows = pl.ds(j * bk, bk)
+        kv_pos = r["kv_pos"][:, rows]
+        k_row = _rows_ok(j * bk, bk, kv_lim) if masked and _kv_padded(cfg) else None
+        k_tab = (r["k_cos"][rows, :], r["k_sin"][rows, :]) if cfg.rope_half else None
+        k = _load_feats(r["k"], plat, cfg, 1, 0, cfg.H, rows, segs, k_row, k_tab)
+        (v,) = _load_feats(r["v"], plat, cfg, 1, 0, cfg.Hv, rows, vsegs, k_row, None)
         s_raw, s = _scores(cfg, mods, b, h, q, k, q_pos, kv_pos)
         vis = None
         if masked:
-            q_seg = r["q_seg"][rows, :] if cfg.has_segments else None
-            vis = _visible(cfg, mods, b, h, q_pos, kv_pos, q_seg, kv_seg, j)
+            kv_seg = r["kv_seg"][:, rows] if cfg.has_segments else None
+            vis = _visible(cfg, mods, b, h, q_pos, kv_pos, q_seg, kv_seg, j, kv_lim, s.shape)
             s = jnp.where(vis, s, -jnp.inf)
-        lse = r["lse"][rows, :]
-        p = jnp.exp(s - jnp.where(lse == -jnp.inf, 0.0, lse))
-        do = r["do"][rows, :]
-        dv = dv + _dot(p.astype(do.dtype), do, cfg, ((0,), (0,)))
-        ds = p * (_dot(do, v, cfg) - r["delta"][rows, :])
-        ds = _chain(cfg, mods, b, h, ds, s_raw, q_pos, kv_pos, vis)
-        dk = dk + _dot(ds.astype(dtype), q, cfg, ((0,), (0,)))
-        return dk, dv, _count(cfg, cnt, masked)
+        pr = jnp.exp(s - lse_safe)  # 0 where hidden
+        ds = pr * (_dot(do, v, cfg) - delta)
+        ds = _chain(cfg, mods, b, h, ds, s_raw, q_pos, kv_pos, vis).astype(dtype)
+        dq = [a + _dot(ds, kk, cfg, ((1,), (0,))) for a, kk in zip(dq, k)]
+        return dq, _count(cfg, cnt, masked)
 
-    init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32),
-            jnp.zeros((2,), jnp.int32))
-    dk, dv, cnt = _loops(r, init, tile)
-    r["dk"][...] = (dk * jnp.float32(cfg.scale)).astype(r["dk"].dtype)
-    r["dv"][...] = dv.astype(r["dv"].dtype)
+    count, item = _sched_fns(r["counts"], r["lists"])
+    init = ([jnp.zeros(x.shape, jnp.float32) for x in q], jnp.zeros((2,), jnp.int32))
+    dq, _ = _loops(count, item, init, tile)
+    dq = _unrotate([x * jnp.float32(cfg.scale) for x in dq], q_tab)
+    _store_feats(r["dq"], plat, 1, 0, cfg.H, slice(None), segs, q_row, dq)
+
+
+def _dkv_kernel(*refs, cfg, names, smod, mmod, style, plat):
+    r = _names(refs, names)
+    b, kh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    g, bq, bk = cfg.groups, cfg.bq, cfg.bk
+    mods = _Mods(r, smod, mmod, style)
+    segs, vsegs = _qk_segs(cfg), _v_segs(cfg)
+    kv_lim = r["kv_len"][b] if cfg.has_kv_len else cfg.Tk
+    k_row = _rows_ok(j * bk, bk, kv_lim) if _kv_padded(cfg) else None
+    k_real = _rows_ok(j * bk, bk, cfg.Tk) if cfg.nk * bk != cfg.Tk else None  # stores
+    k_tab = (r["k_cos"][...], r["k_sin"][...]) if cfg.rope_half else None
+    k = _load_feats(r["k"], plat, cfg, 1, 0, cfg.H, slice(None), segs, k_row, k_tab)
+    (v,) = _load_feats(r["v"], plat, cfg, 1, 0, cfg.Hv, slice(None), vsegs, k_row, None)
+    dtype = k[0].dtype
+    kv_pos = r["kv_pos"][...]  # [1, bk]
+    kv_seg = r["kv_seg"][...] if cfg.has_segments else None
+    q_pad = cfg.nq * bq != cfg.Tq
+
+    def tile_for(hi):
+        h = kh * g + hi
+
+        def tile(i, carry, masked):
+            dk, dv, cnt = carry
+            rows = pl.ds(i * bq, bq)
+            q_row = _rows_ok(i * bq, bq, cfg.Tq) if q_pad else None
+            q_tab = (r["q_cos"][rows, :], r["q_sin"][rows, :]) if cfg.rope_half else None
+            q = _load_feats(r["q"], plat, cfg, g, hi, cfg.H, rows, segs, q_row, q_tab)
+            (do,) = _load_feats(r["do"], plat, cfg, g, hi, cfg.Hv, rows, vsegs, q_row, None)
+            q_pos = r["q_pos"][rows, :]
+            s_raw, s = _scores(cfg, mods, b, h, q, k, q_pos, kv_pos)
+            vis = None
+            if masked:
+                q_seg = r["q_seg"][rows, :] if cfg.has_segments else None
+                vis = _visible(cfg, mods, b, h, q_pos, kv_pos, q_seg, kv_seg, j, kv_lim,
+                               s.shape)
+                s = jnp.where(vis, s, -jnp.inf)
+            lse = r["lse"][_hd(g, hi, rows, slice(None))]
+            pr = jnp.exp(s - jnp.where(lse == -jnp.inf, 0.0, lse))
+            dv = dv + _dot(pr.astype(do.dtype), do, cfg, ((0,), (0,)))
+            ds = pr * (_dot(do, v, cfg) - r["delta"][_hd(g, hi, rows, slice(None))])
+            ds = _chain(cfg, mods, b, h, ds, s_raw, q_pos, kv_pos, vis).astype(dtype)
+            dk = [a + _dot(ds, qq, cfg, ((0,), (0,))) for a, qq in zip(dk, q)]
+            return dk, dv, _count(cfg, cnt, masked)
+
+        return tile
+
+    carry = ([jnp.zeros(x.shape, jnp.float32) for x in k], jnp.zeros(v.shape, jnp.float32),
+             jnp.zeros((2,), jnp.int32))
+    if cfg.sched_h:  # each head of the group has its own column of the schedule
+        for hi in range(g):
+            count, item = _sched_fns(r["counts"], r["lists"], _hd(g, hi))
+            carry = _loops(count, item, carry, tile_for(hi))
+    else:  # one column for all: each query tile is visited once for the g heads
+        count, item = _sched_fns(r["counts"], r["lists"])
+        tiles = [tile_for(hi) for hi in range(g)]
+
+        def tile(i, c, masked):
+            for t in tiles:
+                c = t(i, c, masked)
+            return c
+
+        carry = _loops(count, item, carry, tile)
+    dk, dv, cnt = carry
+    dk = _unrotate([x * jnp.float32(cfg.scale) for x in dk], k_tab)
+    _store_feats(r["dk"], plat, 1, 0, cfg.H, slice(None), segs, k_real, dk)
+    _store_feats(r["dv"], plat, 1, 0, cfg.Hv, slice(None), vsegs, k_real, [dv])
     if cfg.count_tiles:
         r["visits"][...] = cnt[None, :]
 
 
 # ------------------------------------------------------------------------ pallas plumbing
-def _match_manual_axes(args, out_shape):
-    """Make a ``pallas_call`` valid inside ``shard_map`` with ``check_vma=True`` (its
-    default): every input must vary over the same manual mesh axes and each output's
-    ``ShapeDtypeStruct`` must say which axes it varies over. The kernel mixes sharded
-    arrays (q, k, v) with replicated ones (positions, captured arrays, the schedule), so
-    inputs are cast to the union of their axes and the outputs declared to vary over it.
-    Outside ``shard_map`` the union is empty and nothing changes. Returns
-    ``(args, out_shape, axes)``."""
-    vary = [varying_axes(a) for a in args]
-    axes = frozenset().union(*vary)
+def _declare_axes(out_shape, axes, like):
+    """``ShapeDtypeStruct`` outputs declared to vary over the manual mesh ``axes`` (inside
+    ``shard_map`` with ``check_vma=True``)."""
     if not axes:
-        return args, out_shape, axes
-    args = tuple(a if v == axes else cast_varying(a, axes) for a, v in zip(args, vary))
+        return out_shape
     params = inspect.signature(jax.ShapeDtypeStruct).parameters
-    aval = jax.typeof(args[0])
+    aval = jax.typeof(like)
     mat = getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
     if "manual_axis_type" in params and hasattr(mat, "update"):  # JAX 0.10
         declare = {"manual_axis_type": mat.update(varying=axes)}
     elif "vma" in params:
         declare = {"vma": axes}
     else:
-        return args, out_shape, axes
-    out_shape = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, **declare) for o in out_shape)
-    return args, out_shape, axes
+        return out_shape
+    return tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, **declare) for o in out_shape)
+
+
+def _match_manual_axes(args):
+    """Make a ``pallas_call`` valid inside ``shard_map`` with ``check_vma=True`` (its
+    default): every input must vary over the same manual mesh axes and each output's
+    ``ShapeDtypeStruct`` must say which axes it varies over. The kernel mixes sharded
+    arrays (q, k, v) with replicated ones (positions, captured arrays, the schedule), so
+    inputs are cast to the union of their axes and the outputs declared to vary over it
+    (:func:`_declare_axes`). Outside ``shard_map`` the union is empty and nothing changes.
+    Returns ``(args, axes)``."""
+    vary = [varying_axes(a) for a in args]
+    axes = frozenset().union(*vary)
+    if not axes:
+        return args, axes
+    return tuple(a if v == axes else cast_varying(a, axes) for a, v in zip(args, vary)), axes
 
 
 class _In(NamedTuple):
-    """One kernel input: ``spec(platform, shape)`` gives its BlockSpec; ``smem`` puts it
-    in TPU scalar memory (whole array, or blocks of ``spec``); ``pow2`` pads every dim to
-    a power of two for Triton (captured arrays: Triton blocks are powers of two)."""
+    """One kernel input. ``spec(plat, x)`` gives ``(array, BlockSpec)`` for a platform (the
+    array may be reshaped there: a layout change or power-of-two padding); ``smem`` puts
+    it in TPU scalar memory (whole array, or blocks of ``spec``)."""
 
     name: str
     array: Any
     spec: Any
     smem: bool = False
-    pow2: bool = False
 
 
-def _whole(platform, shape):
-    return pl.BlockSpec(tuple(shape), lambda *_: (0,) * len(shape))
+class _Out(NamedTuple):
+    """One kernel output: ``make(plat) -> (ShapeDtypeStruct, BlockSpec, post)``; ``post``
+    maps the kernel's array back to the canonical layout."""
+
+    name: str
+    make: Any
 
 
-def _smem_spec(block_spec):
+def _whole(pow2=False):
+    """The whole array in every program (captured arrays, sinks; Triton: every dim padded
+    to a power of two when ``pow2``)."""
+
+    def spec(plat, x):
+        if pow2 and plat.masked:
+            for ax in range(x.ndim):
+                x = pad_axis(x, ax, pow2_at_least(x.shape[ax]))
+        return x, pl.BlockSpec(tuple(x.shape), lambda *_: (0,) * x.ndim)
+
+    spec.whole = True
+    return spec
+
+
+def _fixed(shape, index_map):
+    return lambda plat, x: (x, pl.BlockSpec(shape, index_map))
+
+
+def _smem_spec(block_spec, whole):
     from jax.experimental.pallas import tpu as pltpu
 
-    if block_spec is None:
+    if whole:
         return pl.BlockSpec(memory_space=pltpu.SMEM)
     return pl.BlockSpec(block_spec.block_shape, block_spec.index_map, memory_space=pltpu.SMEM)
 
 
-def _pad_pow2(x):
-    for ax in range(x.ndim):
-        x = pad_axis(x, ax, pow2_at_least(x.shape[ax]))
-    return x
-
-
-def _pallas(kernel, cfg, grid, ins: list[_In], outs: list[tuple[str, Any, Any]], name):
-    """Run ``kernel(style=...)`` (a factory of kernel bodies) in interpret mode, or compiled
-    by Triton (CUDA/ROCm) / Mosaic (TPU). ``outs``: ``(name, ShapeDtypeStruct, spec)``."""
-    names = tuple(i.name for i in ins) + tuple(o[0] for o in outs)
-    args = tuple(i.array for i in ins)
-    out_shape = tuple(o[1] for o in outs)
-    args, out_shape, manual_axes = _match_manual_axes(args, out_shape)
+def _pallas(kernel, cfg, grid, ins: list[_In], outs: list[_Out], name):
+    """Run ``kernel(style=..., plat=...)`` (a factory of kernel bodies) in interpret mode,
+    or compiled by Triton (CUDA/ROCm) / Mosaic (TPU)."""
+    names = tuple(i.name for i in ins) + tuple(o.name for o in outs)
+    args, manual_axes = _match_manual_axes(tuple(i.array for i in ins))
     under_vma = bool(manual_axes)
     if under_vma and (cfg.mode == "interpret"
                       or (cfg.mode == "auto" and jax.default_backend() == "cpu")):
@@ -391,29 +766,30 @@ def _pallas(kernel, cfg, grid, ins: list[_In], outs: list[tuple[str, Any, Any]],
             "shard_map with check_vma=True: JAX's Pallas interpreter does not track varying "
             "mesh axes. Pass check_vma=False to shard_map, or use implementation='chunked' "
             "(the CPU default). Compiled kernels (GPU, TPU) need neither.")
-    n_in, n_out = len(args), len(out_shape)
+    n_in = len(args)
 
     def build(platform, interpret, compiler_params=None):
         style = {"tpu": "loop", "cpu": INTERPRET_STYLE}.get(platform, "load")
+        plat = _plat(platform, cfg)
 
         def f(*a):
             a = list(a[:n_in])
             specs = []
             for idx, inp in enumerate(ins):
-                x = a[idx]
-                if inp.pow2 and platform in ("cuda", "rocm"):
-                    x = a[idx] = _pad_pow2(x)
-                spec = inp.spec(platform, x.shape)
+                a[idx], spec = inp.spec(plat, a[idx])
                 if inp.smem and platform == "tpu":
-                    spec = _smem_spec(None if inp.spec is _whole else spec)
+                    spec = _smem_spec(spec, getattr(inp.spec, "whole", False))
                 specs.append(spec)
-            out_specs = [o[2] for o in outs]
-            body = functools.partial(kernel, names=names, style=style)
+            made = [o.make(plat) for o in outs]
+            out_shape = _declare_axes(tuple(m[0] for m in made), manual_axes, a[0])
+            out_specs = [m[1] for m in made]
+            body = functools.partial(kernel, names=names, style=style, plat=plat)
             aliases = {}
             if POISON_OUTPUTS:
-                poison = [jnp.full(o.shape, jnp.nan, o.dtype) if jnp.issubdtype(o.dtype, jnp.inexact)
-                          else jnp.full(o.shape, -1, o.dtype) for o in out_shape]
+                poison = [jnp.full(o.shape, jnp.nan if jnp.issubdtype(o.dtype, jnp.inexact)
+                                   else -1, o.dtype) for o in out_shape]
                 inner = body
+                n_out = len(out_shape)
 
                 def body(*refs):  # the aliased NaN inputs are the outputs' initial contents
                     return inner(*refs[:n_in], *refs[n_in + n_out:])
@@ -421,10 +797,11 @@ def _pallas(kernel, cfg, grid, ins: list[_In], outs: list[tuple[str, Any, Any]],
                 a = a + poison
                 specs = specs + out_specs
                 aliases = {n_in + i: i for i in range(n_out)}
-            return pl.pallas_call(body, grid=grid, in_specs=specs, out_specs=out_specs,
-                                  out_shape=out_shape, interpret=interpret,
-                                  input_output_aliases=aliases,
-                                  compiler_params=compiler_params, name=name)(*a)
+            res = pl.pallas_call(body, grid=grid, in_specs=specs, out_specs=out_specs,
+                                 out_shape=out_shape, interpret=interpret,
+                                 input_output_aliases=aliases,
+                                 compiler_params=compiler_params, name=name)(*a)
+            return tuple(m[2](x) for m, x in zip(made, res))
 
         return f
 
@@ -441,10 +818,6 @@ def _pallas(kernel, cfg, grid, ins: list[_In], outs: list[tuple[str, Any, Any]],
     return jax.lax.platform_dependent(*args, **compiled)
 
 
-def _bspec(shape, index_map):
-    return lambda platform, _shape: pl.BlockSpec(shape, index_map)
-
-
 def _const_inputs(prefix, conv, smem_ok):
     """Kernel inputs for a converted mod's captured arrays (0-d ones as ``[1]``)."""
     if conv is None:
@@ -455,7 +828,7 @@ def _const_inputs(prefix, conv, smem_ok):
         # Captured arrays travel at least 2-D (leading 1s): TPU blocks of rank < 2 need
         # device information to check; the kernel indexes the added axes with 0.
         x = x.reshape((1,) * (2 - x.ndim) + x.shape) if x.ndim < 2 else x
-        out.append(_In(f"{prefix}{i}", x, _whole, smem=smem_ok[i], pow2=True))
+        out.append(_In(f"{prefix}{i}", x, _whole(pow2=True), smem=smem_ok[i]))
     return out
 
 
@@ -484,108 +857,213 @@ def _mod_static(conv):
                                   for c in conv.consts))
 
 
-def _sched_maps(cfg):
-    sb = (lambda b: b) if cfg.sched_b else (lambda b: 0)
-    sh = (lambda h: h) if cfg.sched_h else (lambda h: 0)
-    return sb, sh
+def _batch_map(batched):
+    return (lambda b: b) if batched else (lambda b: 0)
 
 
-def _common_inputs(cfg, q, k, v, ints, sched, smod, mmod, *, kv_tile):
-    """Inputs shared by the three kernels. ``kv_tile``: the dk/dv kernel (a key tile per
-    program, every query)."""
-    g, bq, bk = cfg.groups, cfg.bq, cfg.bk
-    Tq_p, Tk_p = cfg.nq * bq, cfg.nk * bk
-    qb = (lambda b: b) if cfg.qpos_batched else (lambda b: 0)
-    kb = (lambda b: b) if cfg.kvpos_batched else (lambda b: 0)
-    sb, sh = _sched_maps(cfg)
-    Hp, Hvp = q.shape[-1], v.shape[-1]
-    if not kv_tile:
-        ins = [
-            _In("q", q, _bspec((None, None, bq, Hp), lambda b, h, i: (b, h, i, 0))),
-            _In("k", k, _bspec((None, None, Tk_p, Hp), lambda b, h, i: (b, jax.lax.div(h, g), 0, 0))),
-            _In("v", v, _bspec((None, None, Tk_p, Hvp), lambda b, h, i: (b, jax.lax.div(h, g), 0, 0))),
-            _In("q_pos", ints["q_pos"], _bspec((None, bq, 1), lambda b, h, i: (qb(b), i, 0))),
-            _In("kv_pos", ints["kv_pos"], _bspec((None, 1, Tk_p), lambda b, h, i: (kb(b), 0, 0))),
-        ]
-        if cfg.has_segments:
-            ins += [_In("q_seg", ints["q_seg"], _bspec((None, bq, 1), lambda b, h, i: (b, i, 0))),
-                    _In("kv_seg", ints["kv_seg"], _bspec((None, 1, Tk_p), lambda b, h, i: (b, 0, 0)))]
-        counts, lists = sched.kv_counts, sched.kv_lists
-    else:
-        ins = [
-            _In("q", q, _bspec((None, None, Tq_p, Hp), lambda b, h, j: (b, h, 0, 0))),
-            _In("k", k, _bspec((None, None, bk, Hp), lambda b, h, j: (b, jax.lax.div(h, g), j, 0))),
-            _In("v", v, _bspec((None, None, bk, Hvp), lambda b, h, j: (b, jax.lax.div(h, g), j, 0))),
-            _In("q_pos", ints["q_pos"], _bspec((None, Tq_p, 1), lambda b, h, j: (qb(b), 0, 0))),
-            _In("kv_pos", ints["kv_pos"], _bspec((None, 1, bk), lambda b, h, j: (kb(b), 0, j))),
-        ]
-        if cfg.has_segments:
-            ins += [_In("q_seg", ints["q_seg"], _bspec((None, Tq_p, 1), lambda b, h, j: (b, 0, 0))),
-                    _In("kv_seg", ints["kv_seg"], _bspec((None, 1, bk), lambda b, h, j: (b, 0, j)))]
-        counts, lists = sched.q_counts, sched.q_lists
-    n_list = lists.shape[-1]
-    ins += [_In("counts", counts, _bspec((None, None, None, 1, 2),
-                                         lambda b, h, x: (sb(b), sh(h), x, 0, 0)), smem=True),
-            _In("lists", lists, _bspec((None, None, None, 2, n_list),
-                                       lambda b, h, x: (sb(b), sh(h), x, 0, 0)), smem=True)]
+def _tok(x, rows, heads, W, imap, segs):
+    """An ``[B, T, n, W]`` token input (q, k, v, do) in the platform's layout."""
+    def spec(plat, arr):
+        return _to_kernel(plat, arr), _tok_spec(plat, rows, heads, W,
+                                                _block_width(plat, segs, W), imap)
+    return spec
+
+
+def _tables(cfg, which, rows, imap):
+    """RoPE table inputs (``q_cos``/``q_sin`` or ``k_cos``/``k_sin``): ``[Bt, T_p, half]``,
+    Triton: the width padded to a power of two (zeros: padded columns rotate to 0)."""
+    def spec(plat, x):
+        x = pad_axis(x, 2, _wb(plat, x.shape[2]))
+        return x, pl.BlockSpec((None, rows, x.shape[2]), lambda *g: (*imap(*g), 0))
+    return spec
+
+
+def _pos_inputs(cfg, ints, tabs, *, q_rows, q_map, k_rows, k_map):
+    """Positions, segments and RoPE tables; ``q_map(*grid) -> (batch, row block)``."""
+    qb, kb = _batch_map(cfg.qpos_batched), _batch_map(cfg.kvpos_batched)
+    ins = [_In("q_pos", ints["q_pos"], _fixed((None, q_rows, 1), lambda *g: (
+               qb(q_map(*g)[0]), q_map(*g)[1], 0))),
+           _In("kv_pos", ints["kv_pos"], _fixed((None, 1, k_rows), lambda *g: (
+               kb(k_map(*g)[0]), 0, k_map(*g)[1])))]
+    if cfg.has_segments:
+        ins += [_In("q_seg", ints["q_seg"], _fixed((None, q_rows, 1), lambda *g: (
+                    q_map(*g)[0], q_map(*g)[1], 0))),
+                _In("kv_seg", ints["kv_seg"], _fixed((None, 1, k_rows), lambda *g: (
+                    k_map(*g)[0], 0, k_map(*g)[1])))]
+    if cfg.rope_half:
+        tqb, tkb = _batch_map(cfg.rope_qb), _batch_map(cfg.rope_kb)
+        qm = lambda *g: (tqb(q_map(*g)[0]), q_map(*g)[1])
+        km = lambda *g: (tkb(k_map(*g)[0]), k_map(*g)[1])
+        ins += [_In("q_cos", tabs[0], _tables(cfg, "q", q_rows, qm)),
+                _In("q_sin", tabs[1], _tables(cfg, "q", q_rows, qm)),
+                _In("k_cos", tabs[2], _tables(cfg, "k", k_rows, km)),
+                _In("k_sin", tabs[3], _tables(cfg, "k", k_rows, km))]
+    return ins
+
+
+def _tail_inputs(cfg, smod, mmod, kv_len):
+    ins = []
+    if cfg.has_kv_len:
+        ins.append(_In("kv_len", kv_len, _whole(pow2=True), smem=True))
     ins += _const_inputs("smod", smod, _smem_ok(smod))
     ins += _const_inputs("mmod", mmod, _smem_ok(mmod))
     return ins
 
 
-def _forward(cfg, q, k, v, ints, sched, smod, mmod, sinks):
-    B, N, bq = cfg.B, cfg.N, cfg.bq
-    Tq_p = cfg.nq * bq
-    hv = v.shape[-1]
-    ins = _common_inputs(cfg, q, k, v, ints, sched, smod, mmod, kv_tile=False)
+def _sched_inputs(counts, lists, heads, imap):
+    """Schedule rows: ``imap(*grid) -> (S_b index, S_h index, row[, split])``."""
+    hd = None if heads == 1 else heads
+    extra = counts.ndim - 5  # a split axis
+    lead = (None,) * extra
+    c_shape = (None, hd, None) + lead + (1, 2)
+    l_shape = (None, hd, None) + lead + (2, lists.shape[-1])
+    return [_In("counts", counts, _fixed(c_shape, lambda *g: (*imap(*g), 0, 0)), smem=True),
+            _In("lists", lists, _fixed(l_shape, lambda *g: (*imap(*g), 0, 0)), smem=True)]
+
+
+def _forward(cfg, q, k, v, ints, sched, smod, mmod, sinks, kv_len, tabs):
+    """``(out [B, Tq, N, Hv] (or split partials), lse [B, N, Tq_p, 1], visits)``."""
+    B, N, G, S, bq = cfg.B, cfg.N, cfg.heads, cfg.splits, cfg.bq
+    g, Tq_p, Tk_p = cfg.groups, cfg.nq * bq, cfg.nk * cfg.bk
+    NP = N // G
+    sb = _batch_map(cfg.sched_b)
+    sh = _batch_map(cfg.sched_h)
+    kvh = lambda p: jax.lax.div(p * G, g)
+    grid = (B, NP, cfg.nq) + ((S,) if S > 1 else ())
+    segs, vsegs = _qk_segs(cfg), _v_segs(cfg)
+    ins = [_In("q", q, _tok(q, bq, G, cfg.H, lambda b, p, i, *s: (b, i, p), segs)),
+           _In("k", k, _tok(k, Tk_p, 1, cfg.H, lambda b, p, i, *s: (b, 0, kvh(p)), segs)),
+           _In("v", v, _tok(v, Tk_p, 1, cfg.Hv, lambda b, p, i, *s: (b, 0, kvh(p)), vsegs))]
+    ins += _pos_inputs(cfg, ints, tabs, q_rows=bq, q_map=lambda b, p, i, *s: (b, i),
+                       k_rows=Tk_p, k_map=lambda b, p, i, *s: (b, 0))
+    if S > 1:
+        counts, lists = sched.split_counts, sched.split_lists
+        smap = lambda b, p, i, s: (sb(b), sh(p), i, s)
+    else:
+        counts, lists = sched.kv_counts, sched.kv_lists
+        smap = lambda b, p, i: (sb(b), sh(p), i)
+    ins += _sched_inputs(counts, lists, 1, smap)
+    ins += _tail_inputs(cfg, smod, mmod, kv_len)
     if cfg.has_sinks:
-        ins.append(_In("sinks", sinks, _whole, smem=True, pow2=True))
-    outs = [("out", jax.ShapeDtypeStruct((B, N, Tq_p, hv), v.dtype),
-             pl.BlockSpec((None, None, bq, hv), lambda b, h, i: (b, h, i, 0))),
-            ("lse", jax.ShapeDtypeStruct((B, N, Tq_p, 1), jnp.float32),
-             pl.BlockSpec((None, None, bq, 1), lambda b, h, i: (b, h, i, 0)))]
+        ins.append(_In("sinks", sinks, _whole(pow2=True), smem=True))
+    hd = None if G == 1 else G
+    dtype = v.dtype
+
+    def out_make(plat):
+        if S > 1:  # partial outputs, float32, in the kernel's own padded layout
+            wv = _wb(plat, cfg.Hv)
+            sds = jax.ShapeDtypeStruct((S, B, N, Tq_p, wv), jnp.float32)
+            spec = pl.BlockSpec((None, None, hd, bq, wv), lambda b, p, i, s: (s, b, p, i, 0))
+            return sds, spec, lambda y: y[..., :cfg.Hv]
+        shape = {"4d": (B, cfg.Tq, N, cfg.Hv), "flat": (B, cfg.Tq, N * cfg.Hv),
+                 "bnth": (B, N, cfg.Tq, cfg.Hv)}[plat.kind]
+        spec = _tok_spec(plat, bq, G, cfg.Hv, _block_width(plat, vsegs, cfg.Hv),
+                         lambda b, p, i: (b, i, p))
+        return jax.ShapeDtypeStruct(shape, dtype), spec, lambda y: _from_kernel(plat, y, N)
+
+    def lse_make(plat):
+        if S > 1:
+            return (jax.ShapeDtypeStruct((S, B, N, Tq_p, 1), jnp.float32),
+                    pl.BlockSpec((None, None, hd, bq, 1), lambda b, p, i, s: (s, b, p, i, 0)),
+                    lambda y: y)
+        return (jax.ShapeDtypeStruct((B, N, Tq_p, 1), jnp.float32),
+                pl.BlockSpec((None, hd, bq, 1), lambda b, p, i: (b, p, i, 0)), lambda y: y)
+
+    outs = [_Out("out", out_make), _Out("lse", lse_make)]
     if cfg.count_tiles:
-        outs.append(("visits", jax.ShapeDtypeStruct((B, N, cfg.nq, 1, 2), jnp.int32),
-                     pl.BlockSpec((None, None, None, 1, 2), lambda b, h, i: (b, h, i, 0, 0))))
+        outs.append(_Out("visits", lambda plat: (
+            jax.ShapeDtypeStruct((B, NP, cfg.nq, S, 1, 2), jnp.int32),
+            pl.BlockSpec((None, None, None, None, 1, 2),
+                         lambda b, p, i, *s: (b, p, i, s[0] if s else 0, 0, 0)),
+            lambda y: y)))
     kern = functools.partial(_fwd_kernel, cfg=cfg, smod=_mod_static(smod), mmod=_mod_static(mmod))
-    return _pallas(kern, cfg, (B, N, cfg.nq), ins, outs, "jaxpos_attention_fwd")
+    res = _pallas(kern, cfg, grid, ins, outs, "jaxpos_attention_fwd")
+    out, lse = res[0], res[1]
+    if S > 1:
+        out, lse = _combine_splits(cfg, out, lse, sinks, dtype)
+    return out, lse, (res[2] if cfg.count_tiles else None)
 
 
-def _backward_kernels(cfg, q, k, v, ints, sched, smod, mmod, out, lse, dout):
-    """dq, dk, dv (float32, dk/dv per query head) and delta."""
-    B, N, bq, bk = cfg.B, cfg.N, cfg.bq, cfg.bk
+def _combine_splits(cfg, out_s, lse_s, sinks, dtype):
+    """Flash decoding's combine: ``lse = logsumexp_s lse_s`` (and the sink), ``out = sum_s
+    exp(lse_s - lse) out_s``. ``out_s`` ``[S, B, N, Tq_p, Hv]``, ``lse_s``
+    ``[S, B, N, Tq_p, 1]``."""
+    parts = lse_s
+    if sinks is not None:
+        parts = jnp.concatenate([lse_s, jnp.broadcast_to(
+            sinks[None, None, :, None, None], (1,) + lse_s.shape[1:])], axis=0)
+    m = jnp.max(parts, axis=0)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    tot = jnp.sum(jnp.exp(parts - m_safe), axis=0)
+    lse = jnp.where(tot == 0.0, -jnp.inf, m_safe + jnp.log(jnp.where(tot == 0.0, 1.0, tot)))
+    w = jnp.exp(lse_s - jnp.where(lse == -jnp.inf, 0.0, lse))  # [S, B, N, Tq_p, 1]
+    out = jnp.sum(out_s * w, axis=0)[:, :, :cfg.Tq]  # [B, N, Tq, Hv]
+    return jnp.swapaxes(out, 1, 2).astype(dtype), lse
+
+
+def _split_len(cfg):
+    """Key tiles per split."""
+    return -(-cfg.nk // cfg.splits)
+
+
+def _backward_kernels(cfg, q, k, v, ints, sched, smod, mmod, kv_len, tabs, lse, delta, dout):
+    """dq, dk, dv in the inputs' layout and dtypes; ``lse``, ``delta`` ``[B, N, Tq_p, 1]``
+    (rows past Tq: lse +inf, delta 0, so they contribute nothing)."""
+    B, N, g, bq, bk = cfg.B, cfg.N, cfg.groups, cfg.bq, cfg.bk
+    Nk = N // g
     Tq_p, Tk_p = cfg.nq * bq, cfg.nk * bk
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+    sb, sh = _batch_map(cfg.sched_b), _batch_map(cfg.sched_h)
+    segs, vsegs = _qk_segs(cfg), _v_segs(cfg)
     do = dout.astype(v.dtype)
-    Hp, Hvp = q.shape[-1], v.shape[-1]
     smod_s, mmod_s = _mod_static(smod), _mod_static(mmod)
-    # dq
-    ins = _common_inputs(cfg, q, k, v, ints, sched, smod, mmod, kv_tile=False)
-    row = lambda w: _bspec((None, None, bq, w), lambda b, h, i: (b, h, i, 0))
-    ins += [_In("do", do, row(Hvp)), _In("lse", lse, row(1)), _In("delta", delta, row(1))]
-    outs = [("dq", jax.ShapeDtypeStruct((B, N, Tq_p, Hp), jnp.float32),
-             pl.BlockSpec((None, None, bq, Hp), lambda b, h, i: (b, h, i, 0)))]
+    kvh = lambda h: jax.lax.div(h, g)
+    # dq: one query tile of one query head per program
+    ins = [_In("q", q, _tok(q, bq, 1, cfg.H, lambda b, h, i: (b, i, h), segs)),
+           _In("k", k, _tok(k, Tk_p, 1, cfg.H, lambda b, h, i: (b, 0, kvh(h)), segs)),
+           _In("v", v, _tok(v, Tk_p, 1, cfg.Hv, lambda b, h, i: (b, 0, kvh(h)), vsegs)),
+           _In("do", do, _tok(do, bq, 1, cfg.Hv, lambda b, h, i: (b, i, h), vsegs)),
+           _In("lse", lse, _fixed((None, None, bq, 1), lambda b, h, i: (b, h, i, 0))),
+           _In("delta", delta, _fixed((None, None, bq, 1), lambda b, h, i: (b, h, i, 0)))]
+    ins += _pos_inputs(cfg, ints, tabs, q_rows=bq, q_map=lambda b, h, i: (b, i),
+                       k_rows=Tk_p, k_map=lambda b, h, i: (b, 0))
+    ins += _sched_inputs(sched.kv_counts, sched.kv_lists, 1, lambda b, h, i: (sb(b), sh(h), i))
+    ins += _tail_inputs(cfg, smod, mmod, kv_len)
+
+    def tok_out(name, n, W, rows, imap, seg, dtype, T):
+        def make(plat):
+            shape = {"4d": (B, T, n, W), "flat": (B, T, n * W), "bnth": (B, n, T, W)}[plat.kind]
+            spec = _tok_spec(plat, rows, 1, W, _block_width(plat, seg, W), imap)
+            return jax.ShapeDtypeStruct(shape, dtype), spec, lambda y: _from_kernel(plat, y, n)
+        return _Out(name, make)
+
+    outs = [tok_out("dq", N, cfg.H, bq, lambda b, h, i: (b, i, h), segs, q.dtype, cfg.Tq)]
     kern = functools.partial(_dq_kernel, cfg=cfg, smod=smod_s, mmod=mmod_s)
     (dq,) = _pallas(kern, cfg, (B, N, cfg.nq), ins, outs, "jaxpos_attention_dq")
-    # dk, dv: one key tile of one query head per program
-    ins = _common_inputs(cfg, q, k, v, ints, sched, smod, mmod, kv_tile=True)
-    col = lambda w: _bspec((None, None, Tq_p, w), lambda b, h, j: (b, h, 0, 0))
-    ins += [_In("do", do, col(Hvp)), _In("lse", lse, col(1)), _In("delta", delta, col(1))]
-    outs = [("dk", jax.ShapeDtypeStruct((B, N, Tk_p, Hp), jnp.float32),
-             pl.BlockSpec((None, None, bk, Hp), lambda b, h, j: (b, h, j, 0))),
-            ("dv", jax.ShapeDtypeStruct((B, N, Tk_p, Hvp), jnp.float32),
-             pl.BlockSpec((None, None, bk, Hvp), lambda b, h, j: (b, h, j, 0)))]
+    # dk, dv: one key tile of one KV head per program, the group's query heads inside
+    ins = [_In("q", q, _tok(q, Tq_p, g, cfg.H, lambda b, h, j: (b, 0, h), segs)),
+           _In("k", k, _tok(k, bk, 1, cfg.H, lambda b, h, j: (b, j, h), segs)),
+           _In("v", v, _tok(v, bk, 1, cfg.Hv, lambda b, h, j: (b, j, h), vsegs)),
+           _In("do", do, _tok(do, Tq_p, g, cfg.Hv, lambda b, h, j: (b, 0, h), vsegs))]
+    gd = None if g == 1 else g
+    ins += [_In("lse", lse, _fixed((None, gd, Tq_p, 1), lambda b, h, j: (b, h, 0, 0))),
+            _In("delta", delta, _fixed((None, gd, Tq_p, 1), lambda b, h, j: (b, h, 0, 0)))]
+    ins += _pos_inputs(cfg, ints, tabs, q_rows=Tq_p, q_map=lambda b, h, j: (b, 0),
+                       k_rows=bk, k_map=lambda b, h, j: (b, j))
+    if cfg.sched_h:
+        ins += _sched_inputs(sched.q_counts, sched.q_lists, g, lambda b, h, j: (sb(b), h, j))
+    else:
+        ins += _sched_inputs(sched.q_counts, sched.q_lists, 1, lambda b, h, j: (sb(b), 0, j))
+    ins += _tail_inputs(cfg, smod, mmod, kv_len)
+    outs = [tok_out("dk", Nk, cfg.H, bk, lambda b, h, j: (b, j, h), segs, k.dtype, cfg.Tk),
+            tok_out("dv", Nk, cfg.Hv, bk, lambda b, h, j: (b, j, h), vsegs, v.dtype, cfg.Tk)]
     if cfg.count_tiles:
-        outs.append(("visits", jax.ShapeDtypeStruct((B, N, cfg.nk, 1, 2), jnp.int32),
-                     pl.BlockSpec((None, None, None, 1, 2), lambda b, h, j: (b, h, j, 0, 0))))
+        outs.append(_Out("visits", lambda plat: (
+            jax.ShapeDtypeStruct((B, Nk, cfg.nk, 1, 2), jnp.int32),
+            pl.BlockSpec((None, None, None, 1, 2), lambda b, h, j: (b, h, j, 0, 0)),
+            lambda y: y)))
     kern = functools.partial(_dkv_kernel, cfg=cfg, smod=smod_s, mmod=mmod_s)
-    res = _pallas(kern, cfg, (B, N, cfg.nk), ins, outs, "jaxpos_attention_dkv")
-    dk, dv = res[0], res[1]
-    g = cfg.groups
-    if g > 1:  # sum the per-query-head key gradients over each group
-        fold = lambda x: x.reshape((B, N // g, g) + x.shape[2:]).sum(axis=2)
-        dk, dv = fold(dk), fold(dv)
-    return dq, dk, dv, delta, (res[2] if cfg.count_tiles else None)
+    res = _pallas(kern, cfg, (B, Nk, cfg.nk), ins, outs, "jaxpos_attention_dkv")
+    return dq, res[0], res[1], (res[2] if cfg.count_tiles else None)
 
 
 # ------------------------------------------------- captured-array gradients (outside)
@@ -595,13 +1073,11 @@ def _tiles_apply(conv, x, q_pos_t, kv_pos_t, kind):
     ``kv_pos_t`` ``[Bk, nk, bk]``."""
     B, N = x.shape[:2] if x is not None else kind[:2]
 
-    call = conv  # under shard_map, ConvertedMod matches its operands' varying axes itself
-
     def one(s, b, h, qp, kp):
         args = (b, h, qp[:, None], kp[None, :])
         if s is None:
-            return jnp.broadcast_to(call(*args), (qp.shape[0], kp.shape[0]))
-        return call(s, *args)
+            return jnp.broadcast_to(conv(*args), (qp.shape[0], kp.shape[0]))
+        return conv(s, *args)
 
     sa = None if x is None else 0
     f = jax.vmap(one, in_axes=(sa, None, None, None, 0))  # key tiles
@@ -623,18 +1099,26 @@ def _rows_per_step(cfg, width):
     return G
 
 
-def _mod_const_grads(cfg, q, k, v, ints, smod, mmod, lse, do, delta):
+def _mod_const_grads(cfg, q, k, v, ints, smod, mmod, lse, do, delta, kv_len, tabs):
     """Gradients of the score_mod's floating captured arrays: ``sum over tiles of
     VJP(score_mod)(dS)``, recomputing each score tile from ``lse`` in plain JAX (a scan
     over groups of query tiles, ``CONST_GRAD_BLOCK_BYTES`` of scores per step). Exact,
-    lowered by XLA everywhere, and dead code under ``jit`` when unused."""
+    lowered by XLA everywhere, and dead code under ``jit`` when unused (the transposes and
+    pads below belong to this pass only)."""
     consts = list(smod.consts)
     diff = [i for i, c in enumerate(consts) if jnp.issubdtype(jnp.result_type(c), jnp.inexact)]
     if not diff:
         return [None] * len(consts)
     B, N, g, bq, bk, nq, nk = cfg.B, cfg.N, cfg.groups, cfg.bq, cfg.bk, cfg.nq, cfg.nk
     Nk = N // g
-    Tk_p = nk * bk
+    Tq_p, Tk_p = nq * bq, nk * bk
+    if cfg.rope_half:
+        from jaxpos.rope import rotate
+
+        q = rotate(q, tabs[0][:, :cfg.Tq], tabs[1][:, :cfg.Tq], layout="half")
+        k = rotate(k, tabs[2][:, :cfg.Tk], tabs[3][:, :cfg.Tk], layout="half")
+    lay = lambda x, T_p: pad_axis(jnp.swapaxes(x, 1, 2), 2, T_p)
+    q, k, v, do = lay(q, Tq_p), lay(k, Tk_p), lay(v, Tk_p), lay(do, Tq_p)
     G = _rows_per_step(cfg, Tk_p)
     steps, rows = nq // G, G * bq
 
@@ -650,10 +1134,8 @@ def _mod_const_grads(cfg, q, k, v, ints, smod, mmod, lse, do, delta):
           "delta": split_rows(delta), "q_pos": q_pos_s}
     if cfg.has_segments:
         xs["q_seg"] = jnp.moveaxis(ints["q_seg"][..., 0].reshape(B, steps, G, bq), 1, 0)
-    kv_real = jnp.arange(Tk_p) < cfg.Tk
-    # Inside shard_map the mods cast their operands to common varying axes themselves
-    # (jaxpos.mods.ConvertedMod); the casts of the captured arrays transpose to sums over
-    # the shards.
+    lim = cfg.Tk if kv_len is None else kv_len[:, None]
+    kv_real = jnp.arange(Tk_p)[None, :] < lim  # [1|B, Tk_p]
 
     def to_tiles(x):  # [B, N, rows, Tk_p] -> [B, N, G, nk, bq, bk]
         x = x.reshape(x.shape[:2] + (G, bq, nk, bk))
@@ -671,7 +1153,7 @@ def _mod_const_grads(cfg, q, k, v, ints, smod, mmod, lse, do, delta):
         lse_t = x["lse"].reshape(B, N, G, 1, bq, 1)
         delta_t = x["delta"].reshape(B, N, G, 1, bq, 1)
         qp = x["q_pos"]  # [Bq, G, bq]
-        vis = kv_real.reshape(1, 1, 1, nk, 1, bk)
+        vis = kv_real.reshape(-1, 1, 1, nk, 1, bk)
         if cfg.causal:
             vis = vis & (kv_pos_t[:, None, None, :, None, :] <= qp[:, None, :, None, :, None])
         if cfg.has_segments:
@@ -703,19 +1185,34 @@ def _mod_const_grads(cfg, q, k, v, ints, smod, mmod, lse, do, delta):
 
 # ----------------------------------------------------------------------- custom VJP core
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(cfg, q, k, v, ints, sched, smod, mmod, sinks):
-    out, _ = _forward(cfg, q, k, v, ints, sched, smod, mmod, sinks)[:2]
-    return out
+def _core(cfg, q, k, v, ints, sched, smod, mmod, sinks, kv_len, tabs):
+    out, lse, _ = _forward(cfg, q, k, v, ints, sched, smod, mmod, sinks, kv_len, tabs)
+    return out, lse
 
 
-def _core_fwd(cfg, q, k, v, ints, sched, smod, mmod, sinks):
-    out, lse = _forward(cfg, q, k, v, ints, sched, smod, mmod, sinks)[:2]
-    return out, (q, k, v, ints, sched, smod, mmod, sinks, out, lse)
+def _core_fwd(cfg, q, k, v, ints, sched, smod, mmod, sinks, kv_len, tabs):
+    out, lse, _ = _forward(cfg, q, k, v, ints, sched, smod, mmod, sinks, kv_len, tabs)
+    return (out, lse), (q, k, v, ints, sched, smod, mmod, sinks, kv_len, tabs, out, lse)
 
 
-def _core_bwd(cfg, res, dout):
-    q, k, v, ints, sched, smod, mmod, sinks, out, lse = res
-    dq, dk, dv, delta, _ = _backward_kernels(cfg, q, k, v, ints, sched, smod, mmod, out, lse, dout)
+def _backward_rows(cfg, out, lse, dout, dlse):
+    """``(lse, delta)`` ``[B, N, Tq_p, 1]`` for the backward kernels: ``delta =
+    rowsum(dO * O) - dlse``; rows past ``Tq`` get ``lse = +inf`` and ``delta = 0`` so their
+    (padding) probabilities are 0."""
+    Tq_p = cfg.nq * cfg.bq
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, Tq, N]
+    delta = pad_axis(jnp.swapaxes(delta, 1, 2), 2, Tq_p)[..., None]
+    delta = delta - dlse.astype(jnp.float32)
+    real = (jnp.arange(Tq_p) < cfg.Tq)[None, None, :, None]
+    return jnp.where(real, lse, jnp.inf), jnp.where(real, delta, 0.0)
+
+
+def _core_bwd(cfg, res, cts):
+    q, k, v, ints, sched, smod, mmod, sinks, kv_len, tabs, out, lse = res
+    dout, dlse = cts
+    lse_b, delta = _backward_rows(cfg, out, lse, dout, dlse)
+    dq, dk, dv, _ = _backward_kernels(cfg, q, k, v, ints, sched, smod, mmod, kv_len, tabs,
+                                      lse_b, delta, dout)
     # Under shard_map, a cotangent varies over every axis the kernel's inputs did; a primal
     # that was replicated over some of them (captured arrays, sinks, all-gathered keys) gets
     # the sum of the per-shard gradients (match_vma), as in the chunked path.
@@ -725,16 +1222,21 @@ def _core_bwd(cfg, res, dout):
     zeros = lambda tree: jax.tree_util.tree_map(zero_cotangent, tree)
     dsmod = None
     if smod is not None:
-        grads = _mod_const_grads(cfg, q, k, v, ints, smod, mmod, lse, dout.astype(v.dtype), delta)
-        cts = [zero_cotangent(jnp.asarray(c)) if gr is None else match_vma(gr.astype(
+        grads = _mod_const_grads(cfg, q, k, v, ints, smod, mmod, lse_b, dout.astype(v.dtype),
+                                 delta, kv_len, tabs)
+        cts_c = [zero_cotangent(jnp.asarray(c)) if gr is None else match_vma(gr.astype(
             jnp.result_type(c)), c) for c, gr in zip(smod.consts, grads)]
-        dsmod = smod.with_consts(cts)
+        dsmod = smod.with_consts(cts_c)
     dsinks = None
     if sinks is not None:
-        w = jnp.exp(sinks[None, :, None, None] - lse) * delta  # [B, N, Tq_p, 1]
+        w = jnp.exp(sinks[None, :, None, None] - lse_b)  # [B, N, Tq_p, 1]
+        # a sink of -inf on a row with no visible key: lse = -inf too, exp(nan); its
+        # weight is 0 (as the chunked path's sink_gradient has it)
+        w = jnp.where(jnp.isfinite(w), w, 0.0) * delta
         dsinks = match_vma(-jnp.sum(w, axis=(0, 2, 3)).astype(sinks.dtype), sinks)
     return (dq, dk, dv, zeros(ints), zeros(sched), dsmod,
-            None if mmod is None else zeros(mmod), dsinks)
+            None if mmod is None else zeros(mmod), dsinks,
+            None if kv_len is None else zeros(kv_len), None if tabs is None else zeros(tabs))
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -758,14 +1260,53 @@ def resolve_mode(interpret):
     return "interpret" if interpret else "compiled"
 
 
+def _check_kv_lengths(kv_lengths, B, Tk):
+    _checks.check_rank("kv_lengths", kv_lengths, (1,), "[batch]")
+    if not jnp.issubdtype(_checks.dtype_of(kv_lengths), jnp.integer):
+        raise TypeError(f"kv_lengths must be integer [batch] (keys at index >= kv_lengths[b] "
+                        f"are invisible); got dtype {_checks.dtype_of(kv_lengths)}.")
+    if _checks.shape_of(kv_lengths)[0] != B:
+        raise ValueError(f"kv_lengths must have shape [{B}] (one length per batch row); got "
+                         f"{_checks.shape_of(kv_lengths)}.")
+    return jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, Tk)
+
+
+def _check_rope_tables(tabs, B, Tq, Tk, H):
+    if not isinstance(tabs, (tuple, list)) or len(tabs) != 4:
+        raise TypeError(f"rope_tables must be RopeTables(q_cos, q_sin, k_cos, k_sin) (see "
+                        f"jaxpos.kernels.fused.rope_tables); got {type(tabs).__name__}.")
+    halves = set()
+    out = []
+    for name, x, T in zip(RopeTables._fields, tabs, (Tq, Tq, Tk, Tk)):
+        _checks.check_rank(f"rope_tables.{name}", x, (3,), "[B|1, T, half]")
+        _checks.check_floating(f"rope_tables.{name}", x)
+        shp = _checks.shape_of(x)
+        if shp[0] not in (1, B) or shp[1] != T or not 0 < 2 * shp[2] <= H:
+            raise ValueError(f"rope_tables.{name} must have shape [1 or {B}, {T}, half] with "
+                             f"0 < 2 * half <= head_dim={H}; got {shp}.")
+        halves.add(shp[2])
+        out.append(jnp.asarray(x, jnp.float32))
+    if len(halves) != 1:
+        raise ValueError(f"rope_tables: all four tables need the same half width; got "
+                         f"{[_checks.shape_of(x)[2] for x in tabs]}.")
+    if _checks.shape_of(tabs[0]) != _checks.shape_of(tabs[1]) or \
+            _checks.shape_of(tabs[2]) != _checks.shape_of(tabs[3]):
+        raise ValueError("rope_tables: cos and sin tables must have the same shapes.")
+    return out, halves.pop()
+
+
 def _prepare(q, k, v, *, q_positions, kv_positions, score_mod=None, mask_mod=None,
              block_mask=None, sinks=None, causal=False, segment_ids=None, kv_segment_ids=None,
-             scale=None, block_q=None, block_k=None, mode="auto", count_tiles=False):
-    """Validate, lay out and classify: ``(cfg, q, k, v, ints, sched, smod, mmod, sinks)``
-    in kernel layout."""
+             scale=None, block_q=None, block_k=None, mode="auto", count_tiles=False,
+             kv_lengths=None, rope_tables=None, kv_splits=None):
+    """Validate and classify: ``(cfg, q, k, v, ints, sched, smod, mmod, sinks, kv_len,
+    tabs)``; q, k, v keep the caller's ``[B, T, N, H]`` layout (no copies); positions,
+    segments and tables (``O(T)``) are padded to whole tiles."""
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     B, Tq, N, H = q.shape
     _, Tk, Nk, _ = k.shape
     Hv = v.shape[3]
+    g = N // Nk
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a jaxpos.mods.BlockMask (create_block_mask); "
@@ -797,12 +1338,12 @@ def _prepare(q, k, v, *, q_positions, kv_positions, score_mod=None, mask_mod=Non
             raise ValueError(f"sinks must have shape [{N}] (one logit per query head); got "
                              f"{_checks.shape_of(sinks)}.")
         sinks = jnp.asarray(sinks, jnp.float32)
-
-    def layout(x, T_p):  # [B, T, n, w] -> [B, n, T_p, w_pow2]
-        x = pad_axis(jnp.swapaxes(x, 1, 2), 2, T_p)
-        return pad_axis(x, 3, pow2_at_least(x.shape[3], _MIN_WIDTH))
-
-    qq, kk, vv = layout(q, Tq_p), layout(k, Tk_p), layout(v, Tk_p)
+    kv_len = None if kv_lengths is None else _check_kv_lengths(kv_lengths, B, Tk)
+    tabs, half = None, 0
+    if rope_tables is not None:
+        tabs, half = _check_rope_tables(rope_tables, B, Tq, Tk, H)
+        tabs = (pad_axis(tabs[0], 1, Tq_p), pad_axis(tabs[1], 1, Tq_p),
+                pad_axis(tabs[2], 1, Tk_p), pad_axis(tabs[3], 1, Tk_p))
     qp = pad_axis(q_pos, 1, Tq_p, mode="edge")
     kp = pad_axis(kv_pos, 1, Tk_p, mode="edge")
     ints = {"q_pos": qp[:, :, None], "kv_pos": kp[:, None, :]}
@@ -815,46 +1356,78 @@ def _prepare(q, k, v, *, q_positions, kv_positions, score_mod=None, mask_mod=Non
         ints["q_seg"] = seg_q[:, :, None]
         ints["kv_seg"] = seg_kv[:, None, :]
     kinds = sched_lib.structural_kinds(causal=bool(causal), q_pos=qp, kv_pos=kp, seg_q=seg_q,
-                                       seg_kv=seg_kv, Tq=Tq, Tk=Tk, bq=bq, bk=bk, nq=nq, nk=nk)
+                                       seg_kv=seg_kv, Tq=Tq, Tk=Tk, bq=bq, bk=bk, nq=nq, nk=nk,
+                                       kv_len=kv_len)
     if block_mask is not None:
         kinds = sched_lib.combine(kinds, block_mask.kinds)
     elif mmod is not None:
         kinds = jnp.where(kinds == sched_lib.FULL, sched_lib.PARTIAL, kinds)
-    sched = sched_lib.build(kinds)
-    cfg = _Cfg(B=B, N=N, groups=N // Nk, Tq=Tq, Tk=Tk, bq=bq, bk=bk, nq=nq, nk=nk,
+    sched_h = kinds.shape[1] > 1
+    heads = g if (g > 1 and nq == 1 and not sched_h and bq * g <= GROUP_ROWS) else 1
+    if kv_splits is None:
+        splits = min(nk, max(1, SPLIT_PROGRAMS // (B * (N // heads)))) if nq == 1 else 1
+    else:
+        splits = min(nk, _checks.check_positive_int("kv_splits", kv_splits))
+    splits = -(-nk // -(-nk // splits))  # no empty split
+    sched = sched_lib.build(kinds, splits=splits)
+    cfg = _Cfg(B=B, N=N, groups=g, Tq=Tq, Tk=Tk, H=H, Hv=Hv, bq=bq, bk=bk, nq=nq, nk=nk,
                scale=float(scale), causal=bool(causal), has_segments=segment_ids is not None,
                qpos_batched=qp.shape[0] > 1, kvpos_batched=kp.shape[0] > 1,
-               sched_b=kinds.shape[0] > 1, sched_h=kinds.shape[1] > 1,
+               sched_b=kinds.shape[0] > 1, sched_h=sched_h,
                has_sinks=sinks is not None, additive=is_additive(smod),
-               precise=q.dtype == jnp.float32, mode=mode, count_tiles=count_tiles)
-    return cfg, qq, kk, vv, ints, sched, smod, mmod, sinks, Hv
+               precise=q.dtype == jnp.float32, mode=mode, heads=heads, splits=splits,
+               has_kv_len=kv_len is not None, rope_half=half,
+               rope_qb=tabs is not None and tabs[0].shape[0] > 1,
+               rope_kb=tabs is not None and tabs[2].shape[0] > 1, count_tiles=count_tiles)
+    return cfg, q, k, v, ints, sched, smod, mmod, sinks, kv_len, tabs
 
 
 def kernel_attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, sinks=None,
                      q_positions, kv_positions, causal=False, segment_ids=None,
                      kv_segment_ids=None, scale=None, block_q=None, block_k=None,
-                     interpret=None):
-    """The fused kernel on already-transformed ``q``, ``k``, ``v`` (see
-    :func:`jaxpos.kernels.attention_via_kernel` for the contract). Returns
-    ``[B, Tq, N, H_v]`` in q's dtype."""
-    cfg, qq, kk, vv, ints, sched, smod, mmod, sinks, Hv = _prepare(
+                     interpret=None, kv_lengths=None, rope_tables=None, kv_splits=None,
+                     return_lse=False):
+    """The fused kernel (see :func:`jaxpos.kernels.attention_via_kernel` for the contract
+    of the shared arguments).
+
+    Args (beyond the shared ones):
+      kv_lengths: integer ``[B]`` or None: keys at index ``>= kv_lengths[b]`` are invisible
+        to every query of row ``b`` and their tiles are never visited (a KV cache's fill
+        counts: a decode step costs the filled length, not the cache's size).
+      rope_tables: :class:`RopeTables` or None: q and k are unrotated and the kernel
+        rotates them as they are loaded (``"half"`` layout), forward and backward.
+      kv_splits: key splits of the forward (flash decoding), or None: split a call with a
+        single query tile until about :data:`SPLIT_PROGRAMS` programs run.
+      return_lse: also return the log-sum-exp of each query row's scores (the sinks
+        included), float32 ``[B, N, Tq]``, ``-inf`` for a row with no visible key;
+        differentiable.
+
+    Returns:
+      ``[B, Tq, N, H_v]`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
+    """
+    cfg, q, k, v, ints, sched, smod, mmod, sinks, kv_len, tabs = _prepare(
         q, k, v, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask, sinks=sinks,
         q_positions=q_positions, kv_positions=kv_positions, causal=causal,
         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, scale=scale, block_q=block_q,
-        block_k=block_k, mode=resolve_mode(interpret))
-    out = _core(cfg, qq, kk, vv, ints, sched, smod, mmod, sinks)  # [B, N, Tq_p, Hv_p]
-    out = out[:, :, :cfg.Tq, :Hv]
-    return jnp.swapaxes(out, 1, 2).astype(q.dtype)
+        block_k=block_k, mode=resolve_mode(interpret), kv_lengths=kv_lengths,
+        rope_tables=rope_tables, kv_splits=kv_splits)
+    out, lse = _core(cfg, q, k, v, ints, sched, smod, mmod, sinks, kv_len, tabs)
+    out = out.astype(q.dtype)
+    if return_lse:
+        return out, lse[:, :, :cfg.Tq, 0]
+    return out
 
 
 def tile_visits(q, k, v, **kw):
     """Test hook: how many key tiles each forward program and how many query tiles each
-    dk/dv program visit, as ``(fwd [B, N, nq, 2], dkv [B, N, nk, 2])`` (column 0: masked
-    PARTIAL tiles, column 1: unmasked FULL tiles), counted inside the kernels' loops
-    (interpret mode)."""
-    cfg, qq, kk, vv, ints, sched, smod, mmod, sinks, _ = _prepare(
+    dk/dv program visit, as ``(fwd [B, N / G, nq, 2] (or [B, N / G, nq, S, 2] with key
+    splits), dkv [B, N_kv, nk, 2])`` (column 0: masked PARTIAL tiles, column 1: unmasked
+    FULL tiles), counted inside the kernels' loops (interpret mode)."""
+    cfg, q, k, v, ints, sched, smod, mmod, sinks, kv_len, tabs = _prepare(
         q, k, v, mode="interpret", count_tiles=True, **kw)
-    out, lse, fwd = _forward(cfg, qq, kk, vv, ints, sched, smod, mmod, sinks)
-    *_, dkv = _backward_kernels(cfg, qq, kk, vv, ints, sched, smod, mmod, out, lse,
-                                jnp.zeros_like(out))
-    return fwd[..., 0, :], dkv[..., 0, :]
+    out, lse, fwd = _forward(cfg, q, k, v, ints, sched, smod, mmod, sinks, kv_len, tabs)
+    lse_b, delta = _backward_rows(cfg, out, lse, jnp.zeros_like(out), jnp.zeros_like(lse))
+    *_, dkv = _backward_kernels(cfg, q, k, v, ints, sched, smod, mmod, kv_len, tabs, lse_b,
+                                delta, jnp.zeros_like(out))
+    fwd = fwd[..., 0, :]
+    return (fwd[:, :, :, 0] if cfg.splits == 1 else fwd), dkv[..., 0, :]

@@ -17,8 +17,8 @@ id. A key tile holding padding is never FULL. Causal classification is exact for
 monotone positions (the ``arange`` default: the forward loop of query tile ``i`` then
 stops at the diagonal, and the dk/dv loop of key tile ``j`` starts there); every rule is
 conservative otherwise (a tile that might hold a visible pair is visited and masked), so
-one rule serves arbitrary positions too. A user's :class:`jaxpos.mods.BlockMask` is combined tile by tile
-(EMPTY if either is EMPTY, FULL if both are FULL); a mask_mod without a block mask
+one rule serves arbitrary positions too. A user's :class:`jaxpos.mods.BlockMask` is
+combined tile by tile (EMPTY if either is EMPTY, FULL if both are FULL); a mask_mod without a block mask
 makes every tile PARTIAL.
 
 The kernel reads, per query tile, the ascending list of its PARTIAL key tiles and the list
@@ -33,7 +33,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-EMPTY, FULL, PARTIAL = 0, 1, 2
+from jaxpos._util import pow2_at_least as _pow2
+from jaxpos.mods import EMPTY, FULL, PARTIAL
+
 _BIG = 2**30
 
 
@@ -43,7 +45,9 @@ class Schedule(NamedTuple):
     * ``kinds``: ``[S_b, S_h, nq, nk]``;
     * ``kv_counts``: ``[S_b, S_h, nq, 1, 2]`` (number of PARTIAL, FULL key tiles per
       query tile); ``kv_lists``: ``[S_b, S_h, nq, 2, nk_pad]`` (their indices, ascending);
-    * ``q_counts``: ``[S_b, S_h, nk, 1, 2]``; ``q_lists``: ``[S_b, S_h, nk, 2, nq_pad]``.
+    * ``q_counts``: ``[S_b, S_h, nk, 1, 2]``; ``q_lists``: ``[S_b, S_h, nk, 2, nq_pad]``;
+    * ``split_counts`` / ``split_lists``: the kv lists per key split (flash decoding),
+      ``[S_b, S_h, nq, S, 1, 2]`` / ``[S_b, S_h, nq, S, 2, L_pad]``, or None.
     """
 
     kinds: jax.Array
@@ -51,6 +55,8 @@ class Schedule(NamedTuple):
     kv_lists: jax.Array
     q_counts: jax.Array
     q_lists: jax.Array
+    split_counts: jax.Array | None = None
+    split_lists: jax.Array | None = None
 
 
 def _tile_min_max(x, n, blk, real):
@@ -63,11 +69,14 @@ def _tile_min_max(x, n, blk, real):
     return lo, hi
 
 
-def structural_kinds(*, causal, q_pos, kv_pos, seg_q, seg_kv, Tq, Tk, bq, bk, nq, nk):
-    """Tile kinds from causality, segments and padding: int32 ``[S_b, 1, nq, nk]``.
+def structural_kinds(*, causal, q_pos, kv_pos, seg_q, seg_kv, Tq, Tk, bq, bk, nq, nk,
+                     kv_len=None):
+    """Tile kinds from causality, segments, padding and per-row key lengths: int32
+    ``[S_b, 1, nq, nk]``.
 
     ``q_pos`` ``[Bq, nq * bq]``, ``kv_pos`` ``[Bk, nk * bk]`` (padded, int32); ``seg_q``,
-    ``seg_kv`` ``[B, T_padded]`` or None.
+    ``seg_kv`` ``[B, T_padded]`` or None; ``kv_len`` int32 ``[B]`` or None (keys at index
+    ``>= kv_len[b]`` do not exist: key tiles past it are EMPTY, the one it cuts PARTIAL).
     """
     q_real = jnp.arange(nq * bq) < Tq
     k_real = jnp.arange(nk * bk) < Tk
@@ -82,9 +91,15 @@ def structural_kinds(*, causal, q_pos, kv_pos, seg_q, seg_kv, Tq, Tk, bq, bk, nq
     if seg_q is not None:
         sqlo, sqhi = _tile_min_max(seg_q, nq, bq, q_real)
         sklo, skhi = _tile_min_max(seg_kv, nk, bk, k_real)
-        empty = empty | (sqhi[:, :, None] < sklo[:, None, :]) | (skhi[:, None, :] < sqlo[:, :, None])
+        empty = (empty | (sqhi[:, :, None] < sklo[:, None, :])
+                 | (skhi[:, None, :] < sqlo[:, :, None]))
         full = full & ((sqlo == sqhi)[:, :, None] & (sklo == skhi)[:, None, :]
                        & (sqlo[:, :, None] == sklo[:, None, :]))
+    if kv_len is not None:
+        start = jnp.arange(nk, dtype=jnp.int32) * bk
+        lim = kv_len.astype(jnp.int32)[:, None, None]
+        empty = empty | (start[None, None, :] >= lim)
+        full = full & (start[None, None, :] + bk <= lim)
     kinds = jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int32)
     return kinds[:, None]
 
@@ -97,10 +112,6 @@ def combine(kinds_a, kinds_b):
     empty = (kinds_a == EMPTY) | (kinds_b == EMPTY)
     full = (kinds_a == FULL) & (kinds_b == FULL)
     return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int32)
-
-
-def _pow2(n):
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _lists(kinds, pad_to):
@@ -117,9 +128,18 @@ def _lists(kinds, pad_to):
     return (jnp.stack(counts, axis=-1)[..., None, :], jnp.stack(lists, axis=-2))
 
 
-def build(kinds) -> Schedule:
-    """The :class:`Schedule` of tile kinds ``[S_b, S_h, nq, nk]``."""
+def build(kinds, splits: int = 1) -> Schedule:
+    """The :class:`Schedule` of tile kinds ``[S_b, S_h, nq, nk]``; with ``splits > 1``
+    also the forward's lists per key split (split ``s`` holds key tiles ``s * L ..
+    (s + 1) * L - 1``, ``L = ceil(nk / splits)``, indices local to the split)."""
     nq, nk = kinds.shape[-2:]
     kv_counts, kv_lists = _lists(kinds, _pow2(nk))
     q_counts, q_lists = _lists(jnp.swapaxes(kinds, -1, -2), _pow2(nq))
-    return Schedule(kinds, kv_counts, kv_lists, q_counts, q_lists)
+    split_counts = split_lists = None
+    if splits > 1:
+        L = -(-nk // splits)
+        ks = jnp.pad(kinds, [(0, 0)] * (kinds.ndim - 1) + [(0, splits * L - nk)],
+                     constant_values=EMPTY)
+        ks = ks.reshape(kinds.shape[:-1] + (splits, L))
+        split_counts, split_lists = _lists(ks, _pow2(L))
+    return Schedule(kinds, kv_counts, kv_lists, q_counts, q_lists, split_counts, split_lists)

@@ -29,6 +29,9 @@ import pytest
 from _kernel_dense import dense_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import jaxpos
+from jaxpos import t5_bucket
 from jaxpos.kernels import (
     attention_via_kernel,
     fused,
@@ -36,9 +39,6 @@ from jaxpos.kernels import (
     offset_bias_score_mod,
     supports_scheme,
 )
-
-import jaxpos
-from jaxpos import t5_bucket
 from jaxpos.mods import create_block_mask
 
 F32_TOL = {"atol": 2e-5, "rtol": 2e-5}
@@ -329,16 +329,17 @@ def test_pallas_bfloat16(name):
 
 def test_poison_hook_marks_unwritten_outputs():
     """The NaN poisoning used above really starts outputs as NaN in interpret mode."""
-    cfg = fused._Cfg(*([0] * (len(fused._Cfg._fields) - 1)))._replace(mode="interpret")
+    cfg = fused._Cfg(*([0] * 22))._replace(mode="interpret")
     from jax.experimental import pallas as pl
 
-    def kernel(x_ref, o_ref, names, style):
+    def kernel(x_ref, o_ref, names, style, plat):
         return None
 
-    spec = lambda platform, shape: pl.BlockSpec((8, 128), lambda i: (0, 0))
+    spec = lambda plat, x: (x, pl.BlockSpec((8, 128), lambda i: (0, 0)))
+    out_make = lambda plat: (jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                             pl.BlockSpec((8, 128), lambda i: (0, 0)), lambda y: y)
     out = fused._pallas(kernel, cfg, (1,), [fused._In("x", jnp.zeros((8, 128)), spec)],
-                        [("o", jax.ShapeDtypeStruct((8, 128), jnp.float32),
-                          pl.BlockSpec((8, 128), lambda i: (0, 0)))], "unwritten")
+                        [fused._Out("o", out_make)], "unwritten")
     assert np.isnan(np.asarray(out[0])).all()
 
 
