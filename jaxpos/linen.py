@@ -42,33 +42,34 @@ from flax import linen as nn
 
 from jaxpos import _checks
 from jaxpos.alibi import alibi_bias
-from jaxpos.nnx import (
-    ABSOLUTE_POSITIONS,
+from jaxpos.layers.cache import KVCache
+from jaxpos.layers.cores import (
     AttentionCore,
     BlockCore,
     DecoderCore,
     EncoderCore,
-    KVCache,
     LearnedCore,
     PositionCore,
     SinusoidalCore,
     StackCore,
+)
+from jaxpos.layers.functional import learned_table_init, token_embedding_init
+from jaxpos.layers.options import (
+    ABSOLUTE_POSITIONS,
     attention_dims,
     attention_positions,
     check_attention_options,
     check_mask_mod,
     check_module_dims,
-    check_sinks_flag,
     check_position_name,
+    check_sinks_flag,
     collect_options,
     freeze_options,
     has_params,
     init_scheme_params,
-    layer_mask_mods_plan,
-    learned_table_init,
-    stack_plan,
-    token_embedding_init,
+    stack_positions,
 )
+from jaxpos.layers.stack import build_stack, stack_spec
 from jaxpos.rope import apply_rope, check_rotary_dim
 from jaxpos.scheme import REGISTRY
 from jaxpos.t5 import check_bucket_args, t5_bias
@@ -96,10 +97,10 @@ Dtype = Any
 
 def __getattr__(name: str):
     # POSITIONS / ATTENTION_POSITIONS as in jaxpos.nnx: derived from the registry.
-    if name in ("POSITIONS", "ATTENTION_POSITIONS"):
-        from jaxpos import nnx as _nnx
-
-        return getattr(_nnx, name)
+    if name == "POSITIONS":
+        return stack_positions()
+    if name == "ATTENTION_POSITIONS":
+        return attention_positions()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -514,6 +515,38 @@ class TransformerBlock(BlockCore, _AttentionFields):
     decode = BlockCore.decode
 
 
+class _LinenMaker:
+    """The Linen constructors of a stack's submodules (:func:`jaxpos.layers.stack.build_stack`),
+    named as the NNX twin's attributes (``blocks_{i}`` for ``blocks/{i}``)."""
+
+    def __init__(self, dtype, param_dtype):
+        self.dtype, self.param_dtype = dtype, param_dtype
+
+    def embed(self, vocab_size, d_model):
+        return _Embed(vocab_size, d_model, self.param_dtype, name="embed")
+
+    def sinusoidal(self, d_model):
+        return SinusoidalEmbedding(d_model, dtype=self.dtype, name="abs_position")
+
+    def learned(self, max_len, d_model):
+        return LearnedPositionalEmbedding(max_len, d_model, param_dtype=self.param_dtype,
+                                          name="abs_position")
+
+    def position_module(self, position, **kwargs):
+        return PositionModule(position, param_dtype=self.param_dtype, name="rel_position",
+                              **kwargs)
+
+    def block(self, index, d_model, num_heads, **kwargs):
+        return TransformerBlock(d_model, num_heads, param_dtype=self.param_dtype,
+                                name=f"blocks_{index}", **kwargs)
+
+    def block_list(self, blocks):
+        return blocks
+
+    def norm(self, d_model):
+        return _Norm(d_model, self.param_dtype, name="final_norm")
+
+
 class _Stack(StackCore, nn.Module):
     vocab_size: int
     d_model: int
@@ -551,40 +584,18 @@ class _Stack(StackCore, nn.Module):
         return _checks.check_positive_int("num_layers", self.num_layers), Nk, H
 
     def setup(self):
-        V = _checks.check_positive_int("vocab_size", self.vocab_size)
-        D, N, Nk, H = attention_dims(self.d_model, self.num_heads, self.num_kv_heads, None)
-        L = _checks.check_positive_int("num_layers", self.num_layers)
-        sinks = check_sinks_flag(self.sinks)
-        mask_mods = layer_mask_mods_plan(L, self.mask_mod, self.layer_mask_mods)
-        if self.max_len is not None:
-            _checks.check_positive_int("max_len", self.max_len)
-        plan = stack_plan(self.position, max_len=self.max_len, rope_base=self.rope_base,
-                          prefixed={"t5_num_buckets": self.t5_num_buckets,
-                                    "t5_max_distance": self.t5_max_distance,
-                                    "shaw_max_distance": self.shaw_max_distance},
-                          scheme_options=self.scheme_options)
-        causal = self._causal
-        self.embed = _Embed(V, D, self.param_dtype, name="embed")
-        if plan.absolute == "sinusoidal":
-            self.abs_position = SinusoidalEmbedding(D, dtype=self.dtype, name="abs_position")
-        elif plan.absolute == "learned":
-            self.abs_position = LearnedPositionalEmbedding(
-                self.max_len, D, param_dtype=self.param_dtype, name="abs_position")
-        else:
-            self.abs_position = None
-        self.rel_position = None if plan.per_layer else PositionModule(
-            plan.scheme, num_heads=N, head_dim=H, d_model=D, causal=causal, options=plan.options,
-            param_dtype=self.param_dtype, name="rel_position")
-        layer_position = plan.scheme if plan.per_layer else "nope"
-        layer_options = dict(plan.options) if plan.per_layer else None
-        self.blocks = [
-            TransformerBlock(D, N, num_kv_heads=Nk, mlp_dim=self.mlp_dim,
-                             position=layer_position, causal=causal,
-                             scheme_options=layer_options, implementation=self.implementation,
-                             dtype=self.dtype, param_dtype=self.param_dtype, sinks=sinks,
-                             mask_mod=mask_mods[i], name=f"blocks_{i}")
-            for i in range(L)]
-        self.final_norm = _Norm(D, self.param_dtype, name="final_norm")
+        spec = stack_spec(self.vocab_size, d_model=self.d_model, num_layers=self.num_layers,
+                          num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                          max_len=self.max_len, position=self.position,
+                          rope_base=self.rope_base, t5_num_buckets=self.t5_num_buckets,
+                          t5_max_distance=self.t5_max_distance,
+                          shaw_max_distance=self.shaw_max_distance,
+                          scheme_options=self.scheme_options, sinks=self.sinks,
+                          mask_mod=self.mask_mod, layer_mask_mods=self.layer_mask_mods,
+                          causal=self._causal)
+        parts = build_stack(spec, _LinenMaker(self.dtype, self.param_dtype), mlp_dim=self.mlp_dim,
+                            implementation=self.implementation, dtype=self.dtype)
+        self.embed, self.abs_position, self.rel_position, self.blocks, self.final_norm = parts
 
 
 class DecoderLM(DecoderCore, _Stack):

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 
 import jaxpos
 from jaxpos import nnx as jn
+from jaxpos.layers.functional import merge_heads
 
 V, D, N, H, F = 50, 16, 2, 8, 64
 SCHEMES = ("sinusoidal", "learned", "rope", "alibi", "t5", "shaw")
@@ -333,13 +334,13 @@ def test_dynamic_ntk_decode_keeps_each_key_rotated_as_written(implementation):
     q_rot = jaxpos.apply_rope(q[:, P:], pos[P:], f_step)
     o = jaxpos.attention(q_rot, k_rot, v, q_positions=pos[P:], kv_positions=pos, causal=True,
                          implementation="reference")
-    want = jn.merge_heads(o, mha.o_proj.kernel[...], jnp.float32)
+    want = merge_heads(o, mha.o_proj.kernel[...], jnp.float32)
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
     # Control: re-rotating the cached keys with the newest frequencies is a different answer.
     k_new = jaxpos.apply_rope(k, pos, f_step)
     o_new = jaxpos.attention(q_rot, k_new, v, q_positions=pos[P:], kv_positions=pos, causal=True,
                              implementation="reference")
-    assert np.abs(jn.merge_heads(o_new, mha.o_proj.kernel[...], jnp.float32) - y).max() > 1e-3
+    assert np.abs(merge_heads(o_new, mha.o_proj.kernel[...], jnp.float32) - y).max() > 1e-3
 
 
 # ------------------------------------------------------------ bad input

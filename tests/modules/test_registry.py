@@ -31,6 +31,7 @@ from jaxpos import linen as jl
 from jaxpos import nnx as jn
 from jaxpos.fox import FoX
 from jaxpos.kerple import KERPLELog
+from jaxpos.layers.options import buildable
 from jaxpos.scheme import REGISTRY, PositionScheme, register
 
 V, D, N, H = 50, 16, 2, 8
@@ -52,7 +53,7 @@ def _linen_decoder(position, **kw):
 def test_decoder_builds_and_runs_for_every_registered_name(name):
     cls = REGISTRY[name]
     tokens = jax.random.randint(jax.random.key(0), (2, 5), 0, V)
-    if not jn.buildable(cls):
+    if not buildable(cls):
         # A registered scheme the modules cannot build: a clear error naming the class.
         for build in (lambda: _decoder(name),
                       lambda: _linen_decoder(name).init(jax.random.key(0), tokens)):
@@ -70,7 +71,7 @@ def test_decoder_builds_and_runs_for_every_registered_name(name):
     np.testing.assert_allclose(got, logits, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if jn.buildable(REGISTRY[n])])
+@pytest.mark.parametrize("name", [n for n in NAMES if buildable(REGISTRY[n])])
 def test_kv_cache_decoding_equals_the_full_pass_for_every_registered_name(name):
     # decode_step goes through the scheme's cache_write (no per-scheme code in the
     # modules): prefill 3 tokens, then one at a time, against the full causal pass. A
@@ -92,11 +93,11 @@ def test_kv_cache_decoding_equals_the_full_pass_for_every_registered_name(name):
 
 
 def test_positions_are_derived_from_the_registry():
-    buildable = {n for n, c in REGISTRY.items() if jn.buildable(c)}
-    assert set(jn.ATTENTION_POSITIONS) == buildable
-    assert set(jn.POSITIONS) == buildable | {"sinusoidal", "learned"}
+    names = {n for n, c in REGISTRY.items() if buildable(c)}
+    assert set(jn.ATTENTION_POSITIONS) == names
+    assert set(jn.POSITIONS) == names | {"sinusoidal", "learned"}
     assert jn.POSITIONS[:3] == ("nope", "sinusoidal", "learned")
-    assert {"rope", "alibi", "t5", "shaw"} <= buildable
+    assert {"rope", "alibi", "t5", "shaw"} <= names
 
 
 # ------------------------------------------------------------ schemes registered here

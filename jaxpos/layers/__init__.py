@@ -1,0 +1,15 @@
+"""The code behind :mod:`jaxpos.nnx` and :mod:`jaxpos.linen`, split by layer.
+
+* :mod:`jaxpos.layers.options`: position names, scheme options and the checks of module
+  arguments; building a scheme from the registry (``init_params`` / ``from_params``).
+* :mod:`jaxpos.layers.functional`: pure functions of the model math (embeddings,
+  projections, RMSNorm, MLP, logits) on plain arrays.
+* :mod:`jaxpos.layers.cache`: the KV cache (:class:`~jaxpos.layers.cache.KVCache`), its
+  writes and the scheme's ``cache_write``.
+* :mod:`jaxpos.layers.cores`: the ``*Core`` classes, the computations of the modules,
+  inherited by the NNX classes and their Linen twins (which only declare parameters).
+* :mod:`jaxpos.layers.stack`: where a stack's scheme lives and the one builder of a
+  stack's submodules, called by the NNX and the Linen stacks with their constructors.
+
+Nothing here is Flax-specific except reading a parameter (:func:`cores.param_value`).
+"""

@@ -1,0 +1,335 @@
+"""The computations of the Flax modules, written once: each ``*Core`` class holds the
+calls of one module, and the NNX class (:mod:`jaxpos.nnx`) and its Linen twin
+(:mod:`jaxpos.linen`) inherit it and only declare their parameters and fields. Given the
+same weights both twins therefore give the same outputs.
+
+A core reads its parameters as attributes (``self.q_proj.kernel``, ``self.table``, ...)
+through :func:`param_value` (an :class:`flax.nnx.Variable` or a plain array) and its
+hyper-parameters through small hooks that each twin gives (``_dims()``, ``_position()``,
+``_sinks()``, ``_spec()``, ``_scheme_params()``, ``_position_name()``, ``_cache_dims()``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpos import _checks
+from jaxpos.attention import attention
+from jaxpos.layers.cache import (
+    KVCache,
+    init_kv_cache,
+    poison_rows,
+    rotate_at_write,
+    update_kv_cache,
+)
+from jaxpos.layers.functional import (
+    attention_inputs,
+    check_attention_input,
+    check_tokens,
+    default_positions,
+    embed_tokens,
+    merge_heads,
+    mlp,
+    project_heads,
+    rms_norm,
+    sinusoidal_embedding,
+    tied_logits,
+)
+from jaxpos.layers.options import (
+    build_scheme,
+    check_learned_length,
+    check_mask_mod,
+    no_rope_scaling,
+)
+from jaxpos.learned import learned_positions
+from jaxpos.scheme import NoPE, PositionScheme
+
+__all__ = [
+    "AttentionCore",
+    "BlockCore",
+    "DecoderCore",
+    "EncoderCore",
+    "LearnedCore",
+    "PositionCore",
+    "SinusoidalCore",
+    "StackCore",
+    "param_value",
+    "position_scheme",
+]
+
+def param_value(v):
+    """The array of an :class:`flax.nnx.Variable` (NNX) or the array itself (Linen)."""
+    return v[...] if isinstance(v, nnx.Variable) else v
+
+
+class SinusoidalCore:
+    """The call of :class:`jaxpos.nnx.SinusoidalEmbedding` and its Linen twin (fields ``d_model``,
+    ``base``, ``layout``, ``dtype``)."""
+
+    def __call__(self, positions) -> jax.Array:
+        return sinusoidal_embedding(positions, self.d_model, self.base, self.layout, self.dtype)
+
+
+class LearnedCore:
+    """The call of :class:`jaxpos.nnx.LearnedPositionalEmbedding` and its Linen twin (``table``,
+    ``out_of_range``)."""
+
+    def __call__(self, positions) -> jax.Array:
+        return learned_positions(param_value(self.table), positions, out_of_range=self.out_of_range)
+
+
+class PositionCore:
+    """``scheme()`` of :class:`jaxpos.nnx.PositionModule` and its Linen twin. Subclasses give
+    ``_spec()`` -> ``(position, num_heads, head_dim, causal, options)`` and
+    ``_scheme_params()`` -> ``{name: array}``."""
+
+    def scheme(self, rope_scaling=None, *, x=None, positions=None) -> PositionScheme:
+        """The scheme object for one call (:func:`build_scheme`): built from the module's
+        parameters by the scheme class's ``from_params`` (gradients flow to them).
+
+        Args:
+          rope_scaling: a :mod:`jaxpos.rope_scaling` dataclass for this call only
+            (``ValueError`` for a scheme that does not take it).
+          x: ``[B, T, D]`` the layer's input; positions: int ``[B|1, T]``; both optional,
+            for schemes computed from the tokens (FoX's forget gates).
+
+        Returns:
+          a :class:`jaxpos.PositionScheme`.
+        """
+        position, num_heads, head_dim, causal, options = self._spec()
+        return build_scheme(position, self._scheme_params(), num_heads=num_heads,
+                            head_dim=head_dim, causal=causal, options=options,
+                            rope_scaling=rope_scaling, x=x, positions=positions)
+
+
+def position_scheme(module, rope_scaling=None, *, x=None, positions=None):
+    """The scheme object of an attention-position module for one call: ``module.scheme(
+    rope_scaling, x=x, positions=positions)``; ``None`` -> :class:`jaxpos.NoPE`.
+
+    Raises:
+      ValueError: ``rope_scaling`` for a scheme that does not take it.
+    """
+    if module is None:
+        no_rope_scaling("nope", rope_scaling)
+        return NoPE()
+    return module.scheme(rope_scaling, x=x, positions=positions)
+
+
+# ================================================================== attention
+
+class AttentionCore:
+    """The computation of :class:`jaxpos.nnx.MultiHeadAttention` and its Linen twin. Subclasses
+    declare ``q_proj``/``k_proj``/``v_proj``/``o_proj`` (``kernel``, ``bias``), fields
+    ``causal``, ``scale``, ``implementation``, ``dtype``, ``mask_mod`` (a callable or
+    None), and give ``_dims()`` -> ``(d_model, num_heads, num_kv_heads, head_dim)``,
+    ``_position()`` (the position module or None) and ``_sinks()`` (the sink logits
+    ``[num_heads]``, or None for a layer without sinks)."""
+
+    def _proj(self, layer, x, heads):
+        return project_heads(x, param_value(layer.kernel), heads, self._dims()[3], self.dtype,
+                             param_value(layer.bias))
+
+    def _out(self, o):
+        return merge_heads(o, param_value(self.o_proj.kernel), self.dtype, param_value(self.o_proj.bias))
+
+    def _qkv(self, x, context=None):
+        D, N, Nk, _ = self._dims()
+        check_attention_input("x", x, D)
+        src = x if context is None else context
+        return (self._proj(self.q_proj, x, N), self._proj(self.k_proj, src, Nk),
+                self._proj(self.v_proj, src, Nk))
+
+    def _scheme(self, scheme, rope_scaling, x, positions):
+        if scheme is not None:
+            return scheme
+        return position_scheme(self._position(), rope_scaling, x=x, positions=positions)
+
+    def _mask_mod(self, mask_mod):
+        """The call's mask_mod when given (it replaces the layer's), else the layer's."""
+        if mask_mod is None:
+            return self.mask_mod
+        return check_mask_mod("mask_mod", mask_mod)
+
+    def __call__(self, x, *, context=None, positions=None, kv_positions=None, mask=None,
+                 segment_ids=None, kv_segment_ids=None, scheme=None, rope_scaling=None,
+                 implementation=None, mask_mod=None) -> jax.Array:
+        pos, kv_pos = attention_inputs(x, context, positions, kv_positions, kv_segment_ids,
+                                       self._dims()[0])
+        q, k, v = self._qkv(x, context)
+        scheme = self._scheme(scheme, rope_scaling, x, pos)
+        o = attention(q, k, v, position=scheme, q_positions=pos, kv_positions=kv_pos,
+                      causal=self.causal, mask=mask, segment_ids=segment_ids,
+                      kv_segment_ids=kv_segment_ids, scale=self.scale,
+                      mask_mod=self._mask_mod(mask_mod), sinks=self._sinks(),
+                      implementation=implementation or self.implementation)
+        return self._out(o)
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        """An empty :class:`KVCache` of ``max_len`` slots for ``batch`` rows (no parameters
+        needed)."""
+        _, _, Nk, H = self._dims()
+        return init_kv_cache(batch, max_len, Nk, H, dtype or self.dtype)
+
+    def decode(self, x, cache: KVCache, *, positions=None, scheme=None, rope_scaling=None,
+               implementation=None, mask_mod=None):
+        """Attend from ``x [B, T, D]`` (new tokens) to the cache plus themselves.
+
+        ``positions`` default to each row's fill count ``+ arange(T)``. The layer's
+        mask_mod (or the call's ``mask_mod``) and sinks apply as in the full pass: the
+        mask_mod sees the global positions of the new tokens and of the cached keys, so a
+        sliding window keeps its width at every step. The scheme's
+        :meth:`~jaxpos.PositionScheme.cache_write` decides what the cache stores (raw keys,
+        the scheme applied inside attention from the cached positions, except RoPE with a
+        length-dependent scaling: see :func:`rotate_at_write`). Returns ``(y [B, T, D],
+        cache)``. Raises ``ValueError`` when concrete fill counts would overflow the cache;
+        traced overflow gives NaN for the rows concerned.
+        """
+        q, k, v = self._qkv(x)
+        B, T = x.shape[:2]
+        if positions is None:
+            positions = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)
+        pos = _checks.positions_2d("positions", positions, B, T)
+        scheme = self._scheme(scheme, rope_scaling, x, pos)
+        q, k, scheme = rotate_at_write(scheme, q, k, pos)
+        cache, seg, kv_seg, overflow = update_kv_cache(cache, k, v, pos)
+        o = attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), position=scheme,
+                      q_positions=pos, kv_positions=cache.positions, causal=self.causal,
+                      segment_ids=seg, kv_segment_ids=kv_seg, scale=self.scale,
+                      mask_mod=self._mask_mod(mask_mod), sinks=self._sinks(),
+                      implementation=implementation or self.implementation)
+        return poison_rows(self._out(o), overflow), cache
+
+
+class BlockCore:
+    """The computation of :class:`jaxpos.nnx.TransformerBlock` and its Linen twin (``attn_norm``,
+    ``attn``, ``mlp_norm``, ``mlp_in``, ``mlp_out``, ``dtype``)."""
+
+    def _mlp(self, x):
+        h = rms_norm(x, param_value(self.mlp_norm.scale))
+        return x + mlp(h, param_value(self.mlp_in.kernel), param_value(self.mlp_out.kernel), self.dtype)
+
+    def __call__(self, x, **kw) -> jax.Array:
+        x = x + self.attn(rms_norm(x, param_value(self.attn_norm.scale)), **kw)
+        return self._mlp(x)
+
+    def decode(self, x, cache: KVCache, **kw):
+        """As :meth:`jaxpos.nnx.MultiHeadAttention.decode`, then the MLP: ``(y, cache)``."""
+        a, cache = self.attn.decode(rms_norm(x, param_value(self.attn_norm.scale)), cache, **kw)
+        return self._mlp(x + a), cache
+
+
+class StackCore:
+    """The computation shared by :class:`jaxpos.nnx.DecoderLM`, :class:`jaxpos.nnx.Encoder` and their Linen
+    twins. Subclasses declare ``embed`` (``embedding``), ``abs_position``,
+    ``rel_position`` (the stack's :class:`jaxpos.nnx.PositionModule`, or None when the scheme lives in
+    every layer), ``blocks``, ``final_norm`` and fields ``vocab_size``, ``d_model``,
+    ``max_len``, ``implementation``, ``dtype``; and give ``_position_name()`` and
+    ``_cache_dims()`` -> ``(num_layers, num_kv_heads, head_dim)``."""
+
+    def _embed(self, tokens, pos):
+        tokens = check_tokens(tokens, self.vocab_size)
+        x = embed_tokens(param_value(self.embed.embedding), tokens, self.d_model, self.dtype)
+        if self.abs_position is not None:
+            x = x + self.abs_position(pos).astype(self.dtype)
+        return x
+
+    def _scheme(self, rope_scaling, x, pos):
+        """``(scheme for every layer, rope_scaling left for the layers)``: the stack's
+        scheme, or ``(None, rope_scaling)`` when each layer builds its own."""
+        if self.rel_position is None:
+            return None, rope_scaling
+        return position_scheme(self.rel_position, rope_scaling, x=x, positions=pos), None
+
+    def _hidden(self, tokens, positions, rope_scaling, implementation, mask=None,
+                segment_ids=None):
+        _checks.check_rank("tokens", tokens, (2,), "[batch, seq] token ids")
+        check_learned_length(self._position_name(), self.max_len, _checks.shape_of(tokens)[1],
+                             positions)
+        pos = default_positions(_checks.shape_of(tokens), positions)
+        x = self._embed(tokens, pos)
+        scheme, layer_scaling = self._scheme(rope_scaling, x, pos)
+        impl = implementation or self.implementation
+        for block in self.blocks:
+            x = block(x, positions=pos, mask=mask, segment_ids=segment_ids, scheme=scheme,
+                      rope_scaling=layer_scaling, implementation=impl)
+        return rms_norm(x, param_value(self.final_norm.scale))
+
+
+class DecoderCore(StackCore):
+    """The calls of :class:`jaxpos.nnx.DecoderLM` and its Linen twin."""
+
+    def __call__(self, tokens, *, positions=None, rope_scaling=None, implementation=None,
+                 segment_ids=None) -> jax.Array:
+        """Causal forward pass.
+
+        Args:
+          tokens: int ``[B, T]`` in ``[0, vocab_size)`` (concrete ids outside raise).
+          positions: int ``[T]`` or ``[B, T]``, default ``arange(T)``; offsets, left
+            padding and packing are all position arrays.
+          rope_scaling: a :mod:`jaxpos.rope_scaling` dataclass applied for this call only;
+            ``ValueError`` for a model whose scheme does not take it (not ``"rope"``).
+          implementation: overrides the model's attention backend for this call.
+          segment_ids: int ``[B, T]`` for packed sequences (optional).
+
+        Returns:
+          float32 logits ``[B, T, vocab_size]``.
+
+        Raises:
+          ValueError: ``"learned"`` with ``T > max_len`` or concrete positions outside the
+            table (never clamped), bad shapes; TypeError: float tokens/positions.
+        """
+        h = self._hidden(tokens, positions, rope_scaling, implementation,
+                         segment_ids=segment_ids)
+        return tied_logits(h, param_value(self.embed.embedding))
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> tuple[KVCache, ...]:
+        """One empty :class:`KVCache` per layer, ``max_len`` slots for ``batch`` rows (no
+        parameters needed)."""
+        L, Nk, H = self._cache_dims()
+        return tuple(init_kv_cache(batch, max_len, Nk, H, dtype or self.dtype)
+                     for _ in range(L))
+
+    def decode_step(self, tokens, cache, *, positions=None, rope_scaling=None,
+                    implementation=None):
+        """Run ``tokens [B, T]`` (one or more new tokens per row) against the cache.
+
+        ``positions`` default to each row's fill count ``+ arange(T)``; give them to put
+        rows at different offsets. Returns ``(logits float32 [B, T, vocab_size], cache)``.
+        Decoding a sequence token by token gives the logits of the full forward pass with
+        the same positions, except with a length-dependent ``rope_scaling`` (dynamic NTK,
+        LongRoPE): cached keys keep the rotation of the call that wrote them, as in Hugging
+        Face's decoding (:func:`rotate_at_write`). Raises as :meth:`__call__`, and
+        ``ValueError`` on concrete cache overflow (traced overflow gives NaN rows).
+        """
+        L = self._cache_dims()[0]
+        if not isinstance(cache, (tuple, list)) or len(cache) != L:
+            raise ValueError(f"cache must be a tuple of {L} KVCache (from init_cache); got "
+                             f"{type(cache).__name__}.")
+        _checks.check_rank("tokens", tokens, (2,), "[batch, seq] token ids")
+        B, T = _checks.shape_of(tokens)
+        if positions is None:
+            positions = cache[0].length[:, None] + jnp.arange(T, dtype=jnp.int32)
+        pos = _checks.positions_2d("positions", positions, B, T)
+        x = self._embed(tokens, pos)
+        scheme, layer_scaling = self._scheme(rope_scaling, x, pos)
+        impl = implementation or self.implementation
+        new = []
+        for block, c in zip(self.blocks, cache):
+            x, c = block.decode(x, c, positions=pos, scheme=scheme, rope_scaling=layer_scaling,
+                                implementation=impl)
+            new.append(c)
+        h = rms_norm(x, param_value(self.final_norm.scale))
+        return tied_logits(h, param_value(self.embed.embedding)), tuple(new)
+
+
+class EncoderCore(StackCore):
+    """The call of :class:`jaxpos.nnx.Encoder` and its Linen twin."""
+
+    def __call__(self, tokens, *, positions=None, mask=None, segment_ids=None,
+                 rope_scaling=None, implementation=None) -> jax.Array:
+        """Bidirectional forward pass: final-normalised hidden states ``[B, T, d_model]``
+        (``dtype``); keywords as :meth:`jaxpos.nnx.DecoderLM.__call__` plus ``mask``."""
+        return self._hidden(tokens, positions, rope_scaling, implementation, mask=mask,
+                            segment_ids=segment_ids)

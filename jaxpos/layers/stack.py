@@ -1,0 +1,144 @@
+"""A stack's layout, shared by :class:`jaxpos.nnx.DecoderLM` / :class:`jaxpos.nnx.Encoder`
+and their Linen twins: the stack's arguments validated once (:func:`stack_spec`), where
+its position scheme lives (:func:`stack_plan`) and the one builder of its submodules
+(:func:`build_stack`), which each twin calls with its own constructors
+(:class:`StackMaker`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+from jaxpos import _checks
+from jaxpos.layers.options import (
+    ABSOLUTE_POSITIONS,
+    attention_dims,
+    check_position_name,
+    check_sinks_flag,
+    layer_mask_mods_plan,
+    stack_options,
+)
+from jaxpos.scheme import REGISTRY
+
+__all__ = ["StackMaker", "StackParts", "StackPlan", "StackSpec", "build_stack", "stack_plan",
+           "stack_spec"]
+
+class StackPlan(NamedTuple):
+    """How a stack places its position scheme (:func:`stack_plan`)."""
+
+    name: str            #: the stack's position name (absolute or registered)
+    absolute: str | None  #: "sinusoidal" / "learned", or None
+    scheme: str          #: the attention scheme's registered name ("nope" for absolute)
+    per_layer: bool      #: the scheme's ``params_per_layer``: a module in every layer
+    options: tuple       #: the scheme's options (:func:`stack_options`)
+
+
+def stack_plan(position, *, max_len, rope_base, prefixed: dict, scheme_options) -> StackPlan:
+    """Validate a stack's ``position`` and decide where its scheme lives: absolute
+    positions add a module to the embeddings (attention then uses ``"nope"``); a
+    registered scheme lives in every layer when its class says ``params_per_layer``,
+    else once in the stack (its scheme built once per call and passed to every layer).
+
+    Raises:
+      ValueError: unknown name, a registered scheme without ``from_params``,
+        ``"learned"`` without ``max_len``. TypeError: a bad ``scheme_options``.
+    """
+    name = check_position_name("position", position)
+    absolute = name if name in ABSOLUTE_POSITIONS else None
+    if name == "learned" and max_len is None:
+        raise ValueError("position='learned' needs max_len (the number of table rows); "
+                         "got max_len=None.")
+    scheme = "nope" if absolute else name
+    options = stack_options(scheme, rope_base=rope_base, prefixed=prefixed,
+                            scheme_options=scheme_options)
+    return StackPlan(name, absolute, scheme, bool(REGISTRY[scheme].params_per_layer), options)
+
+
+class StackSpec(NamedTuple):
+    """A stack's validated arguments (:func:`stack_spec`)."""
+
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_len: int | None
+    sinks: bool
+    mask_mods: tuple     #: one mask_mod (or None) per layer
+    plan: StackPlan
+    causal: bool
+
+
+def stack_spec(vocab_size, *, d_model, num_layers, num_heads, num_kv_heads, max_len, position,
+               rope_base, t5_num_buckets, t5_max_distance, shaw_max_distance, scheme_options,
+               sinks, mask_mod, layer_mask_mods, causal: bool) -> StackSpec:
+    """Validate the arguments of a stack (:class:`jaxpos.nnx.DecoderLM`,
+    :class:`jaxpos.nnx.Encoder`, their Linen twins; the arguments are theirs).
+
+    Raises:
+      ValueError / TypeError: as the stacks document (sizes, names, options, sinks,
+        mask_mods), naming the argument.
+    """
+    vocab_size = _checks.check_positive_int("vocab_size", vocab_size)
+    d_model, num_heads, num_kv_heads, head_dim = attention_dims(d_model, num_heads,
+                                                                num_kv_heads, None)
+    num_layers = _checks.check_positive_int("num_layers", num_layers)
+    sinks = check_sinks_flag(sinks)
+    mask_mods = layer_mask_mods_plan(num_layers, mask_mod, layer_mask_mods)
+    if max_len is not None:
+        _checks.check_positive_int("max_len", max_len)
+    plan = stack_plan(position, max_len=max_len, rope_base=rope_base, prefixed={
+        "t5_num_buckets": t5_num_buckets, "t5_max_distance": t5_max_distance,
+        "shaw_max_distance": shaw_max_distance}, scheme_options=scheme_options)
+    return StackSpec(vocab_size, d_model, num_layers, num_heads, num_kv_heads, head_dim,
+                     max_len, sinks, mask_mods, plan, bool(causal))
+
+
+class StackMaker(Protocol):
+    """The constructors of one twin (NNX or Linen) that :func:`build_stack` calls, in this
+    order (NNX draws parameter keys in it)."""
+
+    def embed(self, vocab_size: int, d_model: int) -> Any: ...
+    def sinusoidal(self, d_model: int) -> Any: ...
+    def learned(self, max_len: int, d_model: int) -> Any: ...
+    def position_module(self, position: str, *, num_heads: int, head_dim: int, d_model: int,
+                        causal: bool, options: tuple) -> Any: ...
+    def block(self, index: int, d_model: int, num_heads: int, **kwargs) -> Any: ...
+    def block_list(self, blocks: list) -> Any: ...
+    def norm(self, d_model: int) -> Any: ...
+
+
+class StackParts(NamedTuple):
+    """The submodules of a stack, as the ``*Core`` classes read them."""
+
+    embed: Any
+    abs_position: Any
+    rel_position: Any
+    blocks: Any
+    final_norm: Any
+
+
+def build_stack(spec: StackSpec, make: StackMaker, *, mlp_dim, implementation, dtype) -> StackParts:
+    """The submodules of a stack: the token embedding, the absolute position module (or
+    None), the stack's position module (None when the scheme lives in every layer,
+    ``params_per_layer``), ``num_layers`` blocks and the final norm, built by ``make``."""
+    D, N, plan = spec.d_model, spec.num_heads, spec.plan
+    embed = make.embed(spec.vocab_size, D)
+    abs_position = None
+    if plan.absolute == "sinusoidal":
+        abs_position = make.sinusoidal(D)
+    elif plan.absolute == "learned":
+        abs_position = make.learned(spec.max_len, D)
+    rel_position = None if plan.per_layer else make.position_module(
+        plan.scheme, num_heads=N, head_dim=spec.head_dim, d_model=D, causal=spec.causal,
+        options=plan.options)
+    layer_position = plan.scheme if plan.per_layer else "nope"
+    layer_options = dict(plan.options) if plan.per_layer else None
+    blocks = make.block_list([
+        make.block(i, D, N, num_kv_heads=spec.num_kv_heads, mlp_dim=mlp_dim,
+                   position=layer_position, causal=spec.causal, scheme_options=layer_options,
+                   implementation=implementation, sinks=spec.sinks,
+                   mask_mod=spec.mask_mods[i], dtype=dtype)
+        for i in range(spec.num_layers)])
+    return StackParts(embed, abs_position, rel_position, blocks, make.norm(D))
