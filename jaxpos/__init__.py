@@ -41,6 +41,7 @@ from jaxpos.scheme import REGISTRY, NoPE, PositionScheme, as_scheme, get_scheme
 from jaxpos.shaw import Shaw, shaw_attention
 from jaxpos.sinusoidal import relative_head_W, shift_matrix, sinusoidal_pe
 from jaxpos.ssmax import SSMax
+from jaxpos.stick_breaking import stick_breaking_attention
 from jaxpos.t5 import T5Bias, relative_bias_attention, t5_bias, t5_bucket
 from jaxpos.xpos import XPos
 
@@ -95,6 +96,7 @@ __all__ = [
     "shaw_attention",
     "shift_matrix",
     "sinusoidal_pe",
+    "stick_breaking_attention",
     "t5_bias",
     "t5_bucket",
 ]
