@@ -132,6 +132,10 @@ class ALiBi(PositionScheme):
       slopes: float ``[N]`` (may be a learnable parameter).
     """
 
+    # fields, set once in __init__ (the pytree's children and static data)
+    slopes: jax.Array
+    bidirectional: bool
+
     _children = ("slopes",)
     _static = ("bidirectional",)
 

@@ -160,6 +160,16 @@ class FIRE(PositionScheme):
         ``L_multiplier`` not a finite scalar; ``init_L`` or ``eps`` not a finite number > 0.
     """
 
+    # fields, set once in __init__ (the pytree's children and static data)
+    w1: jax.Array
+    b1: jax.Array
+    w2: jax.Array
+    b2: jax.Array
+    c: jax.Array
+    L_multiplier: jax.Array
+    init_L: float
+    eps: float
+
     _children = ("w1", "b1", "w2", "b2", "c", "L_multiplier")
     _static = ("init_L", "eps")
 

@@ -149,6 +149,9 @@ class FoX(PositionScheme):
       ValueError: ``log_forget`` not rank 3. TypeError: not floating.
     """
 
+    # fields, set once in __init__ (the pytree's children and static data)
+    log_forget: jax.Array
+
     _children = ("log_forget",)
 
     def __init__(self, log_forget):

@@ -105,6 +105,10 @@ class TemperatureTunedNoPE(PositionScheme):
       TypeError / ValueError: bad ``attn_scale`` / ``floor_scale`` (named).
     """
 
+    # fields, set once in __init__ (the pytree's children and static data)
+    attn_scale: float
+    floor_scale: float
+
     _static = ("attn_scale", "floor_scale")
 
     def __init__(self, attn_scale: float = 0.1, floor_scale: float = 8192.0):

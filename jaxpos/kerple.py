@@ -154,6 +154,12 @@ class KERPLE(PositionScheme):
         ``kind`` other than a subclass's own; ``eps`` not a finite number > 0.
     """
 
+    # fields, set once in __init__ (the pytree's children and static data)
+    r1: jax.Array
+    r2: jax.Array
+    kind: str
+    eps: float
+
     _children = ("r1", "r2")
     _static = ("kind", "eps")
     #: The variant a subclass is registered for (None: chosen by ``kind``).

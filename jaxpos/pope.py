@@ -123,6 +123,10 @@ class PoPE(PositionScheme):
       ``check``: a head width or head count the arrays do not fit.
     """
 
+    # fields, set once in __init__ (the pytree's children and static data)
+    inv_freq: jax.Array
+    phase_bias: jax.Array | None
+
     _children = ("inv_freq", "phase_bias")
     params_per_layer = True  # each layer learns its own delta
 

@@ -41,6 +41,7 @@ NTK, YaRN, Llama 3, LongRoPE) lives in :mod:`jaxpos.rope_scaling`.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -122,7 +123,7 @@ def _split12(x):
     return hi, x - hi
 
 
-def _two_sum(a, b):
+def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Knuth's error-free sum: ``a + b = s + e`` exactly. Additions only, so a compiler
     that contracts ``a * b + c`` into an FMA cannot change it."""
     s = a + b
@@ -172,11 +173,12 @@ def _high_precision_angles(pos, inv_freq):
         c = c[..., None]
         for u in pieces:
             t = _frac(c * u)
-            if s is None:
+            if s is None or e is None:  # (set together, on the first piece)
                 s, e = t, jnp.zeros_like(t)
             else:
                 s, err = _two_sum(s, t)
                 e = e + err
+    assert s is not None and e is not None  # three chunks, four pieces: set in the loop
     turns = _frac(_frac(s) + e)
     return turns * jnp.float32(_TWO_PI)
 
@@ -625,6 +627,17 @@ class RoPE(PositionScheme):
         length-dependent scaling; bad ``mrope_section``.
       TypeError: ``inv_freq`` not floating; ``scaling`` of an unknown type.
     """
+
+    # fields, set once in __init__ (the pytree's children and static data)
+    inv_freq: jax.Array
+    layout: str
+    attention_factor: float
+    scaling: Any  # a jaxpos.rope_scaling dataclass, or None
+    base: float
+    rotary_dim: int
+    angle_precision: str
+    mrope_section: tuple[int, ...] | None
+    mrope_interleaved: bool
 
     _children = ("inv_freq",)
     _static = ("layout", "attention_factor", "scaling", "base", "rotary_dim",

@@ -138,6 +138,11 @@ class Sandwich(PositionScheme):
       TypeError: integer ``head_scales``.
     """
 
+    # fields, set once in __init__ (the pytree's children and static data)
+    head_scales: jax.Array
+    d_bar: int
+    base: float
+
     _children = ("head_scales",)
     _static = ("d_bar", "base")
 

@@ -169,6 +169,11 @@ class Shaw(PositionScheme):
       rel_v: ``[2K + 1, H]`` relative value vectors, or ``None`` for keys only.
     """
 
+    # fields, set once in __init__ (the pytree's children and static data)
+    rel_k: jax.Array
+    rel_v: jax.Array | None
+    max_distance: int
+
     _children = ("rel_k", "rel_v")
     _static = ("max_distance",)
 

@@ -83,6 +83,10 @@ class SSMax(PositionScheme):
         non-causal call without ``num_keys``.
     """
 
+    # fields, set once in __init__ (the pytree's children and static data)
+    s: jax.Array
+    num_keys: jax.Array | None
+
     _children = ("s", "num_keys")
     params_per_layer = True  # one s per layer and head (Nakanishi 2025, §3)
 

@@ -258,6 +258,12 @@ class T5Bias(PositionScheme):
     Use ``scale=1.0`` in :func:`jaxpos.attention` to match T5, which does not scale.
     """
 
+    # fields, set once in __init__ (the pytree's children and static data)
+    table: jax.Array
+    bidirectional: bool
+    num_buckets: int
+    max_distance: int
+
     _children = ("table",)
     _static = ("bidirectional", "num_buckets", "max_distance")
 

@@ -25,6 +25,8 @@ the positions as given (:func:`jaxpos.rope.apply_rope`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -148,6 +150,14 @@ class XPos(PositionScheme):
       TypeError: non-float ``inv_freq``.
     """
 
+    # fields, set once in __init__ (the pytree's children and static data)
+    inv_freq: jax.Array
+    rotary_dim: int
+    scale_base: float
+    gamma: float
+    layout: str
+    angle_precision: str
+
     _children = ("inv_freq",)
     _static = ("rotary_dim", "scale_base", "gamma", "layout", "angle_precision")
 
@@ -193,7 +203,7 @@ class XPos(PositionScheme):
         if 0 in (q_positions.shape[-1], kv_positions.shape[-1]):
             return q, k
         c = _centre(q_positions, kv_positions)
-        kw = dict(scale_base=self.scale_base, gamma=self.gamma, layout=self.layout,
+        kw: dict[str, Any] = dict(scale_base=self.scale_base, gamma=self.gamma, layout=self.layout,
                   scale_offset=c, angle_precision=self.angle_precision)
         return (apply_xpos(q, q_positions, self.inv_freq, downscale=False, **kw),
                 apply_xpos(k, kv_positions, self.inv_freq, downscale=True, **kw))
