@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxpos import rope_scaling
-from jaxpos.schemes import RoPE
+from jaxpos.rope import RoPE
 
 __all__ = ["LAYER_TYPES", "hf_layer_types", "hf_rope_settings", "rope_from_hf_config",
            "rope_per_layer_from_hf_config", "softmax_scale_from_hf_config"]

@@ -49,6 +49,7 @@ import numpy as np
 from jax.extend import core as jex
 
 from jaxpos import _checks
+from jaxpos._util import cast_varying, varying_axes
 
 __all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMask", "ChunkedAttentionMask", "ConvertedMod",
            "PrefixLMMask", "SlidingWindowMask", "apply_mod", "compose_score_mods", "convert_mod",
@@ -93,31 +94,6 @@ jax.tree_util.register_pytree_node(
     lambda m: (m.consts, (m.jaxpr, m.kind, m.name)),
     lambda aux, consts: ConvertedMod(aux[0], consts, aux[1], aux[2]),
 )
-
-
-def varying_axes(x) -> frozenset:
-    """Mesh axes ``x`` varies over inside ``shard_map`` (empty outside, for non-arrays, or on
-    a JAX without varying-axis types): ``aval.vma`` in some versions,
-    ``aval.manual_axis_type.varying`` in others."""
-    if not isinstance(x, jax.Array):
-        return frozenset()
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
-    return frozenset(vma or ())
-
-
-def cast_varying(x, axes):
-    """``x`` marked as varying over ``axes`` too (``lax.pcast(..., to="varying")``; older
-    JAX: ``lax.pvary``). A no-op on the values: each device keeps its own."""
-    axes = tuple(sorted(frozenset(axes) - varying_axes(x)))
-    if not axes:
-        return x
-    x = jnp.asarray(x)
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(x, axes, to="varying")
-    return jax.lax.pvary(x, axes)
 
 
 def _eval_matching_vma(jaxpr, consts, args):

@@ -15,7 +15,7 @@ every term is computed from positions and the positions travel with their block:
 * the scheme's score term and the user's score_mod and mask_mod (ALiBi, T5, KERPLE,
   FIRE, Sandwich, FoX, captured tables, sliding windows, ...) and Shaw's content bias and
   value term are evaluated per tile by the chunked path's machinery
-  (``jaxpos.attention._chunked_forward`` / ``_chunked_backward``), with the passing
+  (``jaxpos.chunked.chunked_forward`` / ``chunked_backward``), with the passing
   block's global key positions;
 * the per-block outputs and log-sum-exps are merged exactly by log-sum-exp (the online
   softmax of Milakov & Gimelshein 2018 applied across blocks), the attention sinks
@@ -52,44 +52,30 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
-from jaxpos.attention import (
-    _BLOCK_K,
-    _BLOCK_Q,
-    _SKIP,
-    _Cfg,
-    _check_blocks,
-    _check_causal,
-    _check_inputs,
-    _check_mods,
-    _check_scale,
-    _check_scheme,
-    _check_sinks,
-    _chunk_inputs,
-    _chunked_backward,
-    _chunked_forward,
-    _make_terms,
-    _Masking,
-    _match_vma,
-    _merge_terms,
-    _segment_pair,
-    _split_terms,
-    _tile_kind,
-    _unblocks,
-    _varying_zero,
-    _zero_cotangent,
+from jaxpos._util import match_vma, zero_cotangent
+from jaxpos.call import AttentionCall, validate_call
+from jaxpos.chunked import (
+    BLOCK_K,
+    BLOCK_Q,
+    ChunkCfg,
+    chunk_inputs,
+    chunked_backward,
+    chunked_forward,
+    merge_terms,
     sink_gradient,
+    split_terms,
+    tile_kind,
+    unblocks,
+    varying_zero,
 )
+from jaxpos.mods import EMPTY
+from jaxpos.reference import heads_major, make_terms
 from jaxpos.scheme import PositionScheme
 
 __all__ = ["from_zigzag", "ring_attention", "shard_map", "to_zigzag", "zigzag_permutation"]
 
-try:  # JAX >= 0.6 (0.10, 0.11): the public jax.shard_map
-    from jax import shard_map as _shard_map
-except ImportError:  # pragma: no cover - older JAX
-    from jax.experimental.shard_map import shard_map as _shard_map
-
-#: ``jax.shard_map`` where it exists, else ``jax.experimental.shard_map.shard_map``.
-shard_map = _shard_map
+#: ``jax.shard_map`` (kept here so that examples and tests have one import).
+shard_map = jax.shard_map
 
 _NEG_INF = -jnp.inf
 RING_IMPLEMENTATIONS = ("chunked", "reference")
@@ -221,20 +207,6 @@ def _ring_size(axis_name) -> int:
             f"out_specs=...).") from None
 
 
-def _local_positions(name, positions, B, T, what):
-    if positions is None:
-        raise ValueError(
-            f"{name} is required: ring_attention needs the GLOBAL positions of this device's "
-            f"{what} shard (a local arange would make every device believe it holds the start "
-            f"of the sequence). Shard the global positions like {what}.")
-    try:
-        return _checks.positions_2d(name, positions, B, T)
-    except ValueError as e:
-        raise ValueError(
-            f"{e} Inside shard_map, {name} are the global positions of this device's local "
-            f"{what} shard: local length {T}, sharded like {what}.") from None
-
-
 # ------------------------------------------------------------------ global transform
 def _transform_global(scheme: PositionScheme, q, k, q_pos, kv_pos, axis_name):
     """``scheme.transform_qk`` on the local q and k at their global positions, as the
@@ -269,7 +241,7 @@ def _transform_global(scheme: PositionScheme, q, k, q_pos, kv_pos, axis_name):
 
 # ------------------------------------------------------------------------- the ring
 class _RingCfg(NamedTuple):
-    cfg: _Cfg  # the chunked path's static configuration for one (q shard, kv block) pair
+    cfg: ChunkCfg  # the chunked path's static configuration for one (q shard, kv block) pair
     axis_name: str
     size: int  # P
     groups: int  # query heads per key/value head
@@ -305,11 +277,11 @@ def _block_live(rc: _RingCfg, terms, loc, kv):
     """bool scalar: may any local query see any key of the passing block? The chunked
     path's tile classification applied to the whole block (causal: ``min(kv_pos) <=
     max(q_pos)``; segments: the id ranges overlap); conservative."""
-    flat = lambda x: None if x is None else _unblocks(x, 1)
-    kind = _tile_kind(rc.cfg.causal, terms.mask is not None, flat(loc["q_pos"]),
+    flat = lambda x: None if x is None else unblocks(x, 1)
+    kind = tile_kind(rc.cfg.causal, terms.mask is not None, flat(loc["q_pos"]),
                       flat(kv["kv_pos"]), flat(loc["kv_valid"]), flat(loc["seg_q"]),
                       flat(kv["seg_kv"]), None)
-    return kind != _SKIP
+    return kind != EMPTY
 
 
 def _merge(o1, l1, o2, l2):
@@ -323,15 +295,15 @@ def _merge(o1, l1, o2, l2):
 def _ring_forward(rc: _RingCfg, fl, il, sinks, qs, loc, kv):
     """Global out ``[nq, B, N, bq, Hv]`` and lse ``[nq, B, N, bq]`` (with the sinks)."""
     cfg = rc.cfg
-    terms = _merge_terms(cfg, fl, il)
+    terms = merge_terms(cfg, fl, il)
     nq, B, N, bq = qs.shape[:4]
     Hv = kv["v"].shape[-1]
 
     def block(kv):
-        z = _varying_zero(fl, qs, loc, kv)
+        z = varying_zero(fl, qs, loc, kv)
 
         def run(_):
-            o, l = _chunked_forward(terms, None, _block_inputs(rc, qs, loc, kv), cfg)
+            o, l = chunked_forward(terms, None, _block_inputs(rc, qs, loc, kv), cfg)
             return o + z, l + z
 
         def skip(_):
@@ -340,7 +312,7 @@ def _ring_forward(rc: _RingCfg, fl, il, sinks, qs, loc, kv):
 
         return jax.lax.cond(_block_live(rc, terms, loc, kv), run, skip, None)
 
-    z = _varying_zero(fl, qs, loc, kv)
+    z = varying_zero(fl, qs, loc, kv)
     out = jnp.zeros((nq, B, N, bq, Hv), jnp.float32) + z
     lse = jnp.full((nq, B, N, bq), _NEG_INF, jnp.float32) + z
 
@@ -375,8 +347,8 @@ def _ring_core_fwd(rc, fl, il, sinks, qs, loc, kv):
 def _ring_core_bwd(rc, res, dout):
     fl, il, sinks, qs, loc, kv, out, lse = res
     cfg = rc.cfg
-    terms = _merge_terms(cfg, fl, il)
-    z = _varying_zero(fl, qs, loc, kv, out, lse, dout)
+    terms = merge_terms(cfg, fl, il)
+    z = varying_zero(fl, qs, loc, kv, out, lse, dout)
     zeros = lambda x: jnp.zeros(jnp.shape(x), jnp.float32) + z
 
     def block(kv):
@@ -384,7 +356,7 @@ def _ring_core_bwd(rc, res, dout):
         with the GLOBAL out and lse."""
 
         def run(_):
-            dq, dk, dv, dfl = _chunked_backward(cfg, fl, il, _block_inputs(rc, qs, loc, kv),
+            dq, dk, dv, dfl = chunked_backward(cfg, fl, il, _block_inputs(rc, qs, loc, kv),
                                                 out, lse, dout)
             return (dq + z, _fold(dk, rc.groups) + z, _fold(dv, rc.groups) + z,
                     [g + z for g in dfl])
@@ -405,18 +377,18 @@ def _ring_core_bwd(rc, res, dout):
     init = (kv, (zeros(kv["k"]), zeros(kv["v"])), zeros(qs), [zeros(x) for x in fl])
     (_, (dk, dv), dq, dfl), _ = jax.lax.scan(step, init, None, length=rc.size)
 
-    dfl = [_match_vma(g.astype(jnp.result_type(x)), x) for g, x in zip(dfl, fl)]
-    dq = _match_vma(dq, qs)
-    dk = _match_vma(dk.astype(kv["k"].dtype), kv["k"])
-    dv = _match_vma(dv.astype(kv["v"].dtype), kv["v"])
+    dfl = [match_vma(g.astype(jnp.result_type(x)), x) for g, x in zip(dfl, fl)]
+    dq = match_vma(dq, qs)
+    dk = match_vma(dk.astype(kv["k"].dtype), kv["k"])
+    dv = match_vma(dv.astype(kv["v"].dtype), kv["v"])
     dsinks = None
     if sinks is not None:  # padded query rows have dout = 0, so delta = 0 there
         delta = jnp.sum(dout * out, axis=-1)
-        dsinks = _match_vma(sink_gradient(sinks, lse, delta, 2).astype(sinks.dtype), sinks)
-    dil = [_zero_cotangent(x) for x in il]
-    dloc = jax.tree_util.tree_map(_zero_cotangent, loc)
-    dkv_tree = dict(kv, k=dk, v=dv, kv_pos=_zero_cotangent(kv["kv_pos"]),
-                    seg_kv=_zero_cotangent(kv["seg_kv"]))
+        dsinks = match_vma(sink_gradient(sinks, lse, delta, 2).astype(sinks.dtype), sinks)
+    dil = [zero_cotangent(x) for x in il]
+    dloc = jax.tree_util.tree_map(zero_cotangent, loc)
+    dkv_tree = dict(kv, k=dk, v=dv, kv_pos=zero_cotangent(kv["kv_pos"]),
+                    seg_kv=zero_cotangent(kv["seg_kv"]))
     return dfl, dil, dsinks, dq, dloc, dkv_tree
 
 
@@ -426,7 +398,7 @@ _ring_core.defvjp(_ring_core_fwd, _ring_core_bwd)
 def _vary_like(tree, ref):
     """``tree`` with every leaf varying over every mesh axis ``ref``'s leaves vary over
     (ppermute and the loop carries need one type for the whole block)."""
-    z = _varying_zero(ref)
+    z = varying_zero(ref)
     return jax.tree_util.tree_map(lambda x: x + z.astype(x.dtype), tree)
 
 
@@ -508,8 +480,6 @@ def ring_attention(
       TypeError: a non-str ``axis_name``; float positions; non-bool ``causal``; ...
     """
     P = _ring_size(axis_name)
-    B, Tq, Tk, N, Nk, H = _check_inputs(q, k, v)
-    causal = _check_causal(causal)
     if implementation is None:
         implementation = "chunked"
     if implementation == "pallas":
@@ -518,31 +488,30 @@ def ring_attention(
             "block's output by its log-sum-exp, which jaxpos.kernels does not return; use "
             "implementation='chunked' (the default) or 'reference'.")
     _checks.check_choice("implementation", implementation, RING_IMPLEMENTATIONS)
-    scheme = _check_scheme(position, q, v, causal)
-    q_pos = _local_positions("q_positions", q_positions, B, Tq, "q")
-    kv_pos = _local_positions("kv_positions", kv_positions, B, Tk, "k/v")
-    seg_q, seg_kv = _segment_pair(segment_ids, kv_segment_ids, B, Tq, Tk)
-    sinks = _check_sinks(sinks, N)
-    scale = _check_scale(scale, H)
-    _check_blocks(block_q, block_k)
-    all_score_mods = _check_mods(scheme, score_mod, mask_mod)
-    if Tq == 0 or Tk == 0:
-        return jnp.zeros((B, Tq, N, v.shape[-1]), q.dtype)
+    call = validate_call(q, k, v, position=position, score_mod=score_mod, mask_mod=mask_mod,
+                         sinks=sinks, q_positions=q_positions, kv_positions=kv_positions,
+                         causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                         scale=scale, block_q=block_q, block_k=block_k, sharded=True)
+    if call.q_len == 0 or call.kv_len == 0:
+        return call.zeros()
+    return _ring(call, axis_name, P, implementation)
 
-    dtype = q.dtype
-    q, k = _transform_global(scheme, q, k, q_pos, kv_pos, axis_name)
-    to_bnth = lambda x: jnp.swapaxes(x.astype(jnp.float32), 1, 2)
-    qs = to_bnth(q) * jnp.float32(scale)
-    kk, vv = to_bnth(k), to_bnth(v)
+
+def _ring(call: AttentionCall, axis_name: str, P: int, implementation: str) -> jax.Array:
+    """The ring on a validated call (positions global, sequence sharded over ``axis_name``)."""
+    Tq, Tk = call.q_len, call.kv_len
+    q, k = _transform_global(call.scheme, call.q, call.k, call.q_positions, call.kv_positions,
+                             axis_name)
+    qs, kk, vv, m = heads_major(call.replace(q=q, k=k), repeat_kv=False)
     if implementation == "reference":
         bq, bk = Tq, Tk
     else:
-        bq, bk = min(block_q or _BLOCK_Q, Tq), min(block_k or _BLOCK_K, Tk)
-    terms = _make_terms(scheme, all_score_mods, mask_mod, bq, bk)
-    b, nq, nk = _chunk_inputs(qs, kk, vv, _Masking(q_pos, kv_pos, None, None, seg_q, seg_kv),
-                              bq, bk)
-    fl, il, is_f, treedef = _split_terms(terms)
-    rc = _RingCfg(_Cfg(causal, nq, nk, bq, bk, is_f, treedef), axis_name, P, N // Nk)
+        bq, bk = min(call.block_q or BLOCK_Q, Tq), min(call.block_k or BLOCK_K, Tk)
+    terms = make_terms(call.scheme, call.score_mod, call.mask_mod, bq, bk)
+    b, nq, nk = chunk_inputs(qs, kk, vv, m, bq, bk)
+    fl, il, is_f, treedef = split_terms(terms)
+    rc = _RingCfg(ChunkCfg(call.causal, nq, nk, bq, bk, is_f, treedef), axis_name, P,
+                  call.num_heads // call.num_kv_heads)
     # One varying type for everything that meets in a tile (positions may be replicated
     # and k/v may vary over fewer axes than q): ppermute, the loop carries and the traced
     # mods need it.
@@ -550,6 +519,6 @@ def ring_attention(
     loc = _vary_like({"q_pos": b["q_pos"], "seg_q": b["seg_q"], "kv_valid": b["kv_valid"]}, every)
     kv = _vary_like({"k": b["k"], "v": b["v"], "kv_pos": b["kv_pos"], "seg_kv": b["seg_kv"]},
                     every)
-    out = _ring_core(rc, fl, il, sinks, b["qs"], loc, kv)
-    out = _unblocks(out, 2)[:, :, :Tq]
-    return jnp.swapaxes(out, 1, 2).astype(dtype)
+    out = _ring_core(rc, fl, il, call.sinks, b["qs"], loc, kv)
+    out = unblocks(out, 2)[:, :, :Tq]
+    return jnp.swapaxes(out, 1, 2).astype(call.q.dtype)

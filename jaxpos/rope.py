@@ -728,8 +728,6 @@ class RoPE(PositionScheme):
                        angle_precision=self.angle_precision)
         return q, k
 
-    rotate_qk = transform_qk  # the name of earlier releases
-
     @classmethod
     def from_params(cls, params, *, head_dim, options, **_):
         """Options ``rotary_dim`` (default ``head_dim``), ``rope_base`` (10000),

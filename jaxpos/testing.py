@@ -264,17 +264,20 @@ def attention_scores(q, k, *, position=None, q_positions=None, kv_positions=None
       ValueError / TypeError: as :func:`jaxpos.attention` for bad shapes, dtypes or
         positions.
     """
-    from jaxpos.attention import _check_inputs, _make_terms, _scores, default_positions
-    from jaxpos.schemes import as_scheme
+    from jaxpos.call import check_attention_inputs, decode_positions
+    from jaxpos.reference import make_terms, tile_scores
+    from jaxpos.scheme import as_scheme
 
-    B, Tq, Tk, N, Nk, H = _check_inputs(q, k, k)
+    check_attention_inputs(q, k, k)
+    (B, Tq, N, H), (Tk, Nk) = q.shape, k.shape[1:3]
     scheme = as_scheme(position)
     scheme.check(N, H)
-    dq, dk = default_positions(B, Tq, Tk)
+    dq, dk = decode_positions(Tq, Tk)
     qp = _checks.positions_2d("q_positions", dq if q_positions is None else q_positions, B, Tq)
     kp = _checks.positions_2d("kv_positions", dk if kv_positions is None else kv_positions, B, Tk)
     q, k = scheme.transform_qk(q, k, qp, kp)
     scale = 1.0 / math.sqrt(H) if scale is None else scale
     qs = jnp.swapaxes(q.astype(jnp.float32), 1, 2) * jnp.float32(scale)
     kk = jnp.repeat(jnp.swapaxes(k.astype(jnp.float32), 1, 2), N // Nk, axis=1)
-    return _scores(_make_terms(scheme, scheme.score_mod(), None, Tq, Tk), qs, kk, qp, kp)
+    terms = make_terms(scheme, scheme.score_mod(), None, Tq, Tk)
+    return tile_scores(terms, qs, kk, qp, kp)

@@ -14,15 +14,19 @@ Nothing here names a position scheme: schemes reach the kernel as a per-token tr
 
 from __future__ import annotations
 
-from jaxpos.kernels.fused import kernel_attention
+from typing import TYPE_CHECKING
 
 from jaxpos import _checks
+from jaxpos.kernels.fused import kernel_attention
 from jaxpos.xla import GPU_BACKENDS
 
-__all__ = ["DENSE_BIAS_BUDGET_BYTES", "IMPLEMENTATIONS", "attention_via_kernel",
-           "choose_implementation", "supports_scheme"]
+if TYPE_CHECKING:
+    import jax
 
-IMPLEMENTATIONS = ("pallas", "xla", "chunked")
+    from jaxpos.call import AttentionCall
+
+__all__ = ["DENSE_BIAS_BUDGET_BYTES", "attention_via_kernel",
+           "choose_implementation", "run_kernel", "supports_scheme"]
 
 #: Largest dense bias (or mask) :func:`jaxpos.xla.attention_via_xla` may materialise when
 #: :func:`choose_implementation` picks it over the kernel: ``B * N * Tq * Tk * 4`` bytes.
@@ -157,3 +161,15 @@ def attention_via_kernel(q, k, v, *, score_mod=None, mask_mod=None, block_mask=N
                             kv_positions=kv_positions, causal=causal, segment_ids=segment_ids,
                             kv_segment_ids=kv_segment_ids, scale=scale, block_q=block_q,
                             block_k=block_k, interpret=interpret)
+
+
+def run_kernel(call: AttentionCall) -> jax.Array:
+    """The ``"pallas"`` runner of :func:`jaxpos.attention`: the fused kernel on a validated,
+    transformed call (:func:`jaxpos.call.validate_call`, :func:`jaxpos.call.transform_call`;
+    q, k and v are not checked again here). ``[B, Tq, N, H_v]`` in q's dtype."""
+    return kernel_attention(call.q, call.k, call.v, score_mod=call.score_mod,
+                            mask_mod=call.mask_mod, block_mask=call.block_mask, sinks=call.sinks,
+                            q_positions=call.q_positions, kv_positions=call.kv_positions,
+                            causal=call.causal, segment_ids=call.segment_ids,
+                            kv_segment_ids=call.kv_segment_ids, scale=call.scale,
+                            block_q=call.block_q, block_k=call.block_k, interpret=None)

@@ -185,12 +185,12 @@ def test_rotated_qk_match_hf_float32_and_bf16(case):
 
     # (a) same inv_freq: HF's arithmetic to float32 rounding of cos/sin
     same = scheme.replace(inv_freq=jnp.asarray(hf_inv))
-    jq, jk = same.rotate_qk(q, k, pos.astype(np.int32), pos.astype(np.int32))
+    jq, jk = same.transform_qk(q, k, pos.astype(np.int32), pos.astype(np.int32))
     np.testing.assert_allclose(np.asarray(jq), hq, atol=2e-6, rtol=0)
     np.testing.assert_allclose(np.asarray(jk), hk, atol=2e-6, rtol=0)
 
     # (b) end to end with jaxpos's inv_freq: bounded by one-ulp inv_freq differences
-    jq, jk = scheme.rotate_qk(q, k, pos.astype(np.int32), pos.astype(np.int32))
+    jq, jk = scheme.transform_qk(q, k, pos.astype(np.int32), pos.astype(np.int32))
     d_inv = np.abs(np.asarray(scheme.inv_freq, np.float64) - hf_inv).max()
     bound = 2e-6 + int(pos.max()) * d_inv * 2 * np.abs(q).max() * hf_af
     assert np.abs(np.asarray(jq) - hq).max() <= bound
@@ -200,14 +200,14 @@ def test_rotated_qk_match_hf_float32_and_bf16(case):
     qb = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))
     kb = np.asarray(jnp.asarray(k, jnp.bfloat16).astype(jnp.float32))
     (hqb, _), _, _ = _run_hf(cfg, qb, kb, pos, torch.bfloat16, rot_cls, apply)
-    jqb, _ = same.rotate_qk(jnp.asarray(qb, jnp.bfloat16), jnp.asarray(kb, jnp.bfloat16),
+    jqb, _ = same.transform_qk(jnp.asarray(qb, jnp.bfloat16), jnp.asarray(kb, jnp.bfloat16),
                             pos.astype(np.int32), pos.astype(np.int32))
     jqb = np.asarray(jqb.astype(jnp.float32))
     # three bf16 roundings of terms up to |x1| + |x2|, relative 2^-9 each
     mag = np.abs(qb).max() * 2 * hf_af
     assert np.abs(jqb - hqb).max() <= 3 * 2.0 ** -9 * mag
     # and jaxpos's bf16 result is within bf16 rounding of its float32 result
-    jq32, _ = same.rotate_qk(qb, kb, pos.astype(np.int32), pos.astype(np.int32))
+    jq32, _ = same.transform_qk(qb, kb, pos.astype(np.int32), pos.astype(np.int32))
     jq32 = np.asarray(jq32)
     assert np.all(np.abs(jqb - jq32) <= 2.0 ** (np.floor(np.log2(np.abs(jq32) + 1e-30)) - 8) + 1e-6)
 
@@ -312,7 +312,7 @@ def test_longrope_phi35_switches_like_hf_module():
     (hq, _), hf_inv, _ = _run_hf(cfg, q, q, pos, torch.float32, m.Phi3RotaryEmbedding,
                                  m.apply_rotary_pos_emb)
     # jaxpos's own frequencies for max(position) + 1 = 131,072 > 4,096: the long factors
-    jq, _ = scheme.rotate_qk(q, q, pos.astype(np.int32), pos.astype(np.int32))
+    jq, _ = scheme.transform_qk(q, q, pos.astype(np.int32), pos.astype(np.int32))
     d_inv = np.abs(np.asarray(scheme.frequencies(pos, pos)[0], np.float64) - hf_inv).max()
     assert np.abs(np.asarray(jq) - hq).max() <= 2e-6 + MAX_POS * d_inv * 4 * np.abs(q).max()
 
@@ -328,7 +328,7 @@ def test_gpt_neox_partial_rotary_matches_hf():
     q = np.random.default_rng(5).normal(size=(1, len(POSITIONS), 2, 64)).astype(np.float32)
     (hq, _), hf_inv, _ = _run_hf(cfg, q, q, POSITIONS, torch.float32, m.GPTNeoXRotaryEmbedding,
                                  m.apply_rotary_pos_emb)
-    jq, _ = scheme.replace(inv_freq=jnp.asarray(hf_inv)).rotate_qk(
+    jq, _ = scheme.replace(inv_freq=jnp.asarray(hf_inv)).transform_qk(
         q, q, POSITIONS.astype(np.int32), POSITIONS.astype(np.int32))
     np.testing.assert_allclose(np.asarray(jq), hq, atol=2e-6, rtol=0)
     np.testing.assert_array_equal(np.asarray(jq)[..., 16:], q[..., 16:])
@@ -407,7 +407,7 @@ def test_deepseek_v3_interleaved_rope_matches_hf():
     cos, sin = emb(qt, torch.from_numpy(POSITIONS)[None])
     hq, _ = m.apply_rotary_pos_emb_interleave(qt, qt, cos, sin)
     hq = hq.numpy().transpose(0, 2, 1, 3)
-    jq, _ = scheme.replace(inv_freq=jnp.asarray(emb.inv_freq.numpy())).rotate_qk(
+    jq, _ = scheme.replace(inv_freq=jnp.asarray(emb.inv_freq.numpy())).transform_qk(
         q, q, POSITIONS.astype(np.int32), POSITIONS.astype(np.int32))
     # HF de-interleaves then rotates in the half layout: the same rotation, permuted
     np.testing.assert_allclose(jaxpos.interleaved_to_half(np.asarray(jq), head_dim=64), hq,

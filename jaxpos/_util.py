@@ -1,0 +1,70 @@
+"""Small array helpers shared by the attention engines and the kernel package: padding,
+powers of two, and ``shard_map``'s varying-axis types (one home for each)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["cast_varying", "match_vma", "pad_axis", "pow2_at_least", "varying_axes",
+           "zero_cotangent"]
+
+
+def pad_axis(x, axis: int, size: int, value=0, mode: str = "constant"):
+    """Pad ``axis`` of ``x`` at the end to ``size`` (with ``value``, or ``mode="edge"``)."""
+    pad = size - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    if mode == "constant":
+        return jnp.pad(x, widths, constant_values=value)
+    return jnp.pad(x, widths, mode=mode)
+
+
+def pow2_at_least(n: int, lo: int = 1) -> int:
+    """The smallest power of two ``>= max(n, lo)``."""
+    return max(lo, 1 << max(0, int(n) - 1).bit_length())
+
+
+def varying_axes(x) -> frozenset:
+    """Mesh axes ``x`` varies over inside ``shard_map`` (empty outside and for non-arrays):
+    the abstract value's ``manual_axis_type.varying`` (``vma`` where a JAX spells it so)."""
+    if not isinstance(x, jax.Array):
+        return frozenset()
+    aval = jax.typeof(x)
+    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    if vma is None:
+        vma = getattr(aval, "vma", None)
+    return frozenset(vma or ())
+
+
+def cast_varying(x, axes):
+    """``x`` marked as varying over ``axes`` too (``lax.pcast(..., to="varying")``). A
+    no-op on the values: each device keeps its own."""
+    axes = tuple(sorted(frozenset(axes) - varying_axes(x)))
+    if not axes:
+        return x
+    return jax.lax.pcast(jnp.asarray(x), axes, to="varying")
+
+
+def match_vma(g, x):
+    """Under ``shard_map``, sum the cotangent ``g`` over the mesh axes it varies over but
+    its primal ``x`` does not: the gradient of a replicated input (a scheme table, a
+    captured array, keys all-gathered for sequence parallelism) is the sum of the
+    per-shard gradients. ``None`` and float0 cotangents pass through."""
+    if g is None or getattr(g, "dtype", None) == jax.dtypes.float0:
+        return g
+    extra = tuple(sorted(varying_axes(g) - varying_axes(x)))
+    return jax.lax.psum(g, extra) if extra else g
+
+
+def zero_cotangent(x):
+    """The zero cotangent of a non-differentiable input (float0 for integers and bools;
+    ``None`` for ``None``)."""
+    if x is None:
+        return None
+    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+        return jnp.zeros(jnp.shape(x), jnp.result_type(x))
+    return np.zeros(jnp.shape(x), jax.dtypes.float0)
