@@ -46,9 +46,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
-from jaxpos.call import decode_positions
+from jaxpos.scheme import PositionScheme, register
 
-__all__ = ["IMPLEMENTATIONS", "stick_breaking_attention", "stick_breaking_weights"]
+__all__ = ["IMPLEMENTATIONS", "StickBreaking", "stick_breaking_attention",
+           "stick_breaking_weights"]
 
 IMPLEMENTATIONS = ("reference", "chunked")
 _BLOCK = 128
@@ -261,7 +262,9 @@ def stick_breaking_attention(q, k, v, *, causal: bool = True, q_positions=None,
     implementation = implementation or "chunked"
     B, Tq, N, H = q.shape
     Tk, Nk = k.shape[1], k.shape[2]
-    dq_pos, dkv_pos = decode_positions(Tq, Tk)
+    # Default positions: arange, queries aligned to the end of the keys (decoding).
+    dkv_pos = jnp.arange(Tk, dtype=jnp.int32)
+    dq_pos = jnp.arange(Tq, dtype=jnp.int32) + max(Tk - Tq, 0)
     qp = _checks.positions_2d("q_positions", dq_pos if q_positions is None else q_positions,
                               B, Tq)
     kp = _checks.positions_2d("kv_positions", dkv_pos if kv_positions is None else
@@ -321,3 +324,66 @@ def stick_breaking_attention(q, k, v, *, causal: bool = True, q_positions=None,
     if remainder:
         o = o + jnp.exp(-S)[..., None] * vd
     return jnp.swapaxes(o[:, :, :Tq], 1, 2).astype(dtype)
+
+
+@register("stick_breaking")
+class StickBreaking(PositionScheme):
+    """Stick-breaking attention as a position name for the Flax modules
+    (``DecoderLM(position="stick_breaking")``): the layer runs
+    :func:`stick_breaking_attention` instead of softmax attention (the ordering of the
+    keys is its position information; no parameters).
+
+    Args:
+      attend_current, remainder: as :func:`stick_breaking_attention` (the authors'
+        defaults; module options of the same names).
+
+    ``replaces_softmax`` tells the modules to call :meth:`attention` rather than
+    :func:`jaxpos.attention`, which refuses this scheme (:meth:`transform_qk` raises):
+    softmax attention with it would silently be NoPE. KV-cache decoding stores raw keys;
+    the new token's key is in the cache when it attends, so decoding equals the full pass.
+
+    Raises:
+      ValueError: a non-causal layer (``check_causal``); :func:`jaxpos.attention` with it.
+    """
+
+    _static = ("attend_current", "remainder")
+    #: The modules call :meth:`attention` instead of :func:`jaxpos.attention`.
+    replaces_softmax = True
+
+    def __init__(self, *, attend_current: bool = False, remainder: bool = True):
+        self._set(attend_current=bool(attend_current), remainder=bool(remainder))
+
+    @classmethod
+    def from_params(cls, params, *, options, **_):
+        """Options ``attend_current`` (False) and ``remainder`` (True)."""
+        ac, rem = options.get("attend_current"), options.get("remainder")
+        return cls(attend_current=bool(ac) if ac is not None else False,
+                   remainder=bool(rem) if rem is not None else True)
+
+    def check_causal(self, causal):
+        if not causal:
+            raise ValueError("stick-breaking attention is causal by definition (Tan et al. "
+                             "2025, §2); got a non-causal layer (an Encoder or causal=False).")
+
+    def transform_qk(self, q, k, q_positions, kv_positions):
+        raise ValueError("StickBreaking replaces softmax attention; call "
+                         "jaxpos.stick_breaking_attention (the Flax modules do so for "
+                         "position='stick_breaking'), not jaxpos.attention.")
+
+    def attention(self, q, k, v, *, position=None, q_positions=None, kv_positions=None,
+                  causal=True, mask=None, segment_ids=None, kv_segment_ids=None, scale=None,
+                  mask_mod=None, sinks=None, implementation=None):
+        """:func:`stick_breaking_attention` with the keywords the modules pass to
+        :func:`jaxpos.attention`; ``implementation`` other than ``"reference"`` runs
+        ``"chunked"``. ``ValueError`` for a ``mask``, ``mask_mod`` or ``sinks`` (softmax
+        notions it does not take)."""
+        for name, val in (("mask", mask), ("mask_mod", mask_mod), ("sinks", sinks)):
+            if val is not None:
+                raise ValueError(f"stick-breaking attention takes no {name} (a softmax-"
+                                 f"attention option); got one.")
+        self.check_causal(causal)
+        return stick_breaking_attention(
+            q, k, v, causal=True, q_positions=q_positions, kv_positions=kv_positions,
+            segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, scale=scale,
+            attend_current=self.attend_current, remainder=self.remainder,
+            implementation="reference" if implementation == "reference" else "chunked")

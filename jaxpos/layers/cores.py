@@ -59,6 +59,13 @@ __all__ = [
     "position_scheme",
 ]
 
+def attention_for(scheme):
+    """:func:`jaxpos.attention`, or the scheme's own ``attention`` when the scheme replaces
+    softmax attention (``replaces_softmax``: :class:`jaxpos.stick_breaking.StickBreaking`);
+    both take the same keywords."""
+    return scheme.attention if getattr(scheme, "replaces_softmax", False) else attention
+
+
 def param_value(v):
     """The array of an :class:`flax.nnx.Variable` (NNX) or the array itself (Linen)."""
     return v[...] if isinstance(v, nnx.Variable) else v
@@ -159,7 +166,8 @@ class AttentionCore:
                                        self._dims()[0])
         q, k, v = self._qkv(x, context)
         scheme = self._scheme(scheme, rope_scaling, x, pos)
-        o = attention(q, k, v, position=scheme, q_positions=pos, kv_positions=kv_pos,
+        attend_fn = attention_for(scheme)
+        o = attend_fn(q, k, v, position=scheme, q_positions=pos, kv_positions=kv_pos,
                       causal=self.causal, mask=mask, segment_ids=segment_ids,
                       kv_segment_ids=kv_segment_ids, scale=self.scale,
                       mask_mod=self._mask_mod(mask_mod), sinks=self._sinks(),
@@ -194,7 +202,8 @@ class AttentionCore:
         scheme = self._scheme(scheme, rope_scaling, x, pos)
         q, k, scheme = rotate_at_write(scheme, q, k, pos)
         cache, seg, kv_seg, overflow = update_kv_cache(cache, k, v, pos)
-        o = attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), position=scheme,
+        attend_fn = attention_for(scheme)
+        o = attend_fn(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), position=scheme,
                       q_positions=pos, kv_positions=cache.positions, causal=self.causal,
                       segment_ids=seg, kv_segment_ids=kv_seg, scale=self.scale,
                       mask_mod=self._mask_mod(mask_mod), sinks=self._sinks(),
