@@ -157,6 +157,11 @@ class ALiBi(PositionScheme):
             raise ValueError(f"ALiBi slopes must have shape [{num_heads}] (one per query head); "
                              f"got {_checks.shape_of(self.slopes)}.")
 
+    @property
+    def score_heads(self) -> int:
+        """Heads of the score term: one slope each."""
+        return _checks.shape_of(self.slopes)[0]
+
     def score_mod(self):
         """``score + slopes[head] * (kv_pos - q_pos)`` (``- slopes[head] * |kv_pos - q_pos|``
         when bidirectional), computed in float32 from the positions of each tile."""

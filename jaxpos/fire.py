@@ -231,11 +231,10 @@ class FIRE(PositionScheme):
                              f"{_checks.shape_of(self.b2)}); the call has {num_heads} query "
                              f"heads. Build it with num_heads={num_heads}.")
 
-    def bias(self, q_positions, kv_positions) -> jax.Array:
-        """:func:`fire_bias` with this scheme's parameters: float32 ``[N, Tq, Tk]`` (or
-        ``[B, N, Tq, Tk]``)."""
-        return fire_bias(q_positions, kv_positions, self.w1, self.b1, self.w2, self.b2,
-                         c=self.c, L=self.threshold, eps=self.eps)
+    @property
+    def score_heads(self) -> int:
+        """Heads of the score term: one output of the MLP each."""
+        return _checks.shape_of(self.w2)[1]
 
     def score_mod(self):
         """``score + MLP(normalised distance)[head]`` on the tile.

@@ -233,6 +233,16 @@ class FoX(PositionScheme):
         _check_positions_in_range("kv_positions", kv_positions, T)
         return q, k
 
+    @property
+    def score_heads(self) -> int:
+        """Heads of the score term: one forget gate each."""
+        return _checks.shape_of(self.log_forget)[2]
+
+    @property
+    def score_batch(self) -> int:
+        """The gates' batch: the term differs per row (computed from each row's tokens)."""
+        return _checks.shape_of(self.log_forget)[0]
+
     def score_mod(self):
         """``score + c[batch, head, q_pos] - c[batch, head, kv_pos]`` with ``c`` from
         :func:`fox_cumulative` (computed once per call; positions clamped to ``[0, T)``)."""

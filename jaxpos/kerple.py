@@ -237,6 +237,11 @@ class KERPLE(PositionScheme):
         return (_straight_through_clip(self.r1, self.eps, jnp.inf),
                 _straight_through_clip(self.r2, self.eps, hi))
 
+    @property
+    def score_heads(self) -> int:
+        """Heads of the score term: one (r1, r2) pair each."""
+        return _checks.shape_of(self.r1)[0]
+
     def score_mod(self):
         """``score + kernel(|kv_pos - q_pos|)`` with the head's clamped ``r1``, ``r2``."""
         r1, r2 = self.clamped()

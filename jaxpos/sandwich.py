@@ -170,6 +170,11 @@ class Sandwich(PositionScheme):
             raise ValueError(f"Sandwich head_scales must have shape [{num_heads}] (one per "
                              f"query head); got {_checks.shape_of(self.head_scales)}.")
 
+    @property
+    def score_heads(self) -> int:
+        """Heads of the score term: one scale each."""
+        return _checks.shape_of(self.head_scales)[0]
+
     def score_mod(self):
         """``score + head_scales[head] * (sum_i cos((kv_pos - q_pos) inv_freq[i]) -
         d_bar/2)``, computed on the tile."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["REGISTRY", "NoPE", "PositionScheme", "as_scheme", "get_scheme", "register"]
@@ -129,6 +130,68 @@ class PositionScheme:
         """The scheme's score term as a score_mod ``(score, batch, head, q_pos, kv_pos)
         -> score`` (see :mod:`jaxpos.mods`), or ``None``."""
         return
+
+    @property
+    def score_heads(self) -> int | None:
+        """The number of heads of the scheme's score term (the length of its per-head
+        parameters), or ``None`` for a scheme without one."""
+        return None
+
+    @property
+    def score_batch(self) -> int:
+        """The batch size of the score term's own parameters (FoX's per-row gates); 1 when
+        the term is the same for every batch row."""
+        return 1
+
+    def bias(self, q_positions, kv_positions, *, batch_size: int | None = None) -> jax.Array:
+        """The scheme's score term as an array: its :meth:`score_mod` evaluated on a zero
+        score grid, float32 ``[B|1, N, Tq, Tk]`` (``bias[b, h, i, j]`` is what attention
+        adds to ``scale * q_i . k_j`` of head ``h``; for plots, debugging and dense paths).
+
+        Args:
+          q_positions, kv_positions: integer ``[Tq]`` / ``[Tk]`` or ``[B|1, T]``.
+          batch_size: ``B`` of the result; default the largest batch of the positions and
+            of the scheme's own parameters (1 when the term is shared by every row).
+
+        Returns:
+          float32 ``[B, N, Tq, Tk]`` (``B`` is 1 unless the positions, the parameters or
+          ``batch_size`` have a batch).
+
+        Raises:
+          TypeError: the scheme has no score term (RoPE, NoPE: their positions enter
+            through :meth:`transform_qk`), or its score_mod does more than add a term
+            (SSMax's scaling); float positions.
+          ValueError: position ranks or batch sizes that do not fit ``batch_size``.
+        """
+        from jaxpos import _checks
+        from jaxpos.mods import apply_mod, convert_mod, is_additive
+
+        fn, N, name = self.score_mod(), self.score_heads, type(self).__name__
+        if fn is None:
+            raise TypeError(f"{name} has no score term to show as a bias (its positions enter "
+                            f"through transform_qk, or not at all).")
+        for pname, p in (("q_positions", q_positions), ("kv_positions", kv_positions)):
+            _checks.check_integer_positions(pname, p)
+            _checks.check_rank(pname, p, (1, 2), "[T] or [B, T]")
+        shapes = [_checks.shape_of(q_positions), _checks.shape_of(kv_positions)]
+        batches = [s[0] for s in shapes if len(s) == 2] + [self.score_batch]
+        B = max(batches) if batch_size is None else _checks.check_positive_int("batch_size",
+                                                                                batch_size)
+        if any(b not in (1, B) for b in batches):
+            raise ValueError(f"{name}.bias: batch sizes must be 1 or batch_size={B}; got "
+                             f"positions {shapes[0]}, {shapes[1]} and parameters of batch "
+                             f"{self.score_batch}.")
+        Tq, Tk = shapes[0][-1], shapes[1][-1]
+        qp = _checks.positions_2d("q_positions", q_positions, B, Tq)
+        kp = _checks.positions_2d("kv_positions", kv_positions, B, Tk)
+        conv = convert_mod(fn, "score", Tq, Tk)
+        if not is_additive(conv):
+            raise TypeError(f"{name}'s score_mod is not an added term (it depends on the "
+                            f"score), so it has no bias array.")
+        if N is None:
+            raise TypeError(f"{name}.bias needs the number of heads of its score term: "
+                            f"define the score_heads property.")
+        return apply_mod(conv, qp, kp, score=jnp.zeros((B, N, Tq, Tk), jnp.float32))
 
     def content_bias(self, qs, q_positions, kv_positions):
         """A score term that depends on the scaled queries ``qs`` ``[B, N, tq, H]``

@@ -321,6 +321,11 @@ class T5Bias(PositionScheme):
                                  num_buckets=self.num_buckets, max_distance=R)  # [N, 1, 2R+1]
         return b[:, 0, :]
 
+    @property
+    def score_heads(self) -> int:
+        """Heads of the score term: one column of the table each."""
+        return _checks.shape_of(self.table)[1]
+
     def score_mod(self):
         """``score + table[bucket(kv_pos - q_pos), head]``, as a gather from
         :meth:`offset_vector` (computed once per call, so tiles do no bucket arithmetic)."""

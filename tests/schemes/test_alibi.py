@@ -145,3 +145,22 @@ def test_bad_input(argument, error, call, got):
     msg = str(info.value)
     assert msg.startswith(argument + " "), msg
     assert "got" in msg and got in msg, msg
+
+
+def test_scheme_bias_through_score_mod_matches_float64():
+    from jaxpos import ALiBi
+
+    for bidirectional in (False, True):
+        s = ALiBi(3, bidirectional=bidirectional)
+        q, kv = np.array([0, 4, 9]), np.arange(11)
+        b = s.bias(q, kv)
+        assert b.shape == (1, 3, 3, 11) and b.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(b)[0], np_alibi(q, kv, s.slopes, bidirectional),
+                                   rtol=1e-7)
+    qb, kvb = np.array([[4, 5], [10, 11]]), np.array([[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]])
+    b = np.asarray(ALiBi(3).bias(qb, kvb))
+    assert b.shape == (2, 3, 2, 6)
+    for r in range(2):
+        np.testing.assert_allclose(b[r], np_alibi(qb[r], kvb[r], alibi_slopes(3), False),
+                                   rtol=1e-7)
+    assert ALiBi(3).bias(np.arange(2), np.arange(4), batch_size=5).shape == (5, 3, 2, 4)

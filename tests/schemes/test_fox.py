@@ -186,3 +186,13 @@ def test_module_hooks_gates_from_the_layer_input_and_no_kv_cache():
         FoX.from_params(params, x=None)
     with pytest.raises(ValueError, match="KV cache"):
         s.cache_write(None, None, None)
+
+
+def test_scheme_bias_through_score_mod_is_the_log_of_the_gate_product():
+    lf = gates(3)
+    q, kv = np.array([0, 3, 7, 11]), np.arange(12)
+    d = np.asarray(FoX(lf).bias(q, kv))
+    assert d.shape == (B, N, 4, 12) and d.dtype == np.float32  # the gates' batch
+    visible = kv[None, :] <= q[:, None]
+    want = np.log(np.where(visible, np_decay(lf, q, kv), 1.0))
+    np.testing.assert_allclose(np.where(visible, d, 0), np.where(visible, want, 0), atol=2e-5)

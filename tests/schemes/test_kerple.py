@@ -214,3 +214,13 @@ def test_module_hooks_keep_raw_values():
                                float(p["r2"][0]), rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="same shape"):
         KERPLELog.from_params({"r1": R1, "r2": R2[:2]}, options={})
+
+
+@pytest.mark.parametrize("kind", ["log", "power"])
+def test_scheme_bias_through_score_mod_matches_float64(kind):
+    q = np.array([[0, 3, 7, 40], [5, 6, 7, 8]])
+    kv = np.array([[0, 1, 2, 3, 39, 100], [0, 2, 4, 6, 8, 10]])
+    b = KERPLE(R1, R2, kind=kind).bias(q, kv)
+    assert b.shape == (2, 4, 4, 6) and b.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(b), np_kerple(q, kv, R1, R2, kind), rtol=2e-6,
+                               atol=1e-6)

@@ -133,3 +133,10 @@ def test_bad_input():
     q, k, v = qkv(0, N=2)
     with pytest.raises(ValueError, match=r"head_scales must have shape \[2\].*\(4,\)"):
         jaxpos.attention(q, k, v, position=Sandwich(N), causal=True)
+
+
+def test_scheme_bias_through_score_mod_matches_float64():
+    q, kv = np.array([0, 3, 7, 40]), np.array([0, 1, 2, 3, 39, 100])
+    b = Sandwich(N, d_bar=16).bias(q, kv)
+    assert b.shape == (1, N, 4, 6) and b.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(b)[0], np_sandwich(q, kv, N, 16), atol=2e-6 * 16)

@@ -136,3 +136,11 @@ def test_bad_input():
     with pytest.raises(ValueError, match=r"shape \[2\]"):
         jaxpos.attention(q[:, :, :2], k[:, :, :2], v[:, :, :2], position=SSMax(S),
                          causal=True)
+
+
+def test_bias_is_refused_for_a_scaling_and_for_transform_only_schemes():
+    # SSMax multiplies the score: no added term to show as an array; RoPE / NoPE act
+    # through transform_qk only.
+    for scheme in (SSMax(np.ones(2, np.float32)), jaxpos.RoPE(rotary_dim=4), jaxpos.NoPE()):
+        with pytest.raises(TypeError, match="bias"):
+            scheme.bias(np.arange(3), np.arange(3))

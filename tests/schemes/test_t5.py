@@ -204,3 +204,14 @@ def test_transposed_t5_table_is_named_as_transposed(call):
     message names the expected [num_buckets, N] layout and says it looks transposed."""
     with pytest.raises(ValueError, match=r"\[num_buckets, N\].*looks transposed"):
         call(np.zeros((8, 32), np.float32))
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_scheme_bias_through_score_mod_matches_bucket_ranges(bidirectional):
+    table = np.random.default_rng(2).standard_normal((32, 3)).astype(np.float32)
+    q, kv = np.array([0, 5, 120]), np.arange(0, 300, 7)
+    b = jaxpos.T5Bias(table, bidirectional=bidirectional).bias(q, kv)
+    assert b.shape == (1, 3, 3, len(kv)) and b.dtype == jnp.float32
+    rel = kv[None, :] - q[:, None]
+    want = np.moveaxis(table[bucket_from_ranges(rel, bidirectional)], -1, 0)
+    np.testing.assert_array_equal(np.asarray(b)[0], want)
