@@ -27,7 +27,8 @@ from unittest import mock
 
 HERE = pathlib.Path(__file__).resolve().parent
 README = HERE / "README.md"
-SCRIPTS = ("length_generalization.py", "dog_bites_man.py", "plot_encodings.py")
+SCRIPTS = ("length_generalization.py", "dog_bites_man.py", "plot_encodings.py",
+           "flax_nnx_drop_in.py", "flax_linen_drop_in.py")
 _BLOCK = re.compile(r"(<!-- options: (?P<script>[\w.]+) -->\n)(?P<body>.*?)(<!-- /options -->)",
                     re.S)
 
