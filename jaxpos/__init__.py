@@ -24,7 +24,9 @@ from jaxpos.mods import (
     ChunkedAttentionMask,
     PrefixLMMask,
     SlidingWindowMask,
+    and_masks,
     create_block_mask,
+    or_masks,
 )
 from jaxpos.pope import PoPE
 from jaxpos.rope import RoPE, apply_rope, half_to_interleaved, interleaved_to_half, rope_frequencies
@@ -79,6 +81,7 @@ __all__ = [
     "YaRNScaling",
     "alibi_bias",
     "alibi_slopes",
+    "and_masks",
     "apply_rope",
     "as_scheme",
     "attention",
@@ -89,6 +92,7 @@ __all__ = [
     "half_to_interleaved",
     "interleaved_to_half",
     "learned_positions",
+    "or_masks",
     "relative_bias_attention",
     "relative_head_W",
     "rope_frequencies",

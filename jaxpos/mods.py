@@ -52,8 +52,9 @@ from jaxpos import _checks
 from jaxpos._util import cast_varying, varying_axes
 
 __all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMask", "ChunkedAttentionMask", "ConvertedMod",
-           "PrefixLMMask", "SlidingWindowMask", "apply_mod", "compose_score_mods", "convert_mod",
-           "create_block_mask", "is_additive", "offset_score_mod", "reads_input"]
+           "MaskCombination", "PrefixLMMask", "SlidingWindowMask", "and_masks", "apply_mod",
+           "combine_kinds", "compose_score_mods", "convert_mod", "create_block_mask",
+           "is_additive", "offset_score_mod", "or_masks", "reads_input"]
 
 # Tile kinds of a block mask.
 EMPTY, FULL, PARTIAL = 0, 1, 2
@@ -230,6 +231,68 @@ def compose_score_mods(*mods: Callable | None) -> Callable | None:
     return composed
 
 
+@dataclasses.dataclass(frozen=True)
+class MaskCombination:
+    """A mask_mod that is the conjunction (``op="and"``) or the disjunction (``op="or"``)
+    of other mask_mods, FlexAttention's ``and_masks`` / ``or_masks`` (Dong et al. 2024;
+    ``torch.nn.attention.flex_attention``). Build it with :func:`and_masks` /
+    :func:`or_masks`. A frozen dataclass: equal combinations of equal mask_mods compare and
+    hash equal (one trace under ``jit``).
+
+    Call: ``(batch, head, q_pos [tq, 1], kv_pos [1, tk]) -> bool [tq, tk]``; with no
+    mask_mods, all True (``"and"``) or all False (``"or"``).
+    """
+
+    op: str
+    mask_mods: tuple
+
+    def __call__(self, batch, head, q_pos, kv_pos):
+        out = None
+        for m in self.mask_mods:
+            r = m(batch, head, q_pos, kv_pos)
+            out = r if out is None else (out & r if self.op == "and" else out | r)
+        if out is None:
+            shape = jnp.broadcast_shapes(jnp.shape(q_pos), jnp.shape(kv_pos))
+            return jnp.full(shape, self.op == "and")
+        return out
+
+
+def _combination(op: str, mask_mods) -> MaskCombination:
+    for i, m in enumerate(mask_mods):
+        if not callable(m):
+            raise TypeError(f"{op}_masks takes mask_mods (batch, head, q_pos, kv_pos) -> bool; "
+                            f"argument {i} is {type(m).__name__} {m!r}.")
+    return MaskCombination(op, tuple(mask_mods))
+
+
+def and_masks(*mask_mods: Callable) -> MaskCombination:
+    """The mask_mod that lets a pair attend when every one of ``mask_mods`` does
+    (FlexAttention's ``and_masks``): e.g. ``and_masks(SlidingWindowMask(128),
+    document_mask)``. No mask_mods: every pair attends.
+
+    Args:
+      mask_mods: ``(batch, head, q_pos, kv_pos) -> bool`` functions (see :mod:`jaxpos.mods`).
+
+    Returns:
+      A :class:`MaskCombination`, itself a mask_mod (for :func:`jaxpos.attention`,
+      :func:`create_block_mask`, the modules).
+
+    Raises:
+      TypeError: an argument that is not callable (naming its index).
+    """
+    return _combination("and", mask_mods)
+
+
+def or_masks(*mask_mods: Callable) -> MaskCombination:
+    """The mask_mod that lets a pair attend when any of ``mask_mods`` does (FlexAttention's
+    ``or_masks``): e.g. ``or_masks(PrefixLMMask(8), causal_mask)``. No mask_mods: no pair
+    attends.
+
+    Args / Returns / Raises: as :func:`and_masks`.
+    """
+    return _combination("or", mask_mods)
+
+
 def apply_mod(mod: ConvertedMod | None, q_pos, kv_pos, score=None, batch_index=None):
     """Apply a converted mod to a ``[B, N, tq, tk]`` block (vmapped over batch and head).
 
@@ -330,6 +393,39 @@ class BlockMask:
             raise ValueError(f"block_mask was built for batch_size={b}, num_heads={n}; the call "
                              f"has B={B}, N={N} (a mask built with 1 broadcasts).")
 
+    def _combine(self, other, op: str) -> BlockMask:
+        if not isinstance(other, BlockMask):
+            return NotImplemented
+        mine = (self.block_q, self.block_k, self.q_len, self.kv_len)
+        theirs = (other.block_q, other.block_k, other.q_len, other.kv_len)
+        if mine != theirs:
+            raise ValueError(f"block masks combine only when built for the same tiles and "
+                             f"lengths; got (block_q, block_k, Tq, Tk) = {mine} and {theirs}.")
+        other.check(*self.kinds.shape[:2], self.q_len, self.kv_len, None, None,
+                    q_positions=self.q_positions, kv_positions=self.kv_positions)
+        kinds = combine_kinds(self.kinds, other.kinds, op)
+        kv_num, kv_idx = _sorted_live(kinds)
+        q_num, q_idx = _sorted_live(jnp.swapaxes(kinds, 2, 3))
+        fn = and_masks if op == "and" else or_masks
+        return BlockMask(kinds=kinds, kv_num_blocks=kv_num, kv_indices=kv_idx,
+                         q_num_blocks=q_num, q_indices=q_idx, q_positions=self.q_positions,
+                         kv_positions=self.kv_positions,
+                         mask_mod=fn(self.mask_mod, other.mask_mod), block_q=self.block_q,
+                         block_k=self.block_k, q_len=self.q_len, kv_len=self.kv_len)
+
+    def __and__(self, other) -> BlockMask:
+        """The block mask of ``and_masks(self.mask_mod, other.mask_mod)`` from the two
+        masks' tile kinds (:func:`combine_kinds`), without evaluating a mask_mod. Both
+        must be built for the same positions and tiles.
+
+        Raises:
+          ValueError: other lengths, tiles, positions or batch / head counts."""
+        return self._combine(other, "and")
+
+    def __or__(self, other) -> BlockMask:
+        """The block mask of ``or_masks(self.mask_mod, other.mask_mod)``; as ``&``."""
+        return self._combine(other, "or")
+
     def __repr__(self):
         return (f"BlockMask(shape={self.shape}, block_q={self.block_q}, block_k={self.block_k}, "
                 f"q_len={self.q_len}, kv_len={self.kv_len}, mask_mod={_mod_name(self.mask_mod)})")
@@ -365,6 +461,19 @@ def is_additive(conv: ConvertedMod | None) -> bool:
 
     jaxpr = jax.make_jaxpr(tangent)(args[0], args[0], *args[1:]).jaxpr
     return jaxpr.outvars[0] is jaxpr.invars[1]
+
+
+def combine_kinds(kinds_a, kinds_b, op: str = "and") -> jax.Array:
+    """Tile kinds of a conjunction (``"and"``: EMPTY if either is, FULL if both are) or a
+    disjunction (``"or"``: FULL if either is, EMPTY if both are) of two masks, else
+    PARTIAL; int32, broadcasting. Conservative: a PARTIAL tile may be empty or full (its
+    mask_mod is evaluated), an EMPTY or FULL one is exact."""
+    a, b = jnp.asarray(kinds_a, jnp.int32), jnp.asarray(kinds_b, jnp.int32)
+    if op == "and":
+        empty, full = (a == EMPTY) | (b == EMPTY), (a == FULL) & (b == FULL)
+    else:
+        empty, full = (a == EMPTY) & (b == EMPTY), (a == FULL) | (b == FULL)
+    return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int32)
 
 
 def _sorted_live(kinds):
