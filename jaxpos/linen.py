@@ -61,6 +61,7 @@ from jaxpos.layers.options import (
     check_attention_options,
     check_mask_mod,
     check_module_dims,
+    check_output_gate,
     check_position_name,
     check_sinks_flag,
     collect_options,
@@ -431,7 +432,7 @@ class MultiHeadAttention(AttentionCore, _AttentionFields):
     ``position`` (a registered name, or a Linen position module, shared if defined in a
     parent), ``causal``, ``rotary_dim``, ``rope_base``, ``num_buckets``, ``max_distance``,
     ``scale``, ``implementation``, ``use_bias``, ``dtype``, ``param_dtype``,
-    ``scheme_options``, ``sinks``, ``mask_mod``). Parameters
+    ``scheme_options``, ``sinks``, ``mask_mod``, ``output_gate``: ``gate_proj/kernel``). Parameters
     ``q_proj/k_proj/v_proj/o_proj.kernel`` (and ``.bias`` with ``use_bias``), ``sinks
     [num_heads]`` (zeros at init) with ``sinks=True``, and ``position_module/...`` for a
     position given by name. A
@@ -447,6 +448,7 @@ class MultiHeadAttention(AttentionCore, _AttentionFields):
     """
 
     use_bias: bool = False
+    output_gate: bool = False
 
     def _dims(self):
         return attention_dims(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim)
@@ -473,6 +475,8 @@ class MultiHeadAttention(AttentionCore, _AttentionFields):
         self.k_proj = dense(D, Nk * H, "k_proj")
         self.v_proj = dense(D, Nk * H, "v_proj")
         self.o_proj = dense(N * H, D, "o_proj")
+        self.gate_proj = (_Dense(D, N * H, False, self.param_dtype, name="gate_proj")
+                          if check_output_gate(self.output_gate) else None)
         pos = self.position
         if pos is None or isinstance(pos, _PositionBase):
             self._pos = pos

@@ -96,6 +96,7 @@ from jaxpos.layers.options import (
     check_mask_mod,
     check_module_dims,
     check_options_read,
+    check_output_gate,
     check_position_name,
     check_sinks_flag,
     collect_options,
@@ -421,6 +422,10 @@ class MultiHeadAttention(AttentionCore, nnx.Module):
       implementation: default backend of :func:`jaxpos.attention` (``None`` = best).
       use_bias: add biases to the four projections (GPT-2, BLOOM, BERT); default False
         (Llama, T5).
+      output_gate: a bool; True multiplies each head's attention output, before
+        ``o_proj``, by ``sigmoid(x @ gate_proj.kernel)`` (elementwise, head-specific,
+        from the layer input: G1 of Qiu et al. 2025, "Gated Attention for Large Language
+        Models", §2.2), parameter ``gate_proj.kernel [D, N*H]`` (no bias). Default False.
       sinks: a bool; True gives the layer a learned attention-sink logit per query head,
         parameter ``sinks`` float ``[num_heads]`` (``param_dtype``, initialised to zeros),
         passed as ``sinks=`` to :func:`jaxpos.attention`: the softmax denominator gains
@@ -465,6 +470,7 @@ class MultiHeadAttention(AttentionCore, nnx.Module):
                  num_buckets: int = 32, max_distance: int | None = None,
                  scheme_options: dict | None = None, scale: float | None = None,
                  implementation: str | None = None, use_bias: bool = False,
+                 output_gate: bool = False,
                  sinks: bool = False, mask_mod=None, dtype=jnp.float32,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         d_model, num_heads, num_kv_heads, head_dim = attention_dims(d_model, num_heads,
@@ -485,6 +491,9 @@ class MultiHeadAttention(AttentionCore, nnx.Module):
         self.v_proj = lin(d_model, num_kv_heads * head_dim)
         self.o_proj = lin(num_heads * head_dim, d_model)
         self.sinks = nnx.Param(jnp.zeros((num_heads,), param_dtype)) if sinks else None
+        self.gate_proj = nnx.Linear(d_model, num_heads * head_dim, use_bias=False,
+                                    param_dtype=param_dtype, rngs=rngs) if check_output_gate(
+            output_gate) else None
         self.position_module = make_position_module(
             position, num_heads=num_heads, head_dim=head_dim, d_model=d_model,
             causal=self.causal, options=options, param_dtype=param_dtype, rngs=rngs)

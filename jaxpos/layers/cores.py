@@ -138,6 +138,17 @@ class AttentionCore:
         return project_heads(x, param_value(layer.kernel), heads, self._dims()[3], self.dtype,
                              param_value(layer.bias))
 
+    def _gated(self, o, x):
+        """The output gate of Qiu et al. 2025 ("Gated Attention for Large Language Models",
+        §2.2, their best variant G1): each head's output times ``sigmoid(x W_g)``,
+        elementwise and head-specific, computed from the layer input ``x`` (the query
+        side), before the output projection; ``o`` unchanged without ``gate_proj``."""
+        gate = getattr(self, "gate_proj", None)
+        if gate is None:
+            return o
+        g = self._proj(gate, x, self._dims()[1])
+        return o * jax.nn.sigmoid(g.astype(jnp.float32)).astype(o.dtype)
+
     def _out(self, o):
         return merge_heads(o, param_value(self.o_proj.kernel), self.dtype, param_value(self.o_proj.bias))
 
@@ -172,7 +183,7 @@ class AttentionCore:
                       kv_segment_ids=kv_segment_ids, scale=self.scale,
                       mask_mod=self._mask_mod(mask_mod), sinks=self._sinks(),
                       implementation=implementation or self.implementation)
-        return self._out(o)
+        return self._out(self._gated(o, x))
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """An empty :class:`KVCache` of ``max_len`` slots for ``batch`` rows (no parameters
@@ -208,7 +219,7 @@ class AttentionCore:
                       segment_ids=seg, kv_segment_ids=kv_seg, scale=self.scale,
                       mask_mod=self._mask_mod(mask_mod), sinks=self._sinks(),
                       implementation=implementation or self.implementation)
-        return poison_rows(self._out(o), overflow), cache
+        return poison_rows(self._out(self._gated(o, x)), overflow), cache
 
 
 class BlockCore:

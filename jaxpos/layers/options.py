@@ -34,6 +34,7 @@ __all__ = [
     "check_module_dims",
     "check_options_read",
     "check_position_name",
+    "check_output_gate",
     "check_sinks_flag",
     "collect_options",
     "freeze_options",
@@ -294,6 +295,16 @@ def check_sinks_flag(sinks) -> bool:
                         f"query head, a parameter 'sinks' [num_heads]); got "
                         f"{type(sinks).__name__} {sinks!r}.")
     return bool(sinks)
+
+
+def check_output_gate(output_gate) -> bool:
+    """``output_gate`` (a layer option: a learned sigmoid gate on each head's output,
+    Qiu et al. 2025) must be a bool. ``TypeError`` otherwise."""
+    if not isinstance(output_gate, (bool, np.bool_)):
+        raise TypeError(f"output_gate must be a bool (True: the layer learns a gate "
+                        f"projection gate_proj [d_model, num_heads * head_dim]); got "
+                        f"{type(output_gate).__name__} {output_gate!r}.")
+    return bool(output_gate)
 
 
 def check_mask_mod(name: str, mask_mod):
