@@ -27,7 +27,7 @@ from collections.abc import Callable
 import jax
 
 from jaxpos import _checks
-from jaxpos.call import AttentionCall, transform_call, validate_call
+from jaxpos.call import AttentionCall, apply_rope_tables, transform_call, validate_call
 from jaxpos.chunked import run_chunked
 from jaxpos.mods import BlockMask
 from jaxpos.reference import run_reference
@@ -115,6 +115,8 @@ def choose_implementation(call: AttentionCall, requested: str | None) -> str:
                                       kv_len=call.kv_len, num_heads=call.num_heads,
                                       batch=call.batch)
         width_differs = name == "xla" and call.v.shape[-1] != call.q.shape[-1]
+        if name == "xla" and call.kv_lengths is not None:
+            name = "pallas"  # the kernel bounds its loops by the lengths
         if name in ("xla", "pallas") and (_dense_only(call) or width_differs):
             name = "chunked"  # what the kernel / dot_product_attention cannot take
     if name in ("xla", "pallas") and not _checks.is_concrete(call.scale):
@@ -137,6 +139,10 @@ def _check_runner(name: str, call: AttentionCall, head_dim: int) -> None:
             f"{what} does not support the position scheme {type(call.scheme).__name__} (its "
             f"content bias or value term depends on the query content or the weights); use "
             f"implementation='chunked' or 'reference'.")
+    if name == "xla" and call.kv_lengths is not None:
+        raise ValueError(
+            "implementation='xla' (jax.nn.dot_product_attention) does not take kv_lengths; "
+            "use implementation='pallas' or 'chunked' (they never visit the unfilled keys).")
     if name == "xla" and call.mask is not None:
         raise ValueError(
             "implementation='xla' (jax.nn.dot_product_attention) does not take a boolean "
@@ -173,6 +179,8 @@ def attention(
     implementation: str | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
+    kv_lengths=None,
+    rope_tables=None,
 ):
     """Multi-head attention with any position scheme, score_mod and mask_mod.
 
@@ -214,6 +222,14 @@ def attention(
       block_q, block_k: tile sizes for ``"chunked"`` (default 256 x 256; any positive size)
         and ``"pallas"`` (the kernel's 128 x 128 defaults; powers of two). T need not be a
         multiple.
+      kv_lengths: integer ``[B]`` or None: keys at index ``>= kv_lengths[b]`` are invisible
+        to row ``b`` (a KV cache's fill counts); the chunked and Pallas paths never visit
+        them, so a decode step costs the filled length (``docs/decoding.md``). Not taken
+        by ``"xla"``.
+      rope_tables: a :class:`jaxpos.rope_tables.RopeTables` or None: q and k are passed
+        unrotated and rotated with these cos/sin tables of their positions, by the Pallas
+        kernel and the chunked decode path as they are loaded (``docs/decoding.md``); use
+        with ``position=None`` (or a scheme without a per-token transform).
 
     Returns:
       ``[B, Tq, N, H_v]`` in q's dtype (softmax and accumulation in float32). A query with
@@ -231,12 +247,15 @@ def attention(
                          block_mask=block_mask, sinks=sinks, q_positions=q_positions,
                          kv_positions=kv_positions, causal=causal, mask=mask,
                          segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, scale=scale,
-                         block_q=block_q, block_k=block_k)
+                         block_q=block_q, block_k=block_k, kv_lengths=kv_lengths,
+                         rope_tables=rope_tables)
     name = choose_implementation(call, implementation)
     if call.batch == 0 or call.q_len == 0 or call.kv_len == 0:
         return call.zeros()  # nothing to attend from, or no visible key
     head_dim = call.q.shape[-1]
     call = transform_call(call)
+    if name in ("reference", "xla"):  # the engines that do not rotate on load
+        call = apply_rope_tables(call)
     if implementation is None and name == "xla" and call.q.shape[-1] != call.v.shape[-1]:
         name = "pallas"  # a transform that widens q and k (PoPE); cuDNN cannot
     _check_runner(name, call, head_dim)

@@ -19,7 +19,7 @@ from jaxpos import _checks
 from jaxpos.mods import BlockMask, compose_score_mods, convert_mod
 from jaxpos.scheme import PositionScheme, as_scheme
 
-__all__ = ["AttentionCall", "check_attention_inputs", "decode_positions",
+__all__ = ["AttentionCall", "apply_rope_tables", "check_attention_inputs", "decode_positions",
            "transform_call", "validate_call"]
 
 
@@ -41,6 +41,10 @@ class AttentionCall:
       causal: Python bool.
       scale: the score scale (a Python float by default; may be traced).
       block_q, block_k: positive tile sizes or None (the block mask's when given).
+      kv_lengths: int32 ``[B]`` (clipped to ``[0, Tk]``) or None: keys at index
+        ``>= kv_lengths[b]`` are invisible to row ``b`` (a KV cache's fill counts).
+      rope_tables: float32 :class:`jaxpos.rope_tables.RopeTables` or None: q and k are
+        unrotated and the engine rotates them (on load where it can).
     """
 
     q: Any
@@ -60,6 +64,8 @@ class AttentionCall:
     scale: Any
     block_q: int | None
     block_k: int | None
+    kv_lengths: jax.Array | None = None
+    rope_tables: Any = None
 
     @property
     def batch(self) -> int:
@@ -293,7 +299,8 @@ def validate_call(q, k, v, *, position=None, score_mod=None, mask_mod=None,
                   block_mask: BlockMask | None = None, sinks=None, q_positions=None,
                   kv_positions=None, causal: bool = False, mask=None, segment_ids=None,
                   kv_segment_ids=None, scale=None, block_q: int | None = None,
-                  block_k: int | None = None, sharded: bool = False) -> AttentionCall:
+                  block_k: int | None = None, sharded: bool = False, kv_lengths=None,
+                  rope_tables=None) -> AttentionCall:
     """Check every argument of an attention call once and return its record.
 
     Args: as :func:`jaxpos.attention`; ``sharded=True`` for
@@ -329,11 +336,39 @@ def validate_call(q, k, v, *, position=None, score_mod=None, mask_mod=None,
     sinks = _check_sinks(sinks, N)
     scale = _check_scale(scale, H)
     all_score_mods = _check_mods(scheme, score_mod, mask_mod)
+    kv_lengths = _check_kv_lengths(kv_lengths, B, Tk)
+    rope_tables = _check_rope_tables(rope_tables, scheme, B, Tq, Tk, H)
     return AttentionCall(q=q, k=k, v=v, scheme=scheme, score_mod=all_score_mods,
                          mask_mod=mask_mod, block_mask=block_mask, sinks=sinks,
                          q_positions=q_pos, kv_positions=kv_pos, segment_ids=seg_q,
                          kv_segment_ids=seg_kv, mask=mask4, causal=causal, scale=scale,
-                         block_q=block_q, block_k=block_k)
+                         block_q=block_q, block_k=block_k, kv_lengths=kv_lengths,
+                         rope_tables=rope_tables)
+
+
+def _check_kv_lengths(kv_lengths, B: int, Tk: int):
+    if kv_lengths is None:
+        return None
+    _checks.check_rank("kv_lengths", kv_lengths, (1,), "[batch]")
+    if not jnp.issubdtype(_checks.dtype_of(kv_lengths), jnp.integer):
+        raise TypeError(f"kv_lengths must be integer [batch] (keys at index >= kv_lengths[b] "
+                        f"are invisible); got dtype {_checks.dtype_of(kv_lengths)}.")
+    if _checks.shape_of(kv_lengths)[0] != B:
+        raise ValueError(f"kv_lengths must have shape [{B}] (one fill length per batch row); "
+                         f"got {_checks.shape_of(kv_lengths)}.")
+    return jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, Tk)
+
+
+def _check_rope_tables(tabs, scheme: PositionScheme, B: int, Tq: int, Tk: int, H: int):
+    if tabs is None:
+        return None
+    from jaxpos.rope_tables import check_rope_tables
+
+    if type(scheme).transform_qk is not PositionScheme.transform_qk:
+        raise ValueError(f"rope_tables rotate unrotated q and k; the position scheme "
+                         f"{type(scheme).__name__} transforms them too. Pass position=None "
+                         f"(or a scheme without a per-token transform) with rope_tables.")
+    return check_rope_tables(tabs, B, Tq, Tk, H)[0]
 
 
 def transform_call(call: AttentionCall) -> AttentionCall:
@@ -342,3 +377,14 @@ def transform_call(call: AttentionCall) -> AttentionCall:
     the values: the NaN rule (docs/attention.md) costs nothing on the hot path."""
     q, k = call.scheme.transform_qk(call.q, call.k, call.q_positions, call.kv_positions)
     return call.replace(q=q, k=k)
+
+
+def apply_rope_tables(call: AttentionCall) -> AttentionCall:
+    """The call with its ``rope_tables`` applied to q and k before attention (for the
+    engines that do not rotate on load) and removed from the record."""
+    if call.rope_tables is None:
+        return call
+    from jaxpos.rope_tables import rotate_with_tables
+
+    q, k = rotate_with_tables(call.q, call.k, call.rope_tables)
+    return call.replace(q=q, k=k, rope_tables=None)

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxpos._util import match_vma, pad_axis, zero_cotangent
-from jaxpos.call import AttentionCall
+from jaxpos.call import AttentionCall, apply_rope_tables
+from jaxpos.chunked_decode import decode_shaped, run_chunked_decode
 from jaxpos.mods import EMPTY, FULL, PARTIAL, BlockMask
 from jaxpos.reference import (
     Masking,
@@ -375,7 +376,13 @@ def chunked_attention(terms_fn, qs, k, v, m: Masking, causal: bool, block_q: int
 def run_chunked(call: AttentionCall) -> jax.Array:
     """The ``"chunked"`` runner: ``[B, Tq, N, H_v]`` in q's dtype from a transformed call
     (:func:`jaxpos.call.transform_call`); tiles of ``block_q x block_k`` (default
-    :data:`BLOCK_Q` x :data:`BLOCK_K`; the block mask's when given)."""
+    :data:`BLOCK_Q` x :data:`BLOCK_K`; the block mask's when given). A decode-shaped call
+    with ``kv_lengths`` or ``rope_tables`` runs :func:`jaxpos.chunked_decode.run_chunked_decode`;
+    otherwise ``rope_tables`` rotate q and k once before the loops and ``kv_lengths`` make
+    the key blocks past each row's length EMPTY."""
+    if decode_shaped(call):  # a few queries against a cache: cost of the filled length
+        return run_chunked_decode(call)
+    call = apply_rope_tables(call)  # training shapes: once per call, before the loops
     qs, kk, vv, m = heads_major(call)
     terms_at = functools.partial(make_terms, call.scheme, call.score_mod, call.mask_mod)
     out = chunked_attention(terms_at, qs, kk, vv, m, call.causal, call.block_q or BLOCK_Q,

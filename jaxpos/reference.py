@@ -132,7 +132,10 @@ def heads_major(call: AttentionCall, *, repeat_kv: bool = True):
     if repeat_kv and groups > 1:
         kk = jnp.repeat(kk, groups, axis=1)
         vv = jnp.repeat(vv, groups, axis=1)
-    m = Masking(call.q_positions, call.kv_positions, None, call.mask, call.segment_ids,
+    kv_valid = None
+    if call.kv_lengths is not None:  # a KV cache's fill counts
+        kv_valid = jnp.arange(call.kv_len)[None, :] < call.kv_lengths[:, None]
+    m = Masking(call.q_positions, call.kv_positions, kv_valid, call.mask, call.segment_ids,
                 call.kv_segment_ids)
     return qs, kk, vv, m
 

@@ -172,4 +172,5 @@ def run_kernel(call: AttentionCall) -> jax.Array:
                             q_positions=call.q_positions, kv_positions=call.kv_positions,
                             causal=call.causal, segment_ids=call.segment_ids,
                             kv_segment_ids=call.kv_segment_ids, scale=call.scale,
-                            block_q=call.block_q, block_k=call.block_k, interpret=None)
+                            block_q=call.block_q, block_k=call.block_k, interpret=None,
+                            kv_lengths=call.kv_lengths, rope_tables=call.rope_tables)

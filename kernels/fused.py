@@ -81,8 +81,6 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxpos import _checks
-from jaxpos.kernels import modeval
-from jaxpos.kernels import schedule as sched_lib
 from jaxpos._util import (
     cast_varying,
     match_vma,
@@ -91,7 +89,10 @@ from jaxpos._util import (
     varying_axes,
     zero_cotangent,
 )
+from jaxpos.kernels import modeval
+from jaxpos.kernels import schedule as sched_lib
 from jaxpos.mods import BlockMask, convert_mod, is_additive
+from jaxpos.rope_tables import RopeTables, check_rope_tables, rope_tables
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "RopeTables", "kernel_attention",
            "rope_tables"]
@@ -116,64 +117,6 @@ POISON_OUTPUTS = False
 INTERPRET_STYLE = "load"
 # Bytes of float32 score block the captured-array gradient pass holds per step.
 CONST_GRAD_BLOCK_BYTES = 1 << 27
-
-
-class RopeTables(NamedTuple):
-    """RoPE applied inside the kernel (Su et al. 2024 §3.4, ``"half"`` layout: feature
-    ``i < half`` pairs with ``i + half``; features past ``2 * half`` pass through).
-
-    ``q_cos``, ``q_sin``: float32 ``[B|1, Tq, half]`` at the query positions;
-    ``k_cos``, ``k_sin``: float32 ``[B|1, Tk, half]`` at the key positions. Any attention
-    factor (YaRN / LongRoPE) is already multiplied in. Build them with :func:`rope_tables`,
-    or directly (e.g. keys rotated with another base than queries, or slot positions of a
-    streaming cache). The tables are not differentiated."""
-
-    q_cos: Any
-    q_sin: Any
-    k_cos: Any
-    k_sin: Any
-
-
-def rope_tables(q_positions, kv_positions, inv_freq, *, attention_factor=1.0,
-                k_inv_freq=None, angle_precision: str = "high") -> RopeTables:
-    """cos/sin tables of the query and key positions for ``rope_tables=``.
-
-    Args:
-      q_positions, kv_positions: integer ``[T]`` or ``[B|1, T]``.
-      inv_freq: float ``[half]`` radians per position for the queries (and the keys when
-        ``k_inv_freq`` is None).
-      attention_factor: multiplies cos and sin (YaRN / LongRoPE).
-      k_inv_freq: float ``[half]`` for the keys, or None (exact dynamic NTK passes the
-        current length's frequencies for both).
-      angle_precision: as :func:`jaxpos.rope.rope_angles`.
-
-    Returns:
-      :class:`RopeTables` (float32 ``[B|1, T, half]``).
-
-    Raises:
-      ValueError / TypeError: float positions, ``inv_freq`` not rank 1, mismatched halves.
-    """
-    from jaxpos.rope import rope_angles
-
-    _checks.check_rank("inv_freq", inv_freq, (1,), "[half]")
-    k_inv_freq = inv_freq if k_inv_freq is None else k_inv_freq
-    _checks.check_rank("k_inv_freq", k_inv_freq, (1,), "[half]")
-    if _checks.shape_of(k_inv_freq) != _checks.shape_of(inv_freq):
-        raise ValueError(f"k_inv_freq must have inv_freq's shape {_checks.shape_of(inv_freq)}; "
-                         f"got {_checks.shape_of(k_inv_freq)}.")
-    af = jnp.float32(attention_factor)
-
-    def tab(pos, f, name):
-        p = jnp.asarray(pos)
-        if p.ndim == 1:
-            p = p[None]
-        _checks.check_integer_positions(name, p)
-        ang = rope_angles(p, jnp.asarray(f, jnp.float32), angle_precision=angle_precision)
-        return jnp.cos(ang) * af, jnp.sin(ang) * af
-
-    qc, qs = tab(q_positions, inv_freq, "q_positions")
-    kc, ks = tab(kv_positions, k_inv_freq, "kv_positions")
-    return RopeTables(qc, qs, kc, ks)
 
 
 class _Cfg(NamedTuple):
@@ -1271,30 +1214,6 @@ def _check_kv_lengths(kv_lengths, B, Tk):
     return jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, Tk)
 
 
-def _check_rope_tables(tabs, B, Tq, Tk, H):
-    if not isinstance(tabs, (tuple, list)) or len(tabs) != 4:
-        raise TypeError(f"rope_tables must be RopeTables(q_cos, q_sin, k_cos, k_sin) (see "
-                        f"jaxpos.kernels.fused.rope_tables); got {type(tabs).__name__}.")
-    halves = set()
-    out = []
-    for name, x, T in zip(RopeTables._fields, tabs, (Tq, Tq, Tk, Tk)):
-        _checks.check_rank(f"rope_tables.{name}", x, (3,), "[B|1, T, half]")
-        _checks.check_floating(f"rope_tables.{name}", x)
-        shp = _checks.shape_of(x)
-        if shp[0] not in (1, B) or shp[1] != T or not 0 < 2 * shp[2] <= H:
-            raise ValueError(f"rope_tables.{name} must have shape [1 or {B}, {T}, half] with "
-                             f"0 < 2 * half <= head_dim={H}; got {shp}.")
-        halves.add(shp[2])
-        out.append(jnp.asarray(x, jnp.float32))
-    if len(halves) != 1:
-        raise ValueError(f"rope_tables: all four tables need the same half width; got "
-                         f"{[_checks.shape_of(x)[2] for x in tabs]}.")
-    if _checks.shape_of(tabs[0]) != _checks.shape_of(tabs[1]) or \
-            _checks.shape_of(tabs[2]) != _checks.shape_of(tabs[3]):
-        raise ValueError("rope_tables: cos and sin tables must have the same shapes.")
-    return out, halves.pop()
-
-
 def _prepare(q, k, v, *, q_positions, kv_positions, score_mod=None, mask_mod=None,
              block_mask=None, sinks=None, causal=False, segment_ids=None, kv_segment_ids=None,
              scale=None, block_q=None, block_k=None, mode="auto", count_tiles=False,
@@ -1341,7 +1260,7 @@ def _prepare(q, k, v, *, q_positions, kv_positions, score_mod=None, mask_mod=Non
     kv_len = None if kv_lengths is None else _check_kv_lengths(kv_lengths, B, Tk)
     tabs, half = None, 0
     if rope_tables is not None:
-        tabs, half = _check_rope_tables(rope_tables, B, Tq, Tk, H)
+        tabs, half = check_rope_tables(rope_tables, B, Tq, Tk, H)
         tabs = (pad_axis(tabs[0], 1, Tq_p), pad_axis(tabs[1], 1, Tq_p),
                 pad_axis(tabs[2], 1, Tk_p), pad_axis(tabs[3], 1, Tk_p))
     qp = pad_axis(q_pos, 1, Tq_p, mode="edge")

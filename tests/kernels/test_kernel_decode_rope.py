@@ -102,7 +102,8 @@ def test_kv_lengths_bound_the_tile_loops():
     q, k, v = _qkv(B, Tq, Tk, N, N, H)
     lens = jnp.asarray([21, 8, 0], jnp.int32)
     fwd, dkv = fused.tile_visits(q, k, v, q_positions=jnp.asarray([63]),
-                                 kv_positions=jnp.arange(Tk), causal=True, kv_lengths=lens, block_k=8, kv_splits=1)
+                                 kv_positions=jnp.arange(Tk), causal=True, kv_lengths=lens,
+                                 block_k=8, kv_splits=1)
     fwd, dkv = np.asarray(fwd), np.asarray(dkv)
     np.testing.assert_array_equal(fwd[:, 0, 0], [[1, 2], [0, 1], [0, 0]])
     np.testing.assert_array_equal(dkv[0, 0, :, 0] + dkv[0, 0, :, 1], [1, 1, 1] + [0] * 5)

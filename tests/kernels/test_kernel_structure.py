@@ -1,7 +1,8 @@
 """Structure of the fused kernel, proved on CPU (what makes it fast on a GPU).
 
 1. No per-tile-pair work that depends on one token: RoPE is applied before the kernel,
-   so no kernel body contains ``sin`` / ``cos``.
+   or, with ``rope_tables``, rotates q and k as they are loaded from cos/sin tables
+   computed once per call; no kernel body contains ``sin`` / ``cos``.
 2. Table biases are gathered (one indexed load per tile), not looped: the kernel bodies
    are identical for a T5-style offset vector of radius 16 and of radius 1024, and hold
    no loop besides the two tile loops.
@@ -297,3 +298,57 @@ def test_triton_modules_are_flat_tile_loops(monkeypatch, capsys):
         assert not any(ops[o] for o in ("math.sin", "math.cos", "__nv_sinf", "__nv_cosf")), \
             (name, ops)
         assert ops == _ops(large[name]), (name, ops, _ops(large[name]))
+
+
+def _triton_rope_modules(monkeypatch, capsys, on_load):
+    """Triton IR of the three kernels for unrotated q/k with cos/sin tables (``on_load``)
+    or for q/k rotated before the kernel."""
+    from jax.experimental import pallas as pl
+
+    real = pl.pallas_call
+    monkeypatch.setattr(pl, "pallas_call", lambda *a, **k: real(*a, **{**k, "debug": True}))
+    T2, H2 = 256, 128
+    pos = jnp.arange(T2)
+
+    def loss(q, inv_freq):
+        tabs = fused.rope_tables(pos, pos, inv_freq)
+        if not on_load:
+            from jaxpos.rope import rotate
+
+            qr = rotate(q, tabs.q_cos, tabs.q_sin, layout="half")
+            o = fused.kernel_attention(qr, qr, q, q_positions=pos, kv_positions=pos,
+                                       causal=True, interpret=False)
+        else:
+            o = fused.kernel_attention(q, q, q, q_positions=pos, kv_positions=pos, causal=True,
+                                       rope_tables=tabs, interpret=False)
+        return jnp.sum(o.astype(jnp.float32))
+
+    sds = jax.ShapeDtypeStruct
+    args = (sds((B, T2, N, H2), jnp.bfloat16), sds((H2 // 2,), jnp.float32))
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    capsys.readouterr()
+    exp = jax.export.export(jax.jit(jax.grad(loss)), platforms=["cuda"], disabled_checks=checks)
+    exp(*args)
+    text = capsys.readouterr().out
+    mods = {}
+    for part in text.split("The Triton module for pallas_call ")[1:]:
+        mods[part.split()[0]] = part.split("\n", 1)[1].split("\nThe ")[0]
+    return mods
+
+
+def test_rope_on_load_kernels_load_tables_and_compute_no_sin_cos(monkeypatch, capsys):
+    """With ``rope_tables`` the kernels rotate q and k as they load them: each Triton module
+    loads more (the cos/sin table tiles and q/k as two halves), has no sin/cos, and keeps
+    the two flat tile loops; the angles are computed once per call outside the kernels."""
+    on = _triton_rope_modules(monkeypatch, capsys, True)
+    off = _triton_rope_modules(monkeypatch, capsys, False)
+    assert set(on) == set(off) == {"jaxpos_attention_fwd", "jaxpos_attention_dq",
+                                   "jaxpos_attention_dkv"}
+    for name, module in on.items():
+        ops, ops_off = _ops(module), _ops(off[name])
+        assert not any(ops[o] for o in ("math.sin", "math.cos", "__nv_sinf", "__nv_cosf")), \
+            (name, ops)
+        assert ops["scf.for"] == 2 and ops["scf.if"] == 0, (name, ops)
+        # q and k in two halves (one more load each) plus four table loads
+        assert ops["tt.load"] >= ops_off["tt.load"] + 4, (name, ops, ops_off)
+        assert ops["tt.dot"] > ops_off["tt.dot"], (name, ops, ops_off)  # one dot per half
