@@ -93,7 +93,7 @@ def hf_rope_settings(config: Any, *, layer_type: str | None = None) -> dict:
     d = _as_dict(config)
     _check_whole_config(d)
     model_type = d.get("model_type")
-    params = d.get("rope_parameters")
+    params: Any = d.get("rope_parameters")  # a dict of rope keys (values of any JSON type)
     if params is None or params == {}:
         params = d.get("rope_scaling")
     params = dict(params or {})
@@ -260,7 +260,7 @@ def hf_layer_types(config: Any) -> list[str]:
         elif model_type.startswith("llama4"):
             chunk = d.get("attention_chunk_size")
             types = ["chunked_attention" if r and chunk is not None else "full_attention"
-                     for r in _llama4_rope_flags(d, n)]
+                     for r in _llama4_rope_flags(d, n) or [1] * n]
         elif d.get("use_sliding_window") and d.get("sliding_window") is not None:
             first = int(d.get("max_window_layers", n))
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
@@ -332,8 +332,9 @@ def rope_per_layer_from_hf_config(config: Any, *, angle_precision: str = "high")
         full.setdefault("rope_type", full.pop("type", "default"))
         full.setdefault("rope_theta", d.get("rope_theta", 1_000_000.0))
         sliding = {"rope_type": "default", "rope_theta": d["rope_local_base_freq"]}
-        d = dict(d, rope_scaling=None,
-                 rope_parameters={"full_attention": full, "sliding_attention": sliding})
+        d: dict[str, Any] = dict(d, rope_scaling=None,
+                                 rope_parameters={"full_attention": full,
+                                                  "sliding_attention": sliding})
         per_type = True
     flags = _llama4_rope_flags(d, len(types))
     tuned = d.get("attn_temperature_tuning", True)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -304,8 +305,10 @@ def apply_mod(mod: ConvertedMod | None, q_pos, kv_pos, score=None, batch_index=N
         return score
     if score is not None:
         B, N = score.shape[:2]
-    else:
+    elif batch_index is not None:
         B, N = batch_index
+    else:
+        raise TypeError("apply_mod: a mask_mod needs batch_index=(B, N); got None.")
 
     def per_bh(s, b, h, qp, kp):
         qp, kp = qp[:, None], kp[None, :]
@@ -340,6 +343,19 @@ class BlockMask:
     * ``q_positions``, ``kv_positions``: int32 ``[B|1, T]``, the positions it was built for;
     * static: ``mask_mod``, ``block_q``, ``block_k``, ``q_len``, ``kv_len``.
     """
+
+    kinds: jax.Array
+    kv_num_blocks: jax.Array
+    kv_indices: jax.Array
+    q_num_blocks: jax.Array
+    q_indices: jax.Array
+    q_positions: jax.Array
+    kv_positions: jax.Array
+    mask_mod: Callable[..., Any]
+    block_q: int
+    block_k: int
+    q_len: int
+    kv_len: int
 
     _children = ("kinds", "kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices",
                  "q_positions", "kv_positions")
