@@ -119,6 +119,8 @@ def choose_implementation(call: AttentionCall, requested: str | None) -> str:
             name = "pallas"  # the kernel bounds its loops by the lengths
         if name in ("xla", "pallas") and (_dense_only(call) or width_differs):
             name = "chunked"  # what the kernel / dot_product_attention cannot take
+        if name in ("xla", "pallas") and call.dropout is not None:
+            name = "chunked"  # attention dropout: reference and chunked only
     if name in ("xla", "pallas") and not _checks.is_concrete(call.scale):
         raise TypeError(f"implementation={name!r} needs a static scale (a Python or "
                         f"concrete number: it is compiled into the kernel); got a traced "
@@ -132,6 +134,13 @@ def _check_runner(name: str, call: AttentionCall, head_dim: int) -> None:
     ``head_dim`` is q's width before it)."""
     if name not in ("pallas", "xla"):
         return
+    if call.dropout is not None:
+        what = "the fused Pallas kernel" if name == "pallas" else \
+            "implementation='xla' (jax.nn.dot_product_attention, which has no dropout)"
+        raise ValueError(
+            f"{what} does not apply attention dropout (dropout_rate="
+            f"{call.dropout.rate}); use implementation='chunked' (the same keep mask, tile "
+            f"by tile) or 'reference', or implementation=None, which picks 'chunked'.")
     if not call.scheme.fusable:
         what = "the fused Pallas kernel" if name == "pallas" else \
             "implementation='xla' (jax.nn.dot_product_attention)"
@@ -181,6 +190,9 @@ def attention(
     block_k: int | None = None,
     kv_lengths=None,
     rope_tables=None,
+    dropout_rate: float = 0.0,
+    dropout_rng=None,
+    broadcast_dropout: bool = False,
 ):
     """Multi-head attention with any position scheme, score_mod and mask_mod.
 
@@ -230,6 +242,16 @@ def attention(
         unrotated and rotated with these cos/sin tables of their positions, by the Pallas
         kernel and the chunked decode path as they are loaded (``docs/decoding.md``); use
         with ``position=None`` (or a scheme without a per-token transform).
+      dropout_rate: attention dropout (Flax's and FlashAttention's): each probability is
+        dropped with this rate after the softmax and the kept ones scaled by
+        ``1 / (1 - rate)``; a Python float in ``[0, 1)``, default 0 (none). The keep
+        mask is a counter-based hash of ``(seed, batch, head, query index, key index)``
+        (:mod:`jaxpos.dropout`): the reference and chunked paths drop the same pairs, and
+        the backward pass recomputes it. ``implementation=None`` runs ``"chunked"``;
+        ``"pallas"`` and ``"xla"`` refuse it.
+      dropout_rng: a JAX PRNG key, required when ``dropout_rate > 0``.
+      broadcast_dropout: one ``[Tq, Tk]`` mask for every batch row and head (Flax's
+        ``broadcast_dropout``); default False (independent per row and head).
 
     Returns:
       ``[B, Tq, N, H_v]`` in q's dtype (softmax and accumulation in float32). A query with
@@ -240,7 +262,8 @@ def attention(
       ``[B, N, T, H]`` layout), float positions, a scheme that does not fit the heads or
       contradicts ``causal``, unknown implementation, bad masks, a score_mod returning
       the wrong shape or dtype, a mask_mod not returning bool, a block mask built for
-      other lengths or blocks, sinks of the wrong shape.
+      other lengths or blocks, sinks of the wrong shape, a dropout_rate outside
+      ``[0, 1)`` or without dropout_rng, dropout with ``"pallas"`` / ``"xla"``.
     """
     _checks.check_choice("implementation", implementation, ALL_IMPLEMENTATIONS + (None,))
     call = validate_call(q, k, v, position=position, score_mod=score_mod, mask_mod=mask_mod,
@@ -248,7 +271,8 @@ def attention(
                          kv_positions=kv_positions, causal=causal, mask=mask,
                          segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, scale=scale,
                          block_q=block_q, block_k=block_k, kv_lengths=kv_lengths,
-                         rope_tables=rope_tables)
+                         rope_tables=rope_tables, dropout_rate=dropout_rate,
+                         dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout)
     name = choose_implementation(call, implementation)
     if call.batch == 0 or call.q_len == 0 or call.kv_len == 0:
         return call.zeros()  # nothing to attend from, or no visible key

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
+from jaxpos.dropout import check_dropout
 from jaxpos.mods import BlockMask, compose_score_mods, convert_mod
 from jaxpos.scheme import PositionScheme, as_scheme
 
@@ -45,6 +46,8 @@ class AttentionCall:
         ``>= kv_lengths[b]`` are invisible to row ``b`` (a KV cache's fill counts).
       rope_tables: float32 :class:`jaxpos.rope_tables.RopeTables` or None: q and k are
         unrotated and the engine rotates them (on load where it can).
+      dropout: a :class:`jaxpos.dropout.Dropout` (rate, seed, broadcast) or None: attention
+        dropout on the softmax probabilities.
     """
 
     q: Any
@@ -66,6 +69,7 @@ class AttentionCall:
     block_k: int | None
     kv_lengths: jax.Array | None = None
     rope_tables: Any = None
+    dropout: Any = None
 
     @property
     def batch(self) -> int:
@@ -300,7 +304,8 @@ def validate_call(q, k, v, *, position=None, score_mod=None, mask_mod=None,
                   kv_positions=None, causal: bool = False, mask=None, segment_ids=None,
                   kv_segment_ids=None, scale=None, block_q: int | None = None,
                   block_k: int | None = None, sharded: bool = False, kv_lengths=None,
-                  rope_tables=None) -> AttentionCall:
+                  rope_tables=None, dropout_rate=0.0, dropout_rng=None,
+                  broadcast_dropout: bool = False) -> AttentionCall:
     """Check every argument of an attention call once and return its record.
 
     Args: as :func:`jaxpos.attention`; ``sharded=True`` for
@@ -338,12 +343,13 @@ def validate_call(q, k, v, *, position=None, score_mod=None, mask_mod=None,
     all_score_mods = _check_mods(scheme, score_mod, mask_mod)
     kv_lengths = _check_kv_lengths(kv_lengths, B, Tk)
     rope_tables = _check_rope_tables(rope_tables, scheme, B, Tq, Tk, H)
+    dropout = check_dropout(dropout_rate, dropout_rng, broadcast_dropout)
     return AttentionCall(q=q, k=k, v=v, scheme=scheme, score_mod=all_score_mods,
                          mask_mod=mask_mod, block_mask=block_mask, sinks=sinks,
                          q_positions=q_pos, kv_positions=kv_pos, segment_ids=seg_q,
                          kv_segment_ids=seg_kv, mask=mask4, causal=causal, scale=scale,
                          block_q=block_q, block_k=block_k, kv_lengths=kv_lengths,
-                         rope_tables=rope_tables)
+                         rope_tables=rope_tables, dropout=dropout)
 
 
 def _check_kv_lengths(kv_lengths, B: int, Tk: int):

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jaxpos._util import match_vma, pad_axis, zero_cotangent
 from jaxpos.call import AttentionCall, apply_rope_tables
 from jaxpos.chunked_decode import decode_shaped, run_chunked_decode
+from jaxpos.dropout import Dropout, keep_tile
 from jaxpos.mods import EMPTY, FULL, PARTIAL, BlockMask
 from jaxpos.reference import (
     Masking,
@@ -104,6 +105,9 @@ class ChunkCfg(NamedTuple):
     block_k: int
     float_mask: tuple  # which leaves of the terms are floating (differentiable)
     terms_def: object  # treedef of the terms
+    # attention dropout: (threshold, scale, broadcast) of a jaxpos.dropout.Dropout, whose
+    # seed travels in the blocked inputs as "dropout_seed"; None without dropout
+    dropout: tuple | None = None
 
 
 def split_terms(terms: Terms):
@@ -170,6 +174,29 @@ def _tile_visibility(cfg: ChunkCfg, terms: Terms, b, i, j, qp_i, kp_j, kval_j, s
                     terms.mask, heads)
 
 
+def _tile_dropout(cfg: ChunkCfg, b, i, j):
+    """float32 ``[B|1, N|1, bq, bk]``: ``keep / (1 - rate)`` on tile ``(i, j)``, from the
+    counter-based keep decisions of :func:`jaxpos.dropout.keep_tile` at the tile's global
+    query and key indices (the reference's mask, tile by tile); None without dropout."""
+    if cfg.dropout is None:
+        return None
+    threshold, scale, broadcast = cfg.dropout
+    q_index = i * cfg.block_q + jnp.arange(cfg.block_q, dtype=jnp.int32)[:, None]
+    kv_index = j * cfg.block_k + jnp.arange(cfg.block_k, dtype=jnp.int32)[None, :]
+    if broadcast:
+        batch = head = jnp.zeros((1, 1, 1, 1), jnp.int32)
+    else:
+        B, N = b["qs"].shape[1], b["qs"].shape[2]
+        batch = jnp.arange(B, dtype=jnp.int32)[:, None, None, None]
+        head = jnp.arange(N, dtype=jnp.int32)[None, :, None, None]
+    keep = keep_tile(b["dropout_seed"], threshold, batch, head, q_index, kv_index)
+    return jnp.where(keep, jnp.float32(scale), jnp.float32(0.0))
+
+
+def _dropped(p, drop):
+    return p if drop is None else p * drop
+
+
 def _block_kind(b, i, j):
     bm = b.get("bm_kinds")
     return None if bm is None else bm[:, :, i, j]
@@ -212,7 +239,8 @@ def chunked_forward(terms: Terms, sinks, b, cfg: ChunkCfg):
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
                 p = jnp.exp(s - m_safe[..., None])
                 corr = jnp.exp(mx - m_safe)
-                l = l * corr + jnp.sum(p, axis=-1)
+                l = l * corr + jnp.sum(p, axis=-1)  # the normaliser: undropped
+                p = _dropped(p, _tile_dropout(cfg, b, i, j))
                 acc = acc * corr[..., None] + tile_output(terms, p, v_j, qp_i, kp_j)
                 return m_new, l, acc
 
@@ -278,8 +306,9 @@ def chunked_backward(cfg: ChunkCfg, fl, il, b, out, lse, dout):
                                                    kp_j, vis)
                 s, tile_vjp = jax.vjp(tile, qs_i, k_j, fl)
                 p = jnp.exp(s - lse_safe[..., None])  # 0 where hidden (s = -inf)
-                outf = lambda p_, v_, fl_: tile_output(merge_terms(cfg, fl_, il), p_, v_, qp_i,
-                                                       kp_j)
+                drop = _tile_dropout(cfg, b, i, j)  # the forward's mask, recomputed
+                outf = lambda p_, v_, fl_: tile_output(merge_terms(cfg, fl_, il),
+                                                       _dropped(p_, drop), v_, qp_i, kp_j)
                 _, out_vjp = jax.vjp(outf, p, v_j, fl)
                 dp, dv_j, dfl_v = out_vjp(do_i)
                 ds = p * (dp - dl_i[..., None])
@@ -352,10 +381,12 @@ _chunked_core.defvjp(_chunked_core_fwd, _chunked_core_bwd)
 
 
 def chunked_attention(terms_fn, qs, k, v, m: Masking, causal: bool, block_q: int, block_k: int,
-                      sinks, block_mask: BlockMask | None):
+                      sinks, block_mask: BlockMask | None, dropout: Dropout | None = None):
     """Chunked attention in the heads-major layout: float32 ``[B, N, Tq, H_v]`` from the
     inputs of :func:`jaxpos.reference.reference_attention`; ``terms_fn(tq, tk)`` builds
-    the terms at the tile shape."""
+    the terms at the tile shape. ``dropout``: the reference's keep mask, generated per
+    tile in the forward pass and again in the backward pass (FlashAttention, Dao et al.
+    2022, Alg. 2 with dropout: ``dV = (P o Z)^T dO``, ``dP = Z o (dO V^T)``)."""
     _B, _N, Tq, _H = qs.shape
     if block_mask is None:
         block_q = min(block_q, Tq)
@@ -365,8 +396,12 @@ def chunked_attention(terms_fn, qs, k, v, m: Masking, causal: bool, block_q: int
     ints = {n: b[n] for n in ("q_pos", "kv_pos", "kv_valid", "seg_q", "seg_kv", "mask")}
     if block_mask is not None:
         ints["bm_kinds"] = block_mask.kinds
+    drop_cfg = None
+    if dropout is not None:
+        ints["dropout_seed"] = dropout.seed
+        drop_cfg = (dropout.threshold, dropout.scale, dropout.broadcast)
     fl, il, is_f, treedef = split_terms(terms)
-    cfg = ChunkCfg(causal, nq, nk, block_q, block_k, is_f, treedef)
+    cfg = ChunkCfg(causal, nq, nk, block_q, block_k, is_f, treedef, drop_cfg)
     if sinks is not None:
         sinks = jnp.asarray(sinks)
     out = _chunked_core(cfg, fl, il, sinks, b["qs"], b["k"], b["v"], ints)
@@ -380,11 +415,11 @@ def run_chunked(call: AttentionCall) -> jax.Array:
     with ``kv_lengths`` or ``rope_tables`` runs :func:`jaxpos.chunked_decode.run_chunked_decode`;
     otherwise ``rope_tables`` rotate q and k once before the loops and ``kv_lengths`` make
     the key blocks past each row's length EMPTY."""
-    if decode_shaped(call):  # a few queries against a cache: cost of the filled length
+    if decode_shaped(call) and call.dropout is None:  # a few queries against a cache
         return run_chunked_decode(call)
     call = apply_rope_tables(call)  # training shapes: once per call, before the loops
     qs, kk, vv, m = heads_major(call)
     terms_at = functools.partial(make_terms, call.scheme, call.score_mod, call.mask_mod)
     out = chunked_attention(terms_at, qs, kk, vv, m, call.causal, call.block_q or BLOCK_Q,
-                            call.block_k or BLOCK_K, call.sinks, call.block_mask)
+                            call.block_k or BLOCK_K, call.sinks, call.block_mask, call.dropout)
     return jnp.swapaxes(out, 1, 2).astype(call.q.dtype)

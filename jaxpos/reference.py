@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpos.call import AttentionCall
+from jaxpos.dropout import Dropout, keep_mask
 from jaxpos.mods import ConvertedMod, apply_mod, convert_mod
 from jaxpos.scheme import PositionScheme
 
@@ -96,10 +97,13 @@ def tile_output(terms: Terms, p, v, q_pos, kv_pos):
     return o
 
 
-def reference_attention(terms: Terms, qs, k, v, m: Masking, causal: bool, sinks):
+def reference_attention(terms: Terms, qs, k, v, m: Masking, causal: bool, sinks,
+                        dropout: Dropout | None = None):
     """Dense attention in the heads-major layout: float32 ``[B, N, Tq, H_v]`` from scaled
     queries ``qs [B, N, Tq, H]``, ``k [B, N, Tk, H]``, ``v [B, N, Tk, H_v]`` (float32, key/
-    value heads already repeated to the query heads)."""
+    value heads already repeated to the query heads). ``dropout``: the probabilities are
+    multiplied by the keep mask of :func:`jaxpos.dropout.keep_mask` and ``1 / (1 - rate)``
+    before ``p @ v`` and the value term."""
     s = tile_scores(terms, qs, k, m.q_pos, m.kv_pos)
     vis = visible(causal, m.q_pos, m.kv_pos, m.kv_valid, m.mask, m.seg_q, m.seg_kv,
                   terms.mask, s.shape[:2])
@@ -118,6 +122,9 @@ def reference_attention(terms: Terms, qs, k, v, m: Masking, causal: bool, sinks)
         p = jax.nn.softmax(s, axis=-1)
     if vis is not None:
         p = jnp.where(vis, p, 0.0)
+    if dropout is not None:
+        keep = keep_mask(dropout, *s.shape)
+        p = jnp.where(keep, p * jnp.float32(dropout.scale), 0.0)
     return tile_output(terms, p, v, m.q_pos, m.kv_pos)
 
 
@@ -145,5 +152,5 @@ def run_reference(call: AttentionCall) -> jax.Array:
     call (:func:`jaxpos.call.transform_call`)."""
     qs, kk, vv, m = heads_major(call)
     terms = make_terms(call.scheme, call.score_mod, call.mask_mod, call.q_len, call.kv_len)
-    out = reference_attention(terms, qs, kk, vv, m, call.causal, call.sinks)
+    out = reference_attention(terms, qs, kk, vv, m, call.causal, call.sinks, call.dropout)
     return jnp.swapaxes(out, 1, 2).astype(call.q.dtype)
