@@ -259,11 +259,11 @@ def attention(
 
     Raises:
       ValueError / TypeError: bad ranks, mismatched shapes (naming a likely
-      ``[B, N, T, H]`` layout), float positions, a scheme that does not fit the heads or
-      contradicts ``causal``, unknown implementation, bad masks, a score_mod returning
-      the wrong shape or dtype, a mask_mod not returning bool, a block mask built for
-      other lengths or blocks, sinks of the wrong shape, a dropout_rate outside
-      ``[0, 1)`` or without dropout_rng, dropout with ``"pallas"`` / ``"xla"``.
+        ``[B, N, T, H]`` layout), float positions, a scheme that does not fit the heads or
+        contradicts ``causal``, unknown implementation, bad masks, a score_mod returning
+        the wrong shape or dtype, a mask_mod not returning bool, a block mask built for
+        other lengths or blocks, sinks of the wrong shape, a dropout_rate outside
+        ``[0, 1)`` or without dropout_rng, dropout with ``"pallas"`` / ``"xla"``.
     """
     _checks.check_choice("implementation", implementation, ALL_IMPLEMENTATIONS + (None,))
     call = validate_call(q, k, v, position=position, score_mod=score_mod, mask_mod=mask_mod,

@@ -210,9 +210,9 @@ def flax_attention_fn(
 
     Raises:
       TypeError / ValueError: at construction, a bad scheme or implementation; at the
-      call, shapes that do not match (naming the argument), a ``module`` (Flax's
-      ``sow_weights=True``), Linen's quantised einsums, a precision given per operand,
-      and whatever :func:`jaxpos.attention` refuses.
+        call, shapes that do not match (naming the argument), a ``module`` (Flax's
+        ``sow_weights=True``), Linen's quantised einsums, a precision given per operand,
+        and whatever :func:`jaxpos.attention` refuses.
     """
     scheme = as_scheme(position)
     _checks.check_choice("implementation", implementation, ALL_IMPLEMENTATIONS + (None,))

@@ -627,7 +627,7 @@ class ChunkedAttentionMask:
 
     Raises:
       ValueError / TypeError: ``chunk_size`` not an int >= 1 (named
-      ``attention_chunk_size``).
+        ``attention_chunk_size``).
     """
 
     chunk_size: int

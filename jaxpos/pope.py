@@ -86,7 +86,7 @@ def apply_pope(x, positions, inv_freq, *, phase_bias=None) -> jax.Array:
 
     Raises:
       ValueError / TypeError: ``x`` not rank 4; ``inv_freq`` not ``[H]``; float positions
-      or positions of the wrong length; ``phase_bias`` not ``[N, H]``.
+        or positions of the wrong length; ``phase_bias`` not ``[N, H]``.
     """
     _checks.check_rank("x", x, (4,), "[B, T, N, H]")
     _checks.check_rank("inv_freq", inv_freq, (1,), "[head_dim]")
@@ -119,8 +119,9 @@ class PoPE(PositionScheme):
 
     Raises:
       ValueError: neither ``head_dim`` nor ``inv_freq``, or both disagreeing;
-      ``phase_bias`` not rank 2. TypeError: integer ``phase_bias`` or ``inv_freq``.
-      ``check``: a head width or head count the arrays do not fit.
+        ``phase_bias`` not rank 2; in ``check``, a head width or head count the arrays
+        do not fit.
+      TypeError: integer ``phase_bias`` or ``inv_freq``.
     """
 
     # fields, set once in __init__ (the pytree's children and static data)

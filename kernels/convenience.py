@@ -85,9 +85,9 @@ def fused_attention(q, k, v, *, q_positions, kv_positions, inv_freq=None, rope_l
 
     Raises:
       ValueError / TypeError: bad ranks or shapes, mismatched dtypes, float positions,
-      ``offset_bias`` of even length, ``alibi_slopes`` not ``[N]``, ``inv_freq`` longer
-      than ``H / 2``, block sizes that are not powers of two, segment ids given alone,
-      unknown ``rope_layout`` / ``angle_precision``, ``interpret`` not a bool or None.
+        ``offset_bias`` of even length, ``alibi_slopes`` not ``[N]``, ``inv_freq`` longer
+        than ``H / 2``, block sizes that are not powers of two, segment ids given alone,
+        unknown ``rope_layout`` / ``angle_precision``, ``interpret`` not a bool or None.
     """
     _checks.check_qkv(q, k, v)
     B, Tq, N, H = _checks.shape_of(q)

@@ -152,8 +152,8 @@ def attention_via_kernel(q, k, v, *, score_mod=None, mask_mod=None, block_mask=N
 
     Raises:
       ValueError / TypeError: bad ranks, shapes or dtypes; block sizes that are not powers
-      of two; a block mask built for other lengths or blocks; sinks not ``[N]``; a
-      score_mod / mask_mod that returns the wrong shape or dtype.
+        of two; a block mask built for other lengths or blocks; sinks not ``[N]``; a
+        score_mod / mask_mod that returns the wrong shape or dtype.
     """
     _checks.check_qkv(q, k, v)
     return kernel_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
