@@ -319,7 +319,7 @@ def validate_call(q, k, v, *, position=None, score_mod=None, mask_mod=None,
 
     Raises:
       ValueError / TypeError: every error listed by :func:`jaxpos.attention`, naming the
-      argument, what it got and what was expected.
+        argument, what it got and what was expected.
     """
     check_attention_inputs(q, k, v)
     (B, Tq, N, H), Tk = q.shape, k.shape[1]

@@ -58,8 +58,8 @@ def attention_via_xla(q, k, v, *, score_mod=None, mask_mod=None, q_positions, kv
     Memory is ``O(B N Tq Tk)`` whenever a bias or a mask is materialised.
 
     Args:
-      q, k, v, score_mod, mask_mod, q_positions, kv_positions, causal, segment_ids,
-        kv_segment_ids, scale, sinks: as :func:`attention_via_kernel`.
+      q, k, v: as :func:`attention_via_kernel`, as are score_mod, mask_mod, q_positions,
+        kv_positions, causal, segment_ids, kv_segment_ids, scale and sinks.
       implementation: passed to ``jax.nn.dot_product_attention``; None picks ``"cudnn"``
         on an NVIDIA GPU for bfloat16 / float16 inputs without sinks (falling back to
         ``"xla"`` if cuDNN refuses the shapes at trace time) and ``"xla"`` otherwise.
