@@ -152,7 +152,8 @@ def _torch_case(impl, mode, name, T, B, N, H):
     if impl == "torch_sdpa":
         pos = torch.arange(T)
         rel = pos[None, :] - pos[:, None]
-        bias = slopes[:, None, None] * rel if name == "alibi" else table[t5_bucket(rel)].permute(2, 0, 1)
+        bias = (slopes[:, None, None] * rel if name == "alibi"
+                else table[t5_bucket(rel)].permute(2, 0, 1))
         mask = bias.masked_fill(rel > 0, float("-inf"))[None]
 
         def fwd():
@@ -281,7 +282,8 @@ def main(argv=None):
                     except Exception as e:  # noqa: BLE001 (a failure is reported as a row)
                         print(f"{name} {mode} T={T} {impl}: failed: {type(e).__name__}: {e}")
                         rows.append({"scheme": name, "mode": mode, "T": T, "implementation": impl,
-                                         "time_ms": None, "temp_mib": None, "error": type(e).__name__})
+                                     "time_ms": None, "temp_mib": None,
+                                     "error": type(e).__name__})
                 times = {impl: [] for impl in cases}
                 for _ in range(a.repeats):
                     for impl, (run, _) in cases.items():
@@ -308,7 +310,8 @@ def main(argv=None):
     text = _table(rows, memory, a, argv, load_before, _load())
     a.output.parent.mkdir(parents=True, exist_ok=True)
     if a.append and a.output.exists():
-        text = a.output.read_text() + "\n" + text.replace("# Attention on CPU", "## Additional run", 1)
+        text = (a.output.read_text() + "\n"
+                + text.replace("# Attention on CPU", "## Additional run", 1))
     a.output.write_text(text)
     print(f"wrote {a.output}")
     return rows

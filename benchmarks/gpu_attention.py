@@ -9,7 +9,8 @@ Bounded by ``--deadline`` (default 300 s, everything included). In order:
    scheme's arrays, every kernel output first filled with NaN (so an unwritten element
    fails). Tolerance: bfloat16 inputs 3e-2 forward / 6e-2 gradients (relative to the
    largest gradient entry); float32 2e-3 / 4e-3.
-2. **Speed**, bfloat16, causal, B=4 N=16 H=128 (the shape of the 2026-12-01 H200 table in docs/kernel.md), T=8192 first then
+2. **Speed**, bfloat16, causal, B=4 N=16 H=128 (the shape of the 2026-12-01 H200 table in
+   docs/kernel.md), T=8192 first then
    ``--seqs``, forward and forward+backward (gradients of q, k, v), median of ``--reps``
    after a warm-up. Every bias array (ALiBi slopes, T5 table, dense biases) is a jit
    *argument*, never a captured constant (constants are folded at compile time: slow

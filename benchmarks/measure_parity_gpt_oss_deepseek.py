@@ -1,6 +1,6 @@
 """Print the measured max abs logit differences from Hugging Face of the GPT-OSS and
 DeepSeek-V3 ports, per implementation, for the full pass and KV-cache decoding, and the
-negative controls: the numbers behind the README table (not a test; run it by hand)::
+negative controls: the numbers behind the table in docs/models.md (not a test; run it by hand)::
 
     python benchmarks/measure_parity_gpt_oss_deepseek.py [reference chunked pallas]
 

@@ -146,7 +146,8 @@ def run(seed: int = 0, out: Path | None = None) -> dict:
         diff = float(jnp.max(jnp.abs(la - lb)))
         decoder[f"{layers}_layer"] = {"last_logits_max_abs_diff": diff}
         verdict = "same: order invisible" if diff < 1e-5 else "different: order visible"
-        print(f"   {layers} layer{'s' if layers > 1 else ' '}  max |difference| {diff:.2e}  {verdict}")
+        plural = "s" if layers > 1 else " "
+        print(f"   {layers} layer{plural}  max |difference| {diff:.2e}  {verdict}")
     print("   One layer attends to the set of earlier tokens; with two, the causal mask has given\n"
           "   each earlier token a different context, so order leaks in (Haviv et al. 2022).")
     results = {"single_layer": single, "encoder": pooled,

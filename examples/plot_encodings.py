@@ -51,7 +51,8 @@ def slowest_wavelength(d: int, base: float) -> float:
 
 
 def rope_relative_upper_bound(distances, d: int = 128, base: float = 10000.0) -> np.ndarray:
-    """Su et al. 2024, §3.4.3: ``(1/(d/2)) sum_{j=1}^{d/2} |S_j|``, ``S_j = sum_{i<j} e^{i m theta_i}``."""
+    """Su et al. 2024, §3.4.3: ``(1/(d/2)) sum_{j=1}^{d/2} |S_j|``,
+    ``S_j = sum_{i<j} e^{i m theta_i}``."""
     inv_freq = np.asarray(jaxpos.rope_frequencies(d, base)[0], np.float64)
     m = np.asarray(distances, np.float64)[:, None]
     S = np.cumsum(np.exp(1j * m * inv_freq[None, :]), axis=1)

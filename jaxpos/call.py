@@ -216,7 +216,8 @@ def _segments(name, seg, B, T):
         return None
     _checks.check_integer_positions(name, seg)
     if _checks.shape_of(seg) != (B, T):
-        raise ValueError(f"{name} must have shape [B, T] = [{B}, {T}]; got {_checks.shape_of(seg)}.")
+        raise ValueError(f"{name} must have shape [B, T] = [{B}, {T}]; "
+                         f"got {_checks.shape_of(seg)}.")
     return jnp.asarray(seg, jnp.int32)
 
 

@@ -175,7 +175,8 @@ def convert_mod(fn: Callable, kind: str, tq: int, tk: int) -> ConvertedMod:
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     except TypeError as e:
         if "positional argument" in str(e) or "argument" in str(e) and "takes" in str(e):
-            raise TypeError(f"{argname} must take {sig}; calling {_mod_name(fn)} failed: {e}") from e
+            raise TypeError(f"{argname} must take {sig}; calling {_mod_name(fn)} "
+                            f"failed: {e}") from e
         raise
     if not isinstance(out_shape, jax.ShapeDtypeStruct):
         raise TypeError(f"{argname} must return one array; {_mod_name(fn)} returned "
@@ -194,7 +195,8 @@ def convert_mod(fn: Callable, kind: str, tq: int, tk: int) -> ConvertedMod:
                             f"{_mod_name(fn)} returned dtype {out_shape.dtype}.")
         try:
             np.broadcast_shapes(out_shape.shape, (tq, tk))
-            ok = len(out_shape.shape) <= 2 and np.broadcast_shapes(out_shape.shape, (tq, tk)) == (tq, tk)
+            ok = (len(out_shape.shape) <= 2
+                  and np.broadcast_shapes(out_shape.shape, (tq, tk)) == (tq, tk))
         except ValueError:
             ok = False
         if not ok:
@@ -387,7 +389,8 @@ class BlockMask:
             raise ValueError(f"block_mask was built for lengths (Tq, Tk) = ({self.q_len}, "
                              f"{self.kv_len}); the attention call has ({Tq}, {Tk}). Build it "
                              f"with the call's positions.")
-        for name, got, own in (("block_q", block_q, self.block_q), ("block_k", block_k, self.block_k)):
+        for name, got, own in (("block_q", block_q, self.block_q),
+                               ("block_k", block_k, self.block_k)):
             if got is not None and got != own:
                 raise ValueError(f"{name}={got} differs from the block mask's {name}={own}; "
                                  f"omit {name} (the block mask's tiles are used) or rebuild the "

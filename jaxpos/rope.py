@@ -420,7 +420,8 @@ def _check_sections(mrope_section, half: int):
     return sec
 
 
-def mrope_frequency_axes(mrope_section, half: int, *, mrope_interleaved: bool = False) -> np.ndarray:
+def mrope_frequency_axes(mrope_section, half: int, *,
+                         mrope_interleaved: bool = False) -> np.ndarray:
     """Which position row (0 temporal, 1 height, 2 width) drives each of the ``half``
     M-RoPE frequencies.
 
@@ -662,7 +663,8 @@ class RoPE(PositionScheme):
                                  f"inv_freq.")
         rd = 2 * _checks.shape_of(inv_freq)[0]
         if rotary_dim is not None and rotary_dim != rd:
-            raise ValueError(f"rotary_dim={rotary_dim} does not match inv_freq of length {rd // 2}.")
+            raise ValueError(f"rotary_dim={rotary_dim} does not match inv_freq of length "
+                             f"{rd // 2}.")
         if mrope_section is not None:
             sec = tuple(int(v) for v in mrope_section)
             if len(sec) != 3 or min(sec) < 0 or sum(sec) != rd // 2:

@@ -367,7 +367,8 @@ def _yarn_attention_factor(s: YaRNScaling) -> float:
     if s.attention_factor is not None:
         return float(s.attention_factor)
     if s.mscale and s.mscale_all_dim:
-        return float(yarn_get_mscale(s.factor, s.mscale) / yarn_get_mscale(s.factor, s.mscale_all_dim))
+        return float(yarn_get_mscale(s.factor, s.mscale)
+                     / yarn_get_mscale(s.factor, s.mscale_all_dim))
     return float(yarn_get_mscale(s.factor))
 
 

@@ -26,7 +26,8 @@ from jaxpos import _checks
 from jaxpos._checks import relative_offsets
 from jaxpos.scheme import PositionScheme, register
 
-__all__ = ["Shaw", "check_shaw_table", "shaw_attention", "shaw_clipped_index", "shaw_logits", "shaw_values"]
+__all__ = ["Shaw", "check_shaw_table", "shaw_attention", "shaw_clipped_index", "shaw_logits",
+           "shaw_values"]
 
 
 def check_shaw_table(name: str, table, head_dim: int | None = None) -> int:

@@ -97,7 +97,8 @@ def assert_permutation_equivariant(
     _check_fn(fn)
     _check_tol(atol, rtol)
     if not args:
-        raise ValueError("assert_permutation_equivariant needs at least one array argument; got none.")
+        raise ValueError("assert_permutation_equivariant needs at least one array argument; "
+                         "got none.")
     for a in args:
         if not -np.ndim(a) <= axis < np.ndim(a):
             raise ValueError(f"axis must index every argument; got axis={axis} for an argument of "
@@ -222,7 +223,8 @@ def assert_equal_under_vmap(
     _check_tol(atol, rtol)
     axes = (in_axes,) * len(args) if isinstance(in_axes, int) or in_axes is None else tuple(in_axes)
     if len(axes) != len(args):
-        raise ValueError(f"in_axes must have one entry per argument ({len(args)}); got {in_axes!r}.")
+        raise ValueError(f"in_axes must have one entry per argument ({len(args)}); "
+                         f"got {in_axes!r}.")
     sizes = {leaf.shape[ax] for a, ax in zip(args, axes) if ax is not None
              for leaf in jax.tree_util.tree_leaves(a)}
     if len(sizes) != 1:
@@ -250,8 +252,8 @@ def attention_scores(q, k, *, position=None, q_positions=None, kv_positions=None
     """Pre-softmax scores of :func:`jaxpos.attention`: ``scale * rot(q) . rot(k) + bias``.
 
     The same code path as the ``"reference"`` implementation (the scheme's
-    ``transform_qk``, ``score_mod`` and ``content_bias``), before masking and softmax. Shaw's value term, which
-    acts on the output, is not part of the scores.
+    ``transform_qk``, ``score_mod`` and ``content_bias``), before masking and softmax.
+    Shaw's value term, which acts on the output, is not part of the scores.
 
     Args:
       q: ``[B, Tq, N, H]``; k: ``[B, Tk, N_kv, H]`` (``N`` a multiple of ``N_kv``).

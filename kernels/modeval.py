@@ -306,7 +306,8 @@ def _eval(jaxpr, consts, args, loader: Loader):
         vals = [read(v) for v in eqn.invars]
         name = eqn.primitive.name
         lazy = [isinstance(x, (_View, _Bcast, _Stack)) for x in vals]
-        out = _lazy_rule(eqn, name, vals, loader) if any(lazy) or name == "broadcast_in_dim" else None
+        out = (_lazy_rule(eqn, name, vals, loader)
+               if any(lazy) or name == "broadcast_in_dim" else None)
         if out is None and name in _CALLS and any(lazy):
             inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
             if isinstance(inner, jex.ClosedJaxpr):

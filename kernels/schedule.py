@@ -18,8 +18,8 @@ monotone positions (the ``arange`` default: the forward loop of query tile ``i``
 stops at the diagonal, and the dk/dv loop of key tile ``j`` starts there); every rule is
 conservative otherwise (a tile that might hold a visible pair is visited and masked), so
 one rule serves arbitrary positions too. A user's :class:`jaxpos.mods.BlockMask` is
-combined tile by tile (EMPTY if either is EMPTY, FULL if both are FULL); a mask_mod without a block mask
-makes every tile PARTIAL.
+combined tile by tile (EMPTY if either is EMPTY, FULL if both are FULL); a mask_mod without
+a block mask makes every tile PARTIAL.
 
 The kernel reads, per query tile, the ascending list of its PARTIAL key tiles and the list
 of its FULL ones (and per key tile the same over query tiles, for dk/dv), as in

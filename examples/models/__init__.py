@@ -13,7 +13,8 @@ each with a converter from a Hugging Face PyTorch state dict (``from_hf``):
 * :mod:`examples.models.llama4`: Llama 4 text decoder, iRoPE (chunked RoPE layers, NoPE
   layers with attention temperature tuning), QK L2-norm, mixture of experts.
 * :mod:`examples.models.gpt_oss`: GPT-OSS decoder, attention sinks, sliding-window layers
-  (a mask_mod / block mask), YaRN RoPE, mixture of experts (``tests/parity/test_parity_gpt_oss.py``).
+  (a mask_mod / block mask), YaRN RoPE, mixture of experts
+  (``tests/parity/test_parity_gpt_oss.py``).
 * :mod:`examples.models.deepseek_v3`: DeepSeek-V3 decoder, multi-head latent attention with
   decoupled RoPE (:mod:`jaxpos.mla`), YaRN softmax mscale, a latent KV cache, DeepSeekMoE
   (``tests/parity/test_parity_deepseek_v3.py``).
@@ -23,5 +24,5 @@ each with a converter from a Hugging Face PyTorch state dict (``from_hf``):
 ``tests/parity/test_parity_models.py`` compares all four with transformers on CPU PyTorch.
 """
 
-__all__ = ["bloom", "common", "deepseek_v3", "gemma3", "gpt2", "gpt_oss", "llama", "llama4", "qwen3",
-           "t5"]
+__all__ = ["bloom", "common", "deepseek_v3", "gemma3", "gpt2", "gpt_oss", "llama", "llama4",
+           "qwen3", "t5"]

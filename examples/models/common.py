@@ -2,11 +2,12 @@
 segment ids, the KV cache, and loading a Hugging Face PyTorch state dict into an NNX
 module with every key and shape checked.
 
-Padding is expressed the jaxpos way, as position and segment arrays (README.md, "Using
-jaxpos in your Flax model"; ``jaxpos.attention``'s docstring): a real token has segment
-id 1 and a padding token (or an unwritten cache slot) segment id 0 on the key side, while every query has segment id 1, so a query sees
-exactly the real keys, as Hugging Face's key-padding masks do. Positions of real tokens
-are ``cumsum(attention_mask) - 1`` (what ``generate`` passes for left padding).
+Padding is expressed the jaxpos way, as position and segment arrays (docs/modules.md,
+"Using jaxpos in your Flax model"; ``jaxpos.attention``'s docstring): a real token has
+segment id 1 and a padding token (or an unwritten cache slot) segment id 0 on the key side,
+while every query has segment id 1, so a query sees exactly the real keys, as Hugging
+Face's key-padding masks do. Positions of real tokens are ``cumsum(attention_mask) - 1``
+(what ``generate`` passes for left padding).
 """
 
 from __future__ import annotations

@@ -43,8 +43,8 @@ BLOCKS = [b for doc in DOCS for b in python_blocks(doc)]
 
 
 # Blocks that compile a training step or build a PyTorch model took 25-30 s each on 2
-# shared cores: marked slow (tests/modules/test_nnx.py and tests/parity/test_parity_models.py cover the
-# same computations at smaller cost).
+# shared cores: marked slow (tests/modules/test_nnx.py and tests/parity/test_parity_models.py
+# cover the same computations at smaller cost).
 SLOW = ("model = llama.from_hf(", "loss = train_step(model, optimizer, tokens)")
 
 
@@ -180,7 +180,8 @@ def test_main_job_page_lists_every_option_of_the_main_job():
 # ------------------------------------------------ the README is a front page; the site
 def test_readme_is_a_front_page_with_the_two_commands():
     text = (ROOT / "README.md").read_text()
-    assert text.count("\n") <= 260, f"README.md has {text.count(chr(10))} lines; move detail to docs/"
+    lines = text.count("\n")
+    assert lines <= 260, f"README.md has {lines} lines; move the detail to a docs/ page"
     for marker in ("<!-- main-command -->\n```bash\n", "<!-- test-command -->\n```bash\n"):
         assert marker in text, marker
     # every docs page the README links to exists

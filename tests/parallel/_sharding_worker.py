@@ -47,7 +47,7 @@ def shard_map(f, *, mesh, in_specs, out_specs, checks=True):
     The Pallas kernel is the exception here: on CPU it runs in JAX's Pallas interpreter,
     which cannot lower under varying-axis checks (the compiled kernel can; its lowering
     inside ``shard_map`` is tested in tests/kernels/test_lowering.py), so it runs with the
-    checks off (README, "Sharding and context parallelism")."""
+    checks off (docs/parallel.md, "Sharding with jit and shard_map")."""
     kw = {}
     if not checks or os.environ.get("JAXPOS_SHARD_MAP_CHECKS", "1") == "0":
         import inspect
