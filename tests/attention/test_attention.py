@@ -222,8 +222,8 @@ def test_rows_with_no_visible_key_give_zeros_and_zero_gradients(impl, rng):
     mask = np.ones((B, 1, T, T), bool)
     mask[1, 0, 2] = False  # batch 1, query 2: everything hidden
     alibi = jaxpos.ALiBi(num_heads=N)
-    kw = {"position": alibi, "causal": True, "mask": mask, "segment_ids": seg_q, "kv_segment_ids": seg_kv,
-              "implementation": impl}
+    kw = {"position": alibi, "causal": True, "mask": mask, "segment_ids": seg_q,
+          "kv_segment_ids": seg_kv, "implementation": impl}
     if impl == "pallas":
         kw.pop("mask")  # the fused kernel takes segments, not dense masks
     empty = [(0, 4), (0, 5)] + ([(1, 2)] if "mask" in kw else [])

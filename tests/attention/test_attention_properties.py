@@ -158,7 +158,8 @@ class TransformsTest(chex.TestCase):
 
     def test_vmap_over_scheme_parameters(self):
         """Schemes are pytrees: vmap over two ALiBi slope vectors."""
-        slopes = np.stack([np.asarray(self.schemes["alibi"].slopes), np.array([0.9, 0.1], np.float32)])
+        slopes = np.stack([np.asarray(self.schemes["alibi"].slopes),
+                           np.array([0.9, 0.1], np.float32)])
         fn = lambda s: jaxpos.attention(self.q, self.k, self.v, position=jaxpos.ALiBi(slopes=s),
                                         causal=True, implementation="chunked")
         jt.assert_equal_under_vmap(fn, slopes, atol=2e-5, rtol=2e-5)

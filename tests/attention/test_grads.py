@@ -53,7 +53,8 @@ def case_t5(impl):
     kvpos = np.array([0, 3, 9, 20, 50, 140])
     qpos = kvpos + np.array([0, 1, 2, 5, 12, 40])
     f = _causal_attention(impl, q_positions=qpos, kv_positions=kvpos, scale=1.0)
-    return (lambda table: f(q, k, v, T5Bias(table, bidirectional=False, max_distance=128))), (table,)
+    return ((lambda table: f(q, k, v, T5Bias(table, bidirectional=False, max_distance=128))),
+            (table,))
 
 
 def case_alibi(impl):
@@ -94,7 +95,8 @@ CASES = {"t5": case_t5, "alibi": case_alibi, "shaw": case_shaw, "learned": case_
 PARAMS = [
     pytest.param(p, i, id=f"{p}-{i}", marks=[] if (p, i) in DEFAULT else [pytest.mark.slow])
     for p, i in itertools.product(CASES, IMPLS)
-    if not (i == "pallas" and p == "shaw")  # the kernel rejects Shaw (tests/attention/test_bad_input.py)
+    # the kernel rejects Shaw (tests/attention/test_bad_input.py)
+    if not (i == "pallas" and p == "shaw")
 ]
 
 

@@ -108,7 +108,8 @@ def test_every_implementation_and_scheme_sharded(tmp_path_factory):
                 ok = diff <= TOL
             if not ok:
                 bad[name] = diff
-        elif name.startswith("seq_parallel_local_positions/") and diff <= 0.1 or name.endswith(("/loss_diff", "/param_diff")) and diff > 1e-5:
+        elif (name.startswith("seq_parallel_local_positions/") and diff <= 0.1
+              or name.endswith(("/loss_diff", "/param_diff")) and diff > 1e-5):
             bad[name] = diff
     assert not bad, bad
     impls = {k.split("/")[1] for k in res if k.startswith("seq_parallel/")}

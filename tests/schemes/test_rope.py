@@ -198,7 +198,7 @@ def test_bad_float_positions_in_high_precision_angles():
 # ------------------------------------------------------------------------------ precision
 def _exact_angle_mod_2pi(p: int, f: np.float32) -> float:
     getcontext().prec = 70
-    inv_2pi = Fraction(Decimal("0.1591549430918953357688837633725143620344596457404564487476673440"))
+    inv_2pi = Fraction(Decimal("0.1591549430918953357688837633725143620344596457404564487476673440"))  # noqa: E501 (1/(2 pi), 64 digits)
     turns = Fraction(p) * Fraction(float(f)) * inv_2pi
     return float(turns - round(turns)) * 2 * np.pi
 
@@ -250,7 +250,8 @@ def test_high_precision_angles_gradient_is_position():
 # --------------------------------------------------------------------- layout conversion
 def hf_permute(w, n_heads, dim1, dim2):
     """HF's convert_llama_weights_to_hf.py ``permute`` (torch [out, in] weights)."""
-    return w.reshape(n_heads, dim1 // n_heads // 2, 2, dim2).transpose(0, 2, 1, 3).reshape(dim1, dim2)
+    return (w.reshape(n_heads, dim1 // n_heads // 2, 2, dim2).transpose(0, 2, 1, 3)
+            .reshape(dim1, dim2))
 
 
 def test_interleaved_to_half_equals_hf_conversion_permute(rng):

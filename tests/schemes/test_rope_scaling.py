@@ -213,7 +213,8 @@ def test_dataclasses_are_hashable_static_fields():
     (lambda: jaxpos.LinearScaling(float("nan")), ValueError, "LinearScaling.factor"),
     (lambda: jaxpos.DynamicNTKScaling(2.0, 4096.0), TypeError,
      "original_max_position_embeddings must be an int; got float"),
-    (lambda: jaxpos.YaRNScaling(4.0, 0), ValueError, "original_max_position_embeddings must be > 0"),
+    (lambda: jaxpos.YaRNScaling(4.0, 0), ValueError,
+     "original_max_position_embeddings must be > 0"),
     (lambda: jaxpos.YaRNScaling(4.0, 4096, beta_fast=-1.0), ValueError, "beta_fast must be"),
     (lambda: jaxpos.ProportionalScaling(partial_rotary_factor=2.0), ValueError, r"in \[0, 1\]"),
 ])

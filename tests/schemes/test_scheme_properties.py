@@ -69,9 +69,9 @@ def problems(draw):
     block_q = draw(st.sampled_from([1, 2, 4, 8, 16]))
     block_k = draw(st.sampled_from([1, 2, 4, 8, 16]))
     seed = draw(st.integers(0, 2 ** 31 - 1))
-    return {"B": B, "Tq": Tq, "Tk": Tk, "N": N, "Nk": Nk, "H": H, "causal": causal, "scheme": scheme,
-                "kv_offset": kv_offset, "q_offset": q_offset, "per_row": per_row, "mask_kind": mask_kind,
-                "block_q": block_q, "block_k": block_k, "seed": seed}
+    return {"B": B, "Tq": Tq, "Tk": Tk, "N": N, "Nk": Nk, "H": H, "causal": causal,
+            "scheme": scheme, "kv_offset": kv_offset, "q_offset": q_offset, "per_row": per_row,
+            "mask_kind": mask_kind, "block_q": block_q, "block_k": block_k, "seed": seed}
 
 
 def build(p):
@@ -134,11 +134,12 @@ def test_every_implementation_agrees_with_reference_many(p):
 def check_gradients(p):
     args, kw = build(p)
     scheme = kw.pop("position")
-    w = jnp.asarray(np.random.default_rng(p["seed"] + 1).normal(size=args[0].shape[:3] + (args[2].shape[-1],)),
-                    jnp.float32)
+    out_shape = args[0].shape[:3] + (args[2].shape[-1],)
+    w = jnp.asarray(np.random.default_rng(p["seed"] + 1).normal(size=out_shape), jnp.float32)
 
     def grads(impl):
-        f = lambda q, k, v, s: jnp.sum(attention(q, k, v, position=s, implementation=impl, **kw) * w)
+        f = lambda q, k, v, s: jnp.sum(
+            attention(q, k, v, position=s, implementation=impl, **kw) * w)
         return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))(*args, scheme)
 
     ref = grads("reference")
@@ -166,7 +167,8 @@ def test_every_implementation_gradient_agrees_with_reference_many(p):
 
 
 # ----------------------------------------------------------------- translation invariance
-_SHIFT_SHAPE = {"B": 1, "Tq": 7, "Tk": 7, "N": 2, "Nk": 2, "H": 8, "per_row": False, "block_q": 4, "block_k": 4}
+_SHIFT_SHAPE = {"B": 1, "Tq": 7, "Tk": 7, "N": 2, "Nk": 2, "H": 8, "per_row": False,
+                "block_q": 4, "block_k": 4}
 
 
 @pytest.mark.parametrize("scheme", ["rope", "t5"] + [pytest.param(s, marks=pytest.mark.slow)
