@@ -290,7 +290,7 @@ def main(argv=None):
                         t0 = time.perf_counter()
                         run()
                         times[impl].append(time.perf_counter() - t0)
-                for impl, (run, temp) in cases.items():
+                for impl, (_, temp) in cases.items():
                     ms = 1e3 * statistics.median(times[impl])
                     rows.append({"scheme": name, "mode": mode, "T": T, "implementation": impl,
                                      "time_ms": ms,
