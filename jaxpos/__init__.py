@@ -29,6 +29,7 @@ from jaxpos.mods import (
     or_masks,
 )
 from jaxpos.pope import PoPE
+from jaxpos.rnope import rnope_swa_layers
 from jaxpos.rope import RoPE, apply_rope, half_to_interleaved, interleaved_to_half, rope_frequencies
 from jaxpos.rope_scaling import (
     DynamicNTKScaling,
@@ -95,6 +96,7 @@ __all__ = [
     "or_masks",
     "relative_bias_attention",
     "relative_head_W",
+    "rnope_swa_layers",
     "rope_frequencies",
     "rope_from_hf_config",
     "shaw_attention",

@@ -571,6 +571,7 @@ class _Stack(StackCore, nn.Module):
     sinks: bool = False
     mask_mod: Any = None
     layer_mask_mods: Any = None
+    layer_positions: Any = None
 
     _causal = True
 
@@ -596,6 +597,7 @@ class _Stack(StackCore, nn.Module):
                           shaw_max_distance=self.shaw_max_distance,
                           scheme_options=self.scheme_options, sinks=self.sinks,
                           mask_mod=self.mask_mod, layer_mask_mods=self.layer_mask_mods,
+                          layer_positions=self.layer_positions,
                           causal=self._causal)
         parts = build_stack(spec, _LinenMaker(self.dtype, self.param_dtype), mlp_dim=self.mlp_dim,
                             implementation=self.implementation, dtype=self.dtype)

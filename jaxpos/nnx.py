@@ -587,7 +587,8 @@ class _Stack(nnx.Module):
                  t5_num_buckets: int = 32, t5_max_distance: int = 128,
                  shaw_max_distance: int = 16, scheme_options: dict | None = None,
                  implementation: str | None = None, sinks: bool = False, mask_mod=None,
-                 layer_mask_mods=None, dtype=jnp.float32, param_dtype=jnp.float32,
+                 layer_mask_mods=None, layer_positions=None, dtype=jnp.float32,
+                 param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
         spec = stack_spec(vocab_size, d_model=d_model, num_layers=num_layers,
                           num_heads=num_heads, num_kv_heads=num_kv_heads, max_len=max_len,
@@ -595,6 +596,7 @@ class _Stack(nnx.Module):
                           t5_num_buckets=t5_num_buckets, t5_max_distance=t5_max_distance,
                           shaw_max_distance=shaw_max_distance, scheme_options=scheme_options,
                           sinks=sinks, mask_mod=mask_mod, layer_mask_mods=layer_mask_mods,
+                          layer_positions=layer_positions,
                           causal=self._causal)
         self.vocab_size, self.position_name = spec.vocab_size, spec.plan.name
         self.d_model, self.num_layers, self.max_len = spec.d_model, spec.num_layers, max_len
@@ -642,6 +644,11 @@ class DecoderLM(DecoderCore, _Stack):
         (full attention) per layer, e.g. ``[jaxpos.SlidingWindowMask(128), None] *
         (num_layers // 2)`` for the alternating sliding / full layers of GPT-OSS and
         Gemma 2 (Hugging Face ``layer_types``). Exclusive with ``mask_mod``.
+      layer_positions: a list or tuple of ``num_layers`` attention position names, one
+        scheme per layer (each layer then owns its scheme's parameters); ``position``
+        must be ``"nope"`` (or absolute). E.g. the RNoPE-SWA layout of Yang et al. 2025:
+        :func:`jaxpos.rnope.rnope_swa_layers` gives ``position``, ``layer_positions``
+        and ``layer_mask_mods``.
       dtype: compute dtype (logits are float32); param_dtype: parameter dtype.
       rngs: :class:`flax.nnx.Rngs` (``params`` stream).
 

@@ -13,6 +13,7 @@ from jaxpos import _checks
 from jaxpos.layers.options import (
     ABSOLUTE_POSITIONS,
     attention_dims,
+    attention_positions,
     check_position_name,
     check_sinks_flag,
     layer_mask_mods_plan,
@@ -68,11 +69,14 @@ class StackSpec(NamedTuple):
     mask_mods: tuple     #: one mask_mod (or None) per layer
     plan: StackPlan
     causal: bool
+    #: per-layer plans (``layer_positions``), or None: every layer uses ``plan``
+    layer_plans: tuple | None = None
 
 
 def stack_spec(vocab_size, *, d_model, num_layers, num_heads, num_kv_heads, max_len, position,
                rope_base, t5_num_buckets, t5_max_distance, shaw_max_distance, scheme_options,
-               sinks, mask_mod, layer_mask_mods, causal: bool) -> StackSpec:
+               sinks, mask_mod, layer_mask_mods, causal: bool,
+               layer_positions=None) -> StackSpec:
     """Validate the arguments of a stack (:class:`jaxpos.nnx.DecoderLM`,
     :class:`jaxpos.nnx.Encoder`, their Linen twins; the arguments are theirs).
 
@@ -91,8 +95,41 @@ def stack_spec(vocab_size, *, d_model, num_layers, num_heads, num_kv_heads, max_
     plan = stack_plan(position, max_len=max_len, rope_base=rope_base, prefixed={
         "t5_num_buckets": t5_num_buckets, "t5_max_distance": t5_max_distance,
         "shaw_max_distance": shaw_max_distance}, scheme_options=scheme_options)
+    layer_plans = _layer_plans(layer_positions, num_layers, plan, rope_base=rope_base,
+                               prefixed={"t5_num_buckets": t5_num_buckets,
+                                         "t5_max_distance": t5_max_distance,
+                                         "shaw_max_distance": shaw_max_distance},
+                               scheme_options=scheme_options)
     return StackSpec(vocab_size, d_model, num_layers, num_heads, num_kv_heads, head_dim,
-                     max_len, sinks, mask_mods, plan, bool(causal))
+                     max_len, sinks, mask_mods, plan, bool(causal), layer_plans)
+
+
+def _layer_plans(layer_positions, num_layers, plan, **options) -> tuple | None:
+    """One :class:`StackPlan` per layer from ``layer_positions`` (a list or tuple of
+    ``num_layers`` attention position names), or None. Each layer then owns its scheme and
+    its parameters (none for RoPE / NoPE); the stack's ``position`` may only be ``"nope"``
+    or absolute (``"sinusoidal"`` / ``"learned"``, added to the embeddings).
+
+    Raises:
+      TypeError: not a list or tuple; an entry that is not a string.
+      ValueError: a length other than ``num_layers``; an unknown name; a relative
+        ``position`` given as well.
+    """
+    if layer_positions is None:
+        return None
+    if not isinstance(layer_positions, (list, tuple)):
+        raise TypeError(f"layer_positions must be a list or tuple of {num_layers} position "
+                        f"names (one per layer); got {type(layer_positions).__name__}.")
+    if len(layer_positions) != num_layers:
+        raise ValueError(f"layer_positions must have one entry per layer ({num_layers}); "
+                         f"got {len(layer_positions)}.")
+    if plan.scheme != "nope":
+        raise ValueError(f"layer_positions sets each layer's scheme; position must then be "
+                         f"'nope' or absolute ('sinusoidal', 'learned'); got position="
+                         f"{plan.name!r}.")
+    names = [check_position_name(f"layer_positions[{i}]", p, attention_positions())
+             for i, p in enumerate(layer_positions)]
+    return tuple(stack_plan(n, max_len=None, **options) for n in names)
 
 
 class StackMaker(Protocol):
@@ -130,14 +167,17 @@ def build_stack(spec: StackSpec, make: StackMaker, *, mlp_dim, implementation, d
         abs_position = make.sinusoidal(D)
     elif plan.absolute == "learned":
         abs_position = make.learned(spec.max_len, D)
-    rel_position = None if plan.per_layer else make.position_module(
+    per_layer = plan.per_layer or spec.layer_plans is not None
+    rel_position = None if per_layer else make.position_module(
         plan.scheme, num_heads=N, head_dim=spec.head_dim, d_model=D, causal=spec.causal,
         options=plan.options)
-    layer_position = plan.scheme if plan.per_layer else "nope"
-    layer_options = dict(plan.options) if plan.per_layer else None
+    layer_plans = spec.layer_plans or (plan,) * spec.num_layers
+    layer_position = [p.scheme if per_layer else "nope" for p in layer_plans]
+    layer_options = [dict(p.options) if per_layer else None for p in layer_plans]
     blocks = make.block_list([
         make.block(i, D, N, num_kv_heads=spec.num_kv_heads, mlp_dim=mlp_dim,
-                   position=layer_position, causal=spec.causal, scheme_options=layer_options,
+                   position=layer_position[i], causal=spec.causal,
+                   scheme_options=layer_options[i],
                    implementation=implementation, sinks=spec.sinks,
                    mask_mod=spec.mask_mods[i], dtype=dtype)
         for i in range(spec.num_layers)])
