@@ -20,8 +20,8 @@ import numpy as np
 from jaxpos import _checks
 from jaxpos.mods import apply_mod, convert_mod, is_additive, reads_input
 
-__all__ = ["GPU_BACKENDS", "attention_via_xla", "dense_attention", "is_arange", "run_xla",
-           "sdpa"]
+__all__ = ["GPU_BACKENDS", "adds_a_term", "attention_via_xla", "cudnn_allowed",
+           "dense_attention", "is_arange", "run_xla", "sdpa"]
 
 #: ``jax.default_backend()`` names of NVIDIA GPUs (where cuDNN is available).
 GPU_BACKENDS = ("gpu", "cuda")
@@ -35,6 +35,36 @@ def is_arange(pos, T) -> bool:
     return bool(np.all(p == np.arange(T)))
 
 
+def adds_a_term(conv) -> bool:
+    """True when a converted score_mod is ``score + term`` with ``term`` independent of
+    the score, so that it can be materialised as a bias (the mod at score 0).
+
+    Decided from the mod's jaxpr: its output must be reached from the score input
+    through ``add`` / ``sub`` only, each adding something that does not depend on the
+    score. The derivative alone cannot tell: a straight-through mod
+    ``s + stop_gradient(f(s) - s)`` has ``d/ds = 1`` but the value ``f(s)``. Anything
+    else (a soft cap, a scale, a mod wrapped in ``jax.jit``) is "not a term" and runs as
+    dense attention, which computes every mod exactly."""
+    if conv is None:
+        return True
+    if not is_additive(conv):
+        return False
+    jaxpr = conv.jaxpr
+    score = id(jaxpr.invars[0])
+    dep, plus = {score}, {score}  # ids of vars that depend on / are score + term
+    for eqn in jaxpr.eqns:
+        ins = [id(x) for x in eqn.invars]
+        if not any(i in dep for i in ins):
+            continue
+        dep.update(id(x) for x in eqn.outvars)
+        name = eqn.primitive.name
+        if len(ins) == 2 and name in ("add", "add_any", "sub"):
+            a, b = ins
+            if (a in plus and b not in dep) or (name != "sub" and b in plus and a not in dep):
+                plus.add(id(eqn.outvars[0]))
+    return id(jaxpr.outvars[0]) in plus
+
+
 def attention_via_xla(q, k, v, *, score_mod=None, mask_mod=None, q_positions, kv_positions,
                       causal=False, segment_ids=None, kv_segment_ids=None, scale=None,
                       sinks=None, implementation=None):
@@ -44,8 +74,10 @@ def attention_via_xla(q, k, v, *, score_mod=None, mask_mod=None, q_positions, kv
     * no score_mod: no bias; ``causal`` becomes ``is_causal`` when both position arrays
       are known to be ``arange`` and ``Tq == Tk``, else a boolean mask
       ``kv_pos <= q_pos`` built from the positions;
-    * a score_mod that adds a term (``d score_mod / d score == 1``, e.g. ALiBi, T5):
-      that term materialised as a dense float32 bias ``[B|1, N, Tq, Tk]``
+    * a score_mod that adds a term (:func:`adds_a_term`: ``score + term`` with the term
+      independent of the score, e.g. ALiBi, T5; an added ``-inf`` hides the pair):
+      that term materialised as a dense float32 bias ``[B|1, N, Tq, Tk]``, float32
+      whatever q's dtype (XLA's attention, not cuDNN: :func:`cudnn_allowed`)
       (``jaxpos.mods.apply_mod`` on a zero score; ``B`` is 1 when the mod ignores
       ``batch`` and the positions are shared); any other score_mod (e.g. a soft cap)
       runs as dense XLA attention;
@@ -61,7 +93,7 @@ def attention_via_xla(q, k, v, *, score_mod=None, mask_mod=None, q_positions, kv
       q, k, v: as :func:`attention_via_kernel`, as are score_mod, mask_mod, q_positions,
         kv_positions, causal, segment_ids, kv_segment_ids, scale and sinks.
       implementation: passed to ``jax.nn.dot_product_attention``; None picks ``"cudnn"``
-        on an NVIDIA GPU for bfloat16 / float16 inputs without sinks (falling back to
+        on an NVIDIA GPU for bfloat16 / float16 inputs without sinks or bias (falling back to
         ``"xla"`` if cuDNN refuses the shapes at trace time) and ``"xla"`` otherwise.
 
     Returns:
@@ -106,7 +138,15 @@ def attention_via_xla(q, k, v, *, score_mod=None, mask_mod=None, q_positions, kv
     if mmod is not None:
         mask = conj(mask, apply_mod(mmod, q_pos, kv_pos, batch_index=(B, N)))
 
-    if smod is not None and not is_additive(smod):
+    # what decides whether a row has a visible key: the mask, with causality even where
+    # it goes to XLA as is_causal (a causal row may lose every key to segments/mask_mod)
+    row_vis = mask
+    if is_causal and mask is not None:
+        row_vis = mask & jnp.tril(jnp.ones((Tq, Tk), bool))[None, None]
+    # jax.nn.dot_product_attention's float16 gradient asks for a dot precision
+    # (F16_F16_F32) the CPU backend lacks: jaxpos's own dense attention runs there instead
+    f16_cpu = q.dtype == jnp.float16 and jax.default_backend() == "cpu"
+    if (smod is not None and not adds_a_term(smod)) or f16_cpu:
         out = dense_attention(q, k, v, smod, mask, is_causal, q_pos, kv_pos, scale, sinks)
     else:
         bias = None
@@ -114,6 +154,11 @@ def attention_via_xla(q, k, v, *, score_mod=None, mask_mod=None, q_positions, kv
             per_row = reads_input(smod.jaxpr, 1) or q_pos.shape[0] > 1 or kv_pos.shape[0] > 1
             bb = B if per_row else 1
             bias = apply_mod(smod, q_pos, kv_pos, score=jnp.zeros((bb, N, Tq, Tk), jnp.float32))
+            # an added -inf hides the pair, as a mask does: a finite fill keeps a row
+            # hidden everywhere free of NaN (it is zeroed below); gradients stay 0 there
+            hidden = bias == -jnp.inf
+            row_vis = ~hidden if row_vis is None else row_vis & ~hidden
+            bias = jnp.where(hidden, jnp.finfo(jnp.float32).min, bias)
         kk, vv, m2 = k, v, mask
         if sinks is not None:  # one extra key: k = 0, v = 0, bias = the sink logit
             zk = jnp.zeros((B, 1, Nk, H), k.dtype)
@@ -126,23 +171,42 @@ def attention_via_xla(q, k, v, *, score_mod=None, mask_mod=None, q_positions, kv
         if sinks is not None and implementation is None:
             implementation = "xla"  # the extra key makes Tk + 1 keys, which cuDNN may refuse
         out = sdpa(q, kk, vv, bias, m2, is_causal, scale, implementation)
-    if mask is not None:  # rows with no visible key: zeros (and no gradient)
-        seen = jnp.any(mask, axis=-1)  # [B|1, N|1, Tq]
+    if row_vis is not None:  # rows with no visible key: zeros (and no gradient)
+        seen = jnp.any(row_vis, axis=-1)  # [B|1, N|1, Tq]
         seen = jnp.broadcast_to(jnp.swapaxes(seen, 1, 2)[..., None], (B, Tq, N, 1))
         out = jnp.where(seen, out, jnp.zeros((), out.dtype))
     return out.astype(q.dtype)
 
 
+def cudnn_allowed(*, backend: str, dtype, has_bias: bool) -> bool:
+    """Whether :func:`sdpa` may ask ``jax.nn.dot_product_attention`` for cuDNN.
+
+    Only on an NVIDIA GPU, for bfloat16 / float16 inputs, and never with a materialised
+    bias: cuDNN takes the bias in the inputs' dtype, which rounds a score term such as
+    BLOOM's ``slopes[h] * kv_pos`` (0.64 off at positions ~1000 in bfloat16), and its
+    bias gradient is wrong for batch > 1 (https://github.com/jax-ml/jax/issues/30593).
+    With a bias, XLA's attention runs with the bias in float32 (exact). jaxpos never
+    passes ``local_window_size`` (windows are mask_mods, materialised as a mask), so
+    cuDNN's non-causal sliding window (https://github.com/jax-ml/jax/pull/39576) is
+    never reached.
+
+    Args:
+      backend: ``jax.default_backend()``. dtype: q's dtype. has_bias: a bias is passed.
+    """
+    return (backend in GPU_BACKENDS and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+            and not has_bias)
+
+
 def sdpa(q, k, v, bias, mask, is_causal, scale, implementation):
-    if bias is not None and q.dtype != jnp.float32:
-        bias = bias.astype(q.dtype)
+    """``jax.nn.dot_product_attention`` with a float32 ``bias`` (or None), cuDNN first
+    where :func:`cudnn_allowed` (falling back to XLA if cuDNN refuses the shapes)."""
     if mask is not None:
         mask = jnp.broadcast_to(mask, mask.shape)
     call = lambda impl: jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale,
                                                      is_causal=is_causal, implementation=impl)
     if implementation is not None:
         return call(implementation)
-    if jax.default_backend() in GPU_BACKENDS and q.dtype in (jnp.bfloat16, jnp.float16):
+    if cudnn_allowed(backend=jax.default_backend(), dtype=q.dtype, has_bias=bias is not None):
         try:
             return call("cudnn")
         except (ValueError, NotImplementedError, RuntimeError, TypeError):
@@ -151,14 +215,16 @@ def sdpa(q, k, v, bias, mask, is_causal, scale, implementation):
 
 
 def dense_attention(q, k, v, smod, mask, is_causal, q_pos, kv_pos, scale, sinks):
-    """Dense attention in XLA for a score_mod that is not a pure added term."""
+    """Dense attention in XLA for a score_mod that is not a pure added term (``smod`` may
+    be None: float16 on CPU)."""
     Tq, N = q.shape[1], q.shape[2]
     g = N // k.shape[2]
     kk, vv = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
     prec = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     s = jnp.einsum("bqnh,bknh->bnqk", q, kk, precision=prec,
                    preferred_element_type=jnp.float32) * jnp.float32(scale)
-    s = apply_mod(smod, q_pos, kv_pos, score=s)
+    if smod is not None:
+        s = apply_mod(smod, q_pos, kv_pos, score=s)
     vis = mask
     if is_causal:
         c = jnp.tril(jnp.ones((Tq, k.shape[1]), bool))[None, None]
