@@ -21,7 +21,7 @@ sqrt((std_a**2 + std_b**2) / 2)`` (:func:`compare_cells`).
 ``--preset study`` is the committed study (docs/study.md): the rows of
 :data:`STUDY_SCHEMES` with 3 seeds; a row whose scheme this jaxpos does not register is
 reported as "not run". ``--report RESULTS_JSON`` prints the table and the paper-claim
-comparisons (:data:`CLAIMS`) of a finished run without training anything.
+comparisons (:data:`CLAIMS`) of a finished run and redraws its plot, training nothing.
 
 Data: real text with no download. By default the Python standard library's own source
 files on this machine (found through ``sysconfig``; the ``test``/``tests`` folders and
@@ -740,7 +740,8 @@ def plot(results: dict, path: Path) -> None:
             if any(v is not None for v in r["bits_per_byte"].values())}
     fig, ax = plt.subplots(figsize=(9.5 if len(rows) > 10 else 7.5, 5.2), dpi=110)
     markers = "osv^D<>phX*P"
-    colors = plt.get_cmap("tab20" if len(rows) > 10 else "tab10").colors
+    colors = plt.get_cmap("tab20").colors  # the ten dark hues first, then their light twins
+    colors = colors[0::2] + colors[1::2]
     for i, (name, r) in enumerate(rows.items()):
         xs = [L for L in lens if r["bits_per_byte"][str(L)] is not None]
         ys = np.array([r["bits_per_byte"][str(L)] for L in xs])
@@ -863,8 +864,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="keep the rows of --out's results.json that were run with the same "
                         "settings and seeds; train only the others")
     p.add_argument("--report", default=None, metavar="RESULTS_JSON",
-                   help="print the table and the paper-claim comparisons of a results.json "
-                        "and exit (nothing is trained)")
+                   help="print the table and the paper-claim comparisons of a results.json, "
+                        "redraw the plot next to it and exit (nothing is trained)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     args = p.parse_args(argv)
     if args.report is not None:
@@ -1053,11 +1054,15 @@ def run(args) -> dict:
 
 
 def report(path: str) -> dict:
-    """Print the table and the claim comparisons of a finished run's results.json."""
+    """Print the table and the claim comparisons of a finished run's results.json and
+    redraw its plot, ``length_generalization.png``, in the same folder."""
     results = json.loads(Path(path).read_text())
     print(format_table(results))
     print()
     print(format_claims(results))
+    png = Path(path).with_name("length_generalization.png")
+    plot(results, png)
+    print(f"\nwrote {png}")
     return results
 
 

@@ -323,6 +323,27 @@ def test_seeds_end_to_end_and_resume(tmp_path, lg, capsys):
     assert again["schemes"] == res["schemes"]
 
 
+STUDY = ROOT / "docs" / "study" / "results.json"
+
+
+@pytest.mark.skipif(not STUDY.is_file(), reason="the committed study is not in this checkout")
+def test_committed_study_tables_are_generated_from_its_results(lg):
+    """The README's table and docs/study.md's tables are the script's own rendering of
+    docs/study/results.json (python examples/length_generalization.py --report ...), and
+    the committed study has 3 seeds for every row that ran."""
+    results = json.loads(STUDY.read_text())
+    assert results["seeds"] == [0, 1, 2]
+    assert list(results["schemes"]) == list(lg.STUDY_SCHEMES)
+    for name, row in results["schemes"].items():
+        assert row["seeds"] in ([0, 1, 2], []), name
+        assert len(row["per_seed"]) == len(row["seeds"])
+    readme = (ROOT / "README.md").read_text()
+    study = (ROOT / "docs" / "study.md").read_text()
+    assert lg.format_table(results, timings=False) in readme
+    assert lg.format_table(results) in study
+    assert lg.format_claims(results) in study
+
+
 # ------------------------------------------------------------- packed = separate windows
 @pytest.mark.parametrize("position", ["sinusoidal", "rope", "t5", "shaw"])
 def test_packed_evaluation_equals_separate_windows(lg, position):
