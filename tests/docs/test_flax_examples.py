@@ -1,7 +1,7 @@
 """The two worked examples of jaxpos in an existing Flax model (examples/flax_nnx_drop_in.py,
-examples/flax_linen_drop_in.py): each jaxpos variant trains (the loss falls), and with no
-scheme and the model's learned positions kept, jaxpos's attention_fn leaves the model's
-output unchanged."""
+examples/flax_linen_drop_in.py): each jaxpos variant trains with attention dropout (the loss
+falls), and with no scheme and the model's learned positions kept, jaxpos's attention_fn
+leaves the model's output unchanged."""
 
 from __future__ import annotations
 
@@ -47,13 +47,14 @@ def _assert_trained(losses, names):
 
 
 def test_nnx_example_trains_rope_t5_and_score_mod(nnx_example, capsys):
-    losses = nnx_example.main(["--variants", "rope,t5,score_mod", "--steps", "8"])
+    losses = nnx_example.main(["--variants", "rope,t5,score_mod", "--steps", "8",
+                               "--dropout", "0.1"])
     _assert_trained(losses, ["rope", "t5", "score_mod"])
     assert "score_mod" in capsys.readouterr().out
 
 
 def test_linen_example_trains_alibi_and_rope(linen_example):
-    losses = linen_example.main(["--variants", "alibi,rope", "--steps", "8"])
+    losses = linen_example.main(["--variants", "alibi,rope", "--steps", "8", "--dropout", "0.1"])
     _assert_trained(losses, ["alibi", "rope"])
 
 

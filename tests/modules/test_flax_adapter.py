@@ -243,3 +243,68 @@ def test_linen_decode_cache_equals_the_full_pass(name):
         out, cache = step(cache, x[:, t:t + 1])
         outs.append(out)
     np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=2e-6)
+
+
+# ----------------------------------------------------------------------------- dropout
+def one_hot_values(Tk=T):
+    """q = 0 gives every key the weight 1/Tk; v = the one-hot key index then shows the
+    dropout multiplier of every pair: output (i, j) * Tk = keep_ij / (1 - rate)."""
+    q = jnp.zeros((B, T, N, H))
+    k = jax.random.normal(jax.random.key(1), (B, Tk, N, H))
+    v = jnp.broadcast_to(jnp.eye(Tk)[None, :, None, :], (B, Tk, N, Tk))
+    return q, k, v
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_dropout_has_flax_rate_scaling_and_broadcasting(broadcast):
+    from jaxpos.dropout import Dropout, dropout_seed, keep_mask
+
+    rate, key = 0.25, jax.random.key(3)
+    q, k, v = one_hot_values()
+    kw = dict(dropout_rate=rate, dropout_rng=key, broadcast_dropout=broadcast)
+    ours = np.swapaxes(np.asarray(jaxpos.flax_attention_fn()(q, k, v, **kw)), 1, 2) * T
+    flax = np.swapaxes(np.asarray(nnx.dot_product_attention(q, k, v, **kw)), 1, 2) * T
+    for shown in (ours, flax):  # [B, N, Tq, Tk]: 0 or 1 / (1 - rate), as in Flax
+        np.testing.assert_allclose(shown * (1 - rate), np.round(shown * (1 - rate)), atol=1e-5)
+        kept = np.round(shown * (1 - rate))
+        if broadcast:  # one [Tq, Tk] mask for every batch row and head
+            assert np.array_equal(kept, np.broadcast_to(kept[:1, :1], kept.shape))
+        n = kept[:1, :1].size if broadcast else kept.size
+        keep_count = kept[:1, :1].sum() if broadcast else kept.sum()
+        assert abs(keep_count - n * (1 - rate)) <= 5 * np.sqrt(n * rate * (1 - rate))
+    # ours is jaxpos's counter-based mask (Flax's own bits come from jax.random.bernoulli)
+    want = keep_mask(Dropout(rate, dropout_seed(key), broadcast), B, N, T, T)
+    np.testing.assert_allclose(ours * (1 - rate), np.broadcast_to(want, ours.shape), atol=1e-5)
+
+
+def test_dropout_off_when_deterministic_or_rate_zero_like_flax():
+    q, k, v = qkv()
+    fn = jaxpos.flax_attention_fn()
+    want = nnx.dot_product_attention(q, k, v)
+    np.testing.assert_allclose(fn(q, k, v, dropout_rate=0.5, deterministic=True), want,
+                               atol=2e-6)
+    np.testing.assert_allclose(fn(q, k, v, dropout_rate=0.0, dropout_rng=jax.random.key(0)),
+                               want, atol=2e-6)
+
+
+def test_nnx_and_linen_modules_train_with_dropout_and_evaluate_without():
+    x = jax.random.normal(jax.random.key(1), (B, T, D))
+    fn = jaxpos.flax_attention_fn(jaxpos.ALiBi(2))
+    mask = nnx.make_causal_mask(jnp.ones((B, T)))
+    layer = nnx.MultiHeadAttention(num_heads=2, in_features=D, decode=False, dropout_rate=0.3,
+                                   rngs=nnx.Rngs(0, dropout=1), attention_fn=fn)
+    no_drop = nnx.MultiHeadAttention(num_heads=2, in_features=D, decode=False,
+                                     rngs=nnx.Rngs(0, dropout=1), attention_fn=fn)
+    train_a = layer(x, mask=mask, deterministic=False)
+    train_b = layer(x, mask=mask, deterministic=False)  # the stream advances: a new mask
+    evaluated = layer(x, mask=mask, deterministic=True)
+    np.testing.assert_allclose(evaluated, no_drop(x, mask=mask), atol=2e-6)
+    assert float(jnp.max(jnp.abs(train_a - evaluated))) > 1e-2
+    assert float(jnp.max(jnp.abs(train_a - train_b))) > 1e-2
+
+    linen_layer = nn.MultiHeadDotProductAttention(num_heads=2, dropout_rate=0.3, attention_fn=fn)
+    params = linen_layer.init(jax.random.key(0), x, x, deterministic=True)
+    trained = linen_layer.apply(params, x, x, mask=mask, deterministic=False,
+                                rngs={"dropout": jax.random.key(2)})
+    evaluated = linen_layer.apply(params, x, x, mask=mask, deterministic=True)
+    assert float(jnp.max(jnp.abs(trained - evaluated))) > 1e-2
