@@ -48,10 +48,15 @@ def decode_shaped(call: AttentionCall) -> bool:
             and (call.kv_lengths is not None or call.rope_tables is not None))
 
 
-def _slice(x, start, size, axis):
-    if x is None or x.shape[axis] == 1:
+def _slice(x: jax.Array, start, size: int, axis: int) -> jax.Array:
+    """``size`` entries of ``x`` from ``start`` along ``axis`` (a broadcast axis as is)."""
+    if x.shape[axis] == 1:
         return x
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def _maybe_slice(x, start, size: int, axis: int):
+    return None if x is None else _slice(x, start, size, axis)
 
 
 def run_chunked_decode(call: AttentionCall) -> jax.Array:
@@ -90,13 +95,15 @@ def run_chunked_decode(call: AttentionCall) -> jax.Array:
         s = s.reshape(B, N, Tq, bk)
         if terms.score is not None:
             s = apply_mod(terms.score, q_pos, kp_j, score=s)
+            assert s is not None
         cb = call.scheme.content_bias(qs, q_pos, kp_j)
         if cb is not None:
             s = s + cb
-        mask_j = None if call.mask is None else _slice(call.mask, start, bk, 3)
-        seg_kv = _slice(call.kv_segment_ids, start, bk, 1)
+        mask_j = _maybe_slice(call.mask, start, bk, 3)
+        seg_kv = _maybe_slice(call.kv_segment_ids, start, bk, 1)
         vis = visible(call.causal, q_pos, kp_j, valid, mask_j, call.segment_ids, seg_kv,
                       terms.mask, (B, N))
+        assert vis is not None  # (valid is always given)
         vis = jnp.broadcast_to(vis & (s != -jnp.inf), s.shape)
         s = jnp.where(vis, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))

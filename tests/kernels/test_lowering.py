@@ -20,8 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from jaxpos.kernels import attention_via_kernel, fused_attention
 
+from jaxpos.kernels import attention_via_kernel, fused_attention
 from jaxpos.mods import create_block_mask
 
 B, T, N, NKV, H = 1, 192, 4, 2, 128
@@ -163,3 +163,38 @@ def test_interpret_mode_inside_shard_map_with_check_vma_raises_clearly():
     seg = jax.device_put(jnp.zeros((1, 8), jnp.int32), NamedSharding(mesh, P("b")))
     with pytest.raises(ValueError, match="check_vma=False.*implementation='chunked'"):
         jax.jit(sharded)(q, q, q, pos, seg)
+
+
+# --------------------------------------------- layout, decode path and RoPE on load
+def _decode_call(Tq, Tk, H, rope, kv_lengths):
+    from jaxpos.kernels import fused
+
+    def f(q, k, v, lens, qc, qs, kc, ks):
+        return fused.kernel_attention(
+            q, k, v, q_positions=jnp.arange(Tq) + Tk - Tq, kv_positions=jnp.arange(Tk),
+            causal=True, interpret=False, kv_lengths=lens if kv_lengths else None,
+            rope_tables=fused.RopeTables(qc, qs, kc, ks) if rope else None)
+
+    sds = jax.ShapeDtypeStruct
+    args = (sds((2, Tq, 8, H), jnp.bfloat16), sds((2, Tk, 2, H), jnp.bfloat16),
+            sds((2, Tk, 2, H), jnp.bfloat16), sds((2,), jnp.int32),
+            sds((1, Tq, H // 2), jnp.float32), sds((1, Tq, H // 2), jnp.float32),
+            sds((2, Tk, H // 2), jnp.float32), sds((2, Tk, H // 2), jnp.float32))
+    return f, args
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("Tq, Tk, H, rope, kv_lengths", [
+    (192, 192, 96, False, False),  # H not a power of two (Triton: masked 128-wide blocks)
+    (1, 1000, 128, False, True),  # decode: grouped heads, key splits, lengths
+    (3, 300, 64, True, True),  # decode with RoPE tables (TPU: the [B, N, T, H] fallback)
+    (192, 192, 128, True, False),  # training shape with RoPE on load
+], ids=["h96", "decode-lengths", "decode-rope-h64", "rope-h128"])
+def test_export_layout_decode_and_rope_on_load(platform, Tq, Tk, H, rope, kv_lengths):
+    """The kernel reads [B, T, N, H] through its block specs for any head dim, the decode
+    path (grouped query heads, key splits, per-row lengths) and RoPE on load lower to one
+    forward kernel and three kernels with the backward."""
+    f, args = _decode_call(Tq, Tk, H, rope, kv_lengths)
+    grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+    assert _kernel_calls(_export(f, args, platform), platform) == 1
+    assert _kernel_calls(_export(grad, args, platform), platform) == 3
