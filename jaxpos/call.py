@@ -277,7 +277,8 @@ def _check_scale(scale, H):
     return scale
 
 
-def _check_block_mask(block_mask, mask_mod, shape, block_q, block_k, q_pos, kv_pos):
+def _check_block_mask(block_mask, mask_mod, shape: tuple[int, int, int, int], block_q, block_k,
+                      q_pos, kv_pos):
     """``(mask_mod, block_q, block_k)`` of a call with a block mask (its own)."""
     if not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be a jaxpos.BlockMask (from "

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
@@ -296,7 +296,16 @@ def or_masks(*mask_mods: Callable) -> MaskCombination:
     return _combination("or", mask_mods)
 
 
-def apply_mod(mod: ConvertedMod | None, q_pos, kv_pos, score=None, batch_index=None):
+@overload  # no mod and no score: nothing to apply
+def apply_mod(mod: None, q_pos: Any, kv_pos: Any, score: None = None,
+              batch_index: tuple[int, int] | None = None) -> None: ...
+@overload
+def apply_mod(mod: ConvertedMod | None, q_pos: Any, kv_pos: Any,
+              score: jax.Array | None = None,
+              batch_index: tuple[int, int] | None = None) -> jax.Array: ...
+def apply_mod(mod: ConvertedMod | None, q_pos: Any, kv_pos: Any,
+              score: jax.Array | None = None,
+              batch_index: tuple[int, int] | None = None) -> jax.Array | None:
     """Apply a converted mod to a ``[B, N, tq, tk]`` block (vmapped over batch and head).
 
     ``q_pos``: int32 ``[B|1, tq]``; ``kv_pos``: int32 ``[B|1, tk]``; ``score``: float32
@@ -420,7 +429,7 @@ class BlockMask:
         if mine != theirs:
             raise ValueError(f"block masks combine only when built for the same tiles and "
                              f"lengths; got (block_q, block_k, Tq, Tk) = {mine} and {theirs}.")
-        other.check(*self.kinds.shape[:2], self.q_len, self.kv_len, None, None,
+        other.check(self.kinds.shape[0], self.kinds.shape[1], self.q_len, self.kv_len, None, None,
                     q_positions=self.q_positions, kv_positions=self.kv_positions)
         kinds = combine_kinds(self.kinds, other.kinds, op)
         kv_num, kv_idx = _sorted_live(kinds)
