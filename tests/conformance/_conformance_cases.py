@@ -1,0 +1,495 @@
+"""The conformance suite's three axes, as module-level tables others extend:
+
+* :data:`SCHEMES`: name -> ``(float64 params, params -> jaxpos scheme)``; the reference
+  side is :func:`_contract_reference.scheme_scores` (add the scheme there too).
+* :data:`CALL_SHAPES`: name -> a function of the scheme name returning a :class:`Case`.
+* :data:`IMPLEMENTATIONS`: name -> :class:`Path` (how to run a case, which cases it
+  takes, whether it is slow).
+
+A case is the same inputs for every path; ``run_case`` returns the output and the
+gradients of ``sum(out * cotangent)`` with respect to ``q``, ``k``, ``v``, the sinks and
+the scheme's floating arrays; ``reference_case`` returns the float64 contract's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _contract_reference import contract_attention, visible_any
+
+import jaxpos
+
+# ---------------------------------------------------------------------------- schemes
+_R = np.random.default_rng(1234)
+_N = 4  # query heads of every case (2 key/value heads in the GQA case)
+_H = 8
+
+
+def _fire_params():
+    w = 4
+    return {"w1": _R.uniform(-1, 1, w), "b1": _R.uniform(-1, 1, w),
+            "w2": _R.uniform(-0.5, 0.5, (w, _N)), "b2": _R.uniform(-0.5, 0.5, _N),
+            "c": np.float64(0.1), "L_multiplier": np.float64(1.0), "init_L": 512.0}
+
+
+_f32 = lambda x: np.asarray(x, np.float32)
+#: name -> (params (float64, rounded through float32 so both sides hold the same
+#: numbers), params -> jaxpos scheme). The scheme's floating children named like the
+#: params receive gradients that are compared.
+SCHEMES: dict[str, tuple[dict, Callable]] = {
+    "none": ({}, lambda p: None),
+    "rope": ({"inv_freq": 10000.0 ** (-np.arange(0, 6, 2) / 6)},  # partial rotation (6 of 8)
+             lambda p: jaxpos.RoPE(_f32(p["inv_freq"]))),
+    "alibi": ({"slopes": 2.0 ** (-8.0 * np.arange(1, _N + 1) / _N)},
+              lambda p: jaxpos.ALiBi(slopes=_f32(p["slopes"]))),
+    "t5": ({"table": _R.normal(size=(32, _N)), "bidirectional": False},
+           lambda p: jaxpos.T5Bias(_f32(p["table"]), bidirectional=False)),
+    "kerple": ({"r1": _R.uniform(0.5, 2.0, _N), "r2": _R.uniform(0.5, 2.0, _N)},
+               lambda p: jaxpos.KERPLE(_f32(p["r1"]), _f32(p["r2"]), kind="log")),
+    "xpos": ({"inv_freq": 10000.0 ** (-np.arange(0, _H, 2) / _H), "scale_base": 512.0},
+             lambda p: jaxpos.XPos(inv_freq=_f32(p["inv_freq"]), scale_base=512.0)),
+    "fire": (_fire_params(),
+             lambda p: jaxpos.FIRE(_f32(p["w1"]), _f32(p["b1"]), _f32(p["w2"]), _f32(p["b2"]),
+                                   c=_f32(p["c"]), L_multiplier=_f32(p["L_multiplier"]),
+                                   init_L=p["init_L"])),
+}
+for _params, _ in SCHEMES.values():  # both sides see exactly the float32 numbers
+    for _name, _x in list(_params.items()):
+        if isinstance(_x, np.ndarray) or isinstance(_x, np.floating):
+            _params[_name] = np.asarray(np.asarray(_x, np.float32), np.float64)
+
+
+# ------------------------------------------------------------------------------- mods
+# Each mod is a pair: the jaxpos form (on a tile, scalars batch/head) and the
+# reference's broadcasting form (see contract_attention). Module-level, so every path
+# (and every case) traces the same function objects.
+def _clip_st(s, b, h, qp, kp):
+    """Straight-through clip: the value of clip(s, -0.2, 0.2), the gradient of s."""
+    return s + jax.lax.stop_gradient(jnp.clip(s, -0.2, 0.2) - s)
+
+
+def _clip_st_ref(s, b, h, qp, kp, xp, stop_gradient):
+    return s + stop_gradient(xp.clip(s, -0.2, 0.2) - s)
+
+
+def _softcap(s, b, h, qp, kp):
+    return 2.0 * jnp.tanh(s / 2.0)
+
+
+def _softcap_ref(s, b, h, qp, kp, xp, stop_gradient):
+    return 2.0 * xp.tanh(s / 2.0)
+
+
+def _hide_row3(s, b, h, qp, kp):
+    """An additive -inf on every key of the query at position 3 (a whole row)."""
+    return s + jnp.where(qp == 3, -jnp.inf, 0.0)
+
+
+def _hide_row3_ref(s, b, h, qp, kp, xp, stop_gradient):
+    return s + xp.where(qp == 3, -np.inf, 0.0)
+
+
+_BLOOM_SLOPES = np.asarray([0.5, 0.25, 0.125, 0.0625], np.float32)
+
+
+def _bloom_bias(s, b, h, qp, kp):
+    """BLOOM's form of ALiBi: ``slopes[h] * kv_pos`` (a large per-row constant)."""
+    return s + jnp.asarray(_BLOOM_SLOPES)[h] * kp.astype(jnp.float32)
+
+
+def _bloom_bias_ref(s, b, h, qp, kp, xp, stop_gradient):
+    return s + _BLOOM_SLOPES.astype(np.float64)[h] * kp
+
+
+def _window2(b, h, qp, kp):
+    """Sliding window of 2 keys back (with causal=True)."""
+    return qp - kp < 2
+
+
+def _no_key_for_pos0(b, h, qp, kp):
+    """Query position 0 sees no key (its row is empty with or without causality)."""
+    return qp != 0
+
+
+def _future_only_for_pos2(b, h, qp, kp):
+    """Query position 2 may see only keys 5.. (which causality hides): its row is empty
+    only when causality counts too."""
+    return (qp != 2) | (kp >= 5)
+
+
+MODS = {
+    "clip_st": (_clip_st, _clip_st_ref),
+    "softcap": (_softcap, _softcap_ref),
+    "hide_row3": (_hide_row3, _hide_row3_ref),
+    "bloom": (_bloom_bias, _bloom_bias_ref),
+}
+MASK_MODS = {"window2": _window2, "no_key_for_pos0": _no_key_for_pos0,
+             "future_only_for_pos2": _future_only_for_pos2}
+
+
+# ------------------------------------------------------------------------------ cases
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One call. Positions and segment ids are NumPy ``[B, T]`` (or None)."""
+
+    scheme: str = "none"
+    B: int = 1
+    Tq: int = 8
+    Tk: int = 8
+    N: int = _N
+    Nk: int = _N
+    dtype: str = "float32"
+    causal: bool = True
+    q_positions: tuple | None = None  # nested tuples (hashable)
+    kv_positions: tuple | None = None
+    segment_ids: tuple | None = None
+    kv_segment_ids: tuple | None = None
+    sinks: tuple | None = None
+    score_mod: str | None = None
+    mask_mod: str | None = None
+    nan_value_at: int | None = None  # a NaN in v at this key index (batch 0, head 0)
+    grads: bool = True
+    self_attention: bool = True  # the last Tq keys are the queries' own tokens
+
+    def arrays(self):
+        rng = np.random.default_rng(7)
+        H = _H
+        q = rng.normal(size=(self.B, self.Tq, self.N, H))
+        k = rng.normal(size=(self.B, self.Tk, self.Nk, H))
+        v = rng.normal(size=(self.B, self.Tk, self.Nk, H))
+        if self.nan_value_at is not None:
+            v[0, self.nan_value_at, 0, 0] = np.nan
+        cot = rng.normal(size=(self.B, self.Tq, self.N, H))
+        dt = jnp.dtype(self.dtype)
+        # both sides get the numbers the dtype holds
+        rnd = lambda x: np.asarray(jnp.asarray(x, dt).astype(jnp.float32), np.float64)
+        return rnd(q), rnd(k), rnd(v), cot
+
+    def np_(self, name):
+        x = getattr(self, name)
+        return None if x is None else np.asarray(x)
+
+
+def _t(x):
+    return None if x is None else tuple(map(tuple, np.asarray(x).tolist()))
+
+
+def _pos(B, T, start=0):
+    return _t(np.broadcast_to(np.arange(T) + start, (B, T)))
+
+
+#: name -> scheme -> Case. The call shapes of the issue; every one runs with every
+#: scheme of :data:`SCHEME_SHAPES` (the others with "none" only, to keep the run small).
+CALL_SHAPES: dict[str, Callable[[str], Case]] = {
+    "training": lambda s: Case(scheme=s),
+    "non_causal": lambda s: Case(scheme=s, causal=False),
+    "prefill_chunk": lambda s: Case(scheme=s, Tq=4, Tk=8),
+    "decode": lambda s: Case(scheme=s, Tq=1, Tk=8),
+    "gqa": lambda s: Case(scheme=s, Nk=2),
+    "offset_positions": lambda s: Case(scheme=s, B=2, q_positions=_pos(2, 8, 1000),
+                                       kv_positions=_pos(2, 8, 1000)),
+    "positions_1e5_1e6": lambda s: Case(
+        scheme=s, B=2, q_positions=_t([np.arange(8) + 100_000, np.arange(8) + 999_990]),
+        kv_positions=_t([np.arange(8) + 100_000, np.arange(8) + 999_990])),
+    # Hugging Face left padding: pads at position 1 (cumsum(mask) - 1 with masked_fill 1),
+    # hidden by segment ids (pads have id 0: an ordinary segment, pads see each other).
+    "left_padded": lambda s: Case(
+        scheme=s, B=2, q_positions=_t([np.arange(8), [1, 1, 1, 0, 1, 2, 3, 4]]),
+        kv_positions=_t([np.arange(8), [1, 1, 1, 0, 1, 2, 3, 4]]),
+        segment_ids=_t([[1] * 8, [0, 0, 0, 1, 1, 1, 1, 1]])),
+    "packed": lambda s: Case(
+        scheme=s, q_positions=_t([[0, 1, 2, 0, 1, 2, 3, 0]]),
+        kv_positions=_t([[0, 1, 2, 0, 1, 2, 3, 0]]),
+        segment_ids=_t([[1, 1, 1, 2, 2, 2, 2, 3]])),
+    # rows with no visible key: causality combined with segments (query 2 is the first
+    # token of segment 2 at a position before every key of its segment) ...
+    "empty_rows_causal_segments": lambda s: Case(
+        scheme=s, q_positions=_t([np.arange(8)]), kv_positions=_t([np.arange(8)]),
+        segment_ids=_t([[1, 1, 2, 1, 1, 2, 2, 2]]),
+        kv_segment_ids=_t([[1, 1, 1, 1, 1, 2, 2, 2]])),
+    # ... and with a mask_mod (query position 2 may see only future keys)
+    "empty_rows_causal_mask_mod": lambda s: Case(scheme=s, mask_mod="future_only_for_pos2"),
+    "sliding_window": lambda s: Case(scheme=s, mask_mod="window2"),
+    "whole_row_minus_inf": lambda s: Case(scheme=s, score_mod="hide_row3"),
+    "straight_through_mod": lambda s: Case(scheme=s, score_mod="clip_st"),
+    "non_additive_mod": lambda s: Case(scheme=s, score_mod="softcap"),
+    "sinks": lambda s: Case(scheme=s, sinks=(0.5, -1.0, 2.0, 0.0)),
+    "sinks_minus_inf_empty_rows": lambda s: Case(
+        scheme=s, sinks=(-np.inf, 0.5, -np.inf, 1.0), mask_mod="no_key_for_pos0"),
+    "bfloat16": lambda s: Case(scheme=s, dtype="bfloat16"),
+    "float16": lambda s: Case(scheme=s, dtype="float16"),
+    "bfloat16_large_bias": lambda s: Case(
+        scheme=s, dtype="bfloat16", score_mod="bloom", q_positions=_pos(1, 8, 1000),
+        kv_positions=_pos(1, 8, 1000)),
+    "nan_value": lambda s: Case(scheme=s, nan_value_at=5, grads=False),
+}
+#: Call shapes run with every scheme of SCHEMES (the rest with "none").
+SCHEME_SHAPES = ("training", "decode", "positions_1e5_1e6")
+
+
+def all_cases():
+    """``[(case_id, Case)]``: every call shape with "none", the scheme shapes with every
+    scheme."""
+    out = []
+    for shape, make in CALL_SHAPES.items():
+        for scheme in SCHEMES if shape in SCHEME_SHAPES else ("none",):
+            out.append((f"{shape}-{scheme}", make(scheme)))
+    return out
+
+
+# ---------------------------------------------------------------------------- running
+def _jaxpos_kwargs(case: Case):
+    kw = dict(causal=case.causal, q_positions=case.np_("q_positions"),
+              kv_positions=case.np_("kv_positions"), segment_ids=case.np_("segment_ids"),
+              kv_segment_ids=case.np_("kv_segment_ids"))
+    if case.segment_ids is not None and case.kv_segment_ids is None:
+        kw["kv_segment_ids"] = case.np_("segment_ids")
+    if case.score_mod is not None:
+        kw["score_mod"] = MODS[case.score_mod][0]
+    if case.mask_mod is not None:
+        kw["mask_mod"] = MASK_MODS[case.mask_mod]
+    return kw
+
+
+def _float_children(scheme):
+    if scheme is None:
+        return {}
+    return {n: getattr(scheme, n) for n in type(scheme)._children
+            if jnp.issubdtype(jnp.result_type(getattr(scheme, n)), jnp.floating)}
+
+
+def _with_children(scheme, children):
+    """``scheme`` with the floating children ``children`` (a dict) put back, through the
+    pytree protocol of :class:`jaxpos.PositionScheme` (so traced values pass)."""
+    if scheme is None:
+        return None
+    kids, aux = scheme._flatten()
+    kids = tuple(children.get(n, x) for n, x in zip(type(scheme)._children, kids))
+    return type(scheme)._unflatten(aux, kids)
+
+
+def _sinks(case):
+    return None if case.sinks is None else jnp.asarray(case.sinks, jnp.float32)
+
+
+def run_attention(case: Case, attend, *, jit=True):
+    """``(out, grads)`` of ``attend(q, k, v, scheme, sinks, **kw)`` (float32 NumPy;
+    ``grads``: dict with ``q``, ``k``, ``v``, ``sinks``, ``scheme.<child>``)."""
+    q, k, v, cot = case.arrays()
+    dt = jnp.dtype(case.dtype)
+    scheme = SCHEMES[case.scheme][1](SCHEMES[case.scheme][0])
+    children = _float_children(scheme)
+    kw = _jaxpos_kwargs(case)
+
+    def f(q, k, v, sinks, children):
+        return attend(q, k, v, _with_children(scheme, children), sinks, **kw)
+
+    args = (jnp.asarray(q, dt), jnp.asarray(k, dt), jnp.asarray(v, dt), _sinks(case), children)
+    if not case.grads:
+        fn = jax.jit(f) if jit else f
+        return np.asarray(fn(*args).astype(jnp.float32), np.float64), None
+
+    def fwd_bwd(*a):
+        out, vjp = jax.vjp(f, *a)
+        return out, vjp(jnp.asarray(cot, out.dtype))
+
+    fn = jax.jit(fwd_bwd) if jit else fwd_bwd
+    out, (dq, dk, dv, dsinks, dch) = fn(*args)
+    f64 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+    grads = {"q": f64(dq), "k": f64(dk), "v": f64(dv)}
+    if dsinks is not None:
+        grads["sinks"] = f64(dsinks)
+    grads.update({f"scheme.{n}": f64(g) for n, g in dch.items()})
+    return f64(out), grads
+
+
+def _ref_mods(case):
+    smod = None if case.score_mod is None else MODS[case.score_mod][1]
+    mmod = None if case.mask_mod is None else MASK_MODS[case.mask_mod]
+    return smod, mmod
+
+
+def reference_case(case: Case):
+    """float64 ``(out, grads)`` of the contract (grads by JAX in float64)."""
+    q, k, v, cot = case.arrays()
+    params = SCHEMES[case.scheme][0]
+    smod, mmod = _ref_mods(case)
+    kw = dict(scheme=case.scheme, score_mod=smod, mask_mod=mmod, causal=case.causal,
+              q_positions=case.np_("q_positions"), kv_positions=case.np_("kv_positions"),
+              segment_ids=case.np_("segment_ids"), kv_segment_ids=case.np_("kv_segment_ids"))
+    sinks = None if case.sinks is None else np.asarray(case.sinks, np.float64)
+    out = contract_attention(q, k, v, params=params, sinks=sinks, **kw)
+    if not case.grads:
+        return out, None
+    diff = {n: x for n, x in params.items() if isinstance(x, np.ndarray)}
+    with jax.enable_x64(True):
+        def f(q, k, v, sinks, diff):
+            return contract_attention(q, k, v, xp=jnp, params={**params, **diff}, sinks=sinks,
+                                      stop_gradient=jax.lax.stop_gradient, **kw)
+
+        a = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+             None if sinks is None else jnp.asarray(sinks),
+             {n: jnp.asarray(x) for n, x in diff.items()})
+        grad = jax.jit(lambda a, c: jax.vjp(f, *a)[1](c))
+        dq, dk, dv, dsinks, dch = grad(a, jnp.asarray(cot))
+        grads = {"q": np.asarray(dq), "k": np.asarray(dk), "v": np.asarray(dv)}
+        if dsinks is not None:
+            grads["sinks"] = np.asarray(dsinks)
+        grads.update({f"scheme.{n}": np.asarray(g) for n, g in dch.items()})
+    return out, grads
+
+
+def empty_rows(case: Case):
+    """bool ``[B, Tq, N]``: query rows with no visible key (masks and -inf mods)."""
+    _, mmod = _ref_mods(case)
+    vis = visible_any(case.B, case.N, case.Tq, case.Tk, causal=case.causal,
+                      q_positions=case.np_("q_positions"), kv_positions=case.np_("kv_positions"),
+                      segment_ids=case.np_("segment_ids"),
+                      kv_segment_ids=case.np_("kv_segment_ids"), mask_mod=mmod)
+    if case.score_mod == "hide_row3":
+        qp = case.np_("q_positions")
+        qp = (np.arange(case.Tq) + case.Tk - case.Tq)[None] if qp is None else qp
+        vis = vis & (np.broadcast_to(qp, (case.B, case.Tq)) != 3)[:, None, :, None]
+    return np.swapaxes(~vis.any(-1), 1, 2)
+
+
+# ------------------------------------------------------------------------ tolerances
+def tolerance(case: Case) -> float:
+    """Absolute tolerance relative to the largest reference magnitude, from the dtype:
+    the inputs are exact in both (rounded to the dtype first), so what differs is the
+    rounding of the softmax weights / output to the dtype (``eps / 2`` each) and float32
+    accumulation; 8 ulps of the dtype covers both with margin, and a wrong bias of even
+    one bf16 ulp of a score (0.0078 at |s| ~ 1) exceeds it only when it moves weights
+    by more than that, as the issue's 0.64 does."""
+    eps = float(jnp.finfo(jnp.dtype(case.dtype)).eps)
+    return 8 * eps if case.dtype != "float32" else 2e-5
+
+
+# ------------------------------------------------------------------------------ paths
+def _every_shape_and_training_schemes(cid: str) -> bool:
+    """Default-run cases of the reference path: every call shape with no scheme, and the
+    training shape with every scheme (decode and far positions per scheme: slow)."""
+    return cid.endswith("-none") or cid.startswith("training-")
+
+
+def _every_shape(cid: str) -> bool:
+    """Default-run cases of the chunked and xla paths: every call shape with no scheme,
+    and two score-term schemes in training shape (a scheme's transform runs before any
+    path, so the reference's scheme cases cover it; every combination runs in the slow
+    run)."""
+    return cid.endswith("-none") or cid in ("training-alibi", "training-t5")
+
+
+@dataclasses.dataclass(frozen=True)
+class Path:
+    """An implementation: ``attend(q, k, v, scheme, sinks, **kw) -> out``, which cases
+    it takes (``takes``: None = all), which of them run in the default run (``default``:
+    a predicate on the case id; the rest are ``slow``) and whether to ``jit`` the call."""
+
+    attend: Callable | None
+    takes: Callable[[Case], bool] | None = None
+    default: Callable[[str], bool] = _every_shape
+    jit: bool = True
+
+
+def _via(impl, **extra):
+    def attend(q, k, v, scheme, sinks, **kw):
+        return jaxpos.attention(q, k, v, position=scheme, sinks=sinks, implementation=impl,
+                                **extra, **kw)
+    return attend
+
+
+def _cached_decode(q, k, v, scheme, sinks, *, causal, q_positions, kv_positions,
+                   segment_ids=None, kv_segment_ids=None, score_mod=None, mask_mod=None):
+    """The Flax modules' KV-cache decode (``jaxpos.nnx.AttentionCore.decode``): the first
+    ``Tk - Tq`` keys written as a prefill, then the queries' own tokens, into a cache with
+    empty slots; attention over the whole cache as the module runs it."""
+    from jaxpos import nnx as jnnx
+
+    B, Tq = q.shape[:2]
+    Tk = k.shape[1]
+    kvp = jnp.broadcast_to(jnp.asarray(
+        np.arange(Tk) if kv_positions is None else kv_positions, jnp.int32), (B, Tk))
+    qp = kvp[:, Tk - Tq:]
+    cache = jnnx.init_kv_cache(B, Tk + 3, k.shape[2], k.shape[3], k.dtype)
+    sch = jaxpos.as_scheme(scheme)
+    if Tk > Tq:
+        _, k0, sch0 = jnnx.rotate_at_write(sch, q[:, :0], k[:, :Tk - Tq], kvp[:, :Tk - Tq])
+        cache, *_ = jnnx.update_kv_cache(cache, k0, v[:, :Tk - Tq], kvp[:, :Tk - Tq])
+    qq, k1, sch1 = jnnx.rotate_at_write(sch, q, k[:, Tk - Tq:], qp)
+    cache, seg, kv_seg, _ = jnnx.update_kv_cache(cache, k1, v[:, Tk - Tq:], qp)
+    return jaxpos.attention(qq, cache.k, cache.v, position=sch1, q_positions=qp,
+                            kv_positions=cache.positions, causal=causal, segment_ids=seg,
+                            kv_segment_ids=kv_seg, sinks=sinks, score_mod=score_mod,
+                            mask_mod=mask_mod, implementation="chunked")
+
+
+def _module_takes(case: Case) -> bool:
+    # the cache hides its empty slots with segment ids, so a case with its own segments
+    # is not a decode call; the queries must be the last keys' tokens
+    return case.segment_ids is None and case.self_attention and (
+        case.q_positions is None or case.q_positions == case.kv_positions or case.Tq == case.Tk)
+
+
+def _flax_adapter(q, k, v, scheme, sinks, *, causal, q_positions, kv_positions,
+                  segment_ids=None, kv_segment_ids=None, score_mod=None, mask_mod=None):
+    """``jaxpos.flax_attention_fn`` called as Flax's attention modules call it, with
+    dropout off (``dropout_rate=0.0``, ``deterministic=False``, Flax's default
+    ``broadcast_dropout=True``): a full pass with ``is_causal``, or a ``decode=True`` step
+    (one query, the whole cache and Flax's cache mask ``arange(max_len) <= cache_index``,
+    here every slot filled)."""
+    B, Tq = q.shape[:2]
+    Tk = k.shape[1]
+    fn = jaxpos.flax_attention_fn(scheme, score_mod=score_mod, mask_mod=mask_mod)
+    mask = jnp.ones((B, 1, 1, Tk), jnp.float32) if Tq == 1 < Tk else None
+    return fn(q, k, v, mask=mask, is_causal=causal and Tq == Tk, dropout_rate=0.0,
+              dropout_rng=None, deterministic=False)
+
+
+def _flax_adapter_takes(case: Case) -> bool:
+    # Flax's modules pass no positions, segments or sinks: arange positions, a full pass
+    # (Tq == Tk) or a decode step (Tq == 1)
+    return case.q_positions is None and case.segment_ids is None and case.sinks is None and \
+        (case.Tq == case.Tk or case.Tq == 1) and case.self_attention
+
+
+def _ring_takes(case: Case) -> bool:
+    return case.Tq % 8 == 0 and case.Tk % 8 == 0
+
+
+#: Default-run cases of the Pallas interpreter (slow on CPU): the kernel's findings and
+#: one case per family; every case runs in the slow run.
+PALLAS_DEFAULT = ("training-none", "training-alibi", "decode-none", "gqa-none",
+                  "empty_rows_causal_segments-none", "straight_through_mod-none",
+                  "sinks_minus_inf_empty_rows-none", "bfloat16-none")
+
+#: Default-run cases of the Flax adapter (the rest run in the slow run).
+FLAX_ADAPTER_DEFAULT = ("training-none", "training-rope", "training-t5", "decode-rope",
+                        "decode-alibi", "sliding_window-none", "bfloat16-none")
+
+#: name -> Path. A new implementation joins here.
+IMPLEMENTATIONS: dict[str, Path] = {
+    "reference": Path(_via("reference"), default=_every_shape_and_training_schemes),
+    "chunked": Path(_via("chunked", block_q=4, block_k=4)),
+    "pallas": Path(_via("pallas", block_q=4, block_k=4),
+                   default=lambda cid: cid in PALLAS_DEFAULT),
+    # eager, as most users call it: under jit the positions are traced and the
+    # is_causal route (arange positions) is never taken
+    "xla": Path(_via("xla"), jit=False),
+    "module_cached_decode": Path(_cached_decode, takes=_module_takes, default=lambda cid: False),
+    # Flax's attention_fn hook with dropout_rate=0 (jaxpos.flax_attention_fn)
+    "flax_adapter": Path(_flax_adapter, takes=_flax_adapter_takes,
+                         default=lambda cid: cid in FLAX_ADAPTER_DEFAULT),
+    # run by tests/conformance/_ring_conformance_worker.py in an 8-device subprocess
+    "ring": Path(None, takes=_ring_takes, default=lambda cid: False),
+}
+
+
+@functools.cache
+def cached_reference(case_id: str):
+    return reference_case(dict(all_cases())[case_id])
