@@ -726,6 +726,25 @@ def format_claims(results: dict) -> str:
     return _markdown(head, rows, text_columns=4)
 
 
+def format_ranking(results: dict, at: int = -1) -> str:
+    """Markdown table: the rows with a value at ``eval_lens[at]`` (default the longest),
+    lowest mean first, each with the rows it cannot be told apart from there
+    (:func:`compare_cells`: ``|difference| <= 2 * pooled std``)."""
+    L = results["eval_lens"][at]
+    T = results["config"]["train_len"]
+    rows = [n for n, r in results["schemes"].items() if r["bits_per_byte"][str(L)] is not None]
+    rows.sort(key=lambda n: results["schemes"][n]["bits_per_byte"][str(L)])
+    out = []
+    for a in rows:
+        r = results["schemes"][a]
+        sd = r.get("std", {}).get(str(L))
+        tied = [b for b in rows if b != a and not compare_cells(results, a, L, b, L)["exceeds"]]
+        out.append([a, (", ".join(tied) or "-") if sd is not None else "(one seed: no spread)",
+                    f"{r['bits_per_byte'][str(L)]:.3f}" + ("" if sd is None else f" ± {sd:.3f}")])
+    return _markdown(["scheme", f"cannot be told apart at {L / T:g}x from", f"{L} ({L / T:g}x)"],
+                     out, text_columns=2)
+
+
 def plot(results: dict, path: Path) -> None:
     """Bits per byte against evaluation length (log2 axis), one line per scheme, with a band
     of ± one standard deviation over seeds where there are several."""
@@ -1054,10 +1073,13 @@ def run(args) -> dict:
 
 
 def report(path: str) -> dict:
-    """Print the table and the claim comparisons of a finished run's results.json and
-    redraw its plot, ``length_generalization.png``, in the same folder."""
+    """Print the table, the ranking at the longest length (:func:`format_ranking`) and the
+    claim comparisons of a finished run's results.json, and redraw its plot,
+    ``length_generalization.png``, in the same folder."""
     results = json.loads(Path(path).read_text())
     print(format_table(results))
+    print()
+    print(format_ranking(results))
     print()
     print(format_claims(results))
     png = Path(path).with_name("length_generalization.png")

@@ -259,6 +259,22 @@ def test_spread_rule_and_claim_verdicts(lg):
     assert ["ssmax 16x vs nope 16x", "not run", "-", "-"] in [r[2:] for r in rows]
 
 
+def test_ranking_lists_the_rows_inside_the_spread(lg):
+    """At 16x: fire 3.1 +- 0.01 and alibi 3.2 +- 0.2 differ by 0.1 <= 2 * 0.1416 (tied);
+    rope 3.5 +- 0.1 and alibi by 0.3 <= 2 * 0.1581 (tied); fire and rope by 0.4 > 2 *
+    0.0711 (apart); a row without a value is left out."""
+    res = _fake_results({"alibi": ((3.25, 3.2), (0.05, 0.2)),
+                         "rope": ((3.1, 3.5), (0.02, 0.1)),
+                         "fire": ((3.0, 3.1), (0.0, 0.01)),
+                         "ssmax": ((None, None), (None, None))})
+    rows = [[c.strip() for c in line.split("|")[1:-1]]
+            for line in lg.format_ranking(res).splitlines()]
+    assert rows[0] == ["scheme", "cannot be told apart at 16x from", "128 (16x)"]
+    assert rows[2:] == [["fire", "alibi", "3.100 ± 0.010"],
+                        ["alibi", "fire, rope", "3.200 ± 0.200"],
+                        ["rope", "alibi", "3.500 ± 0.100"]]
+
+
 def test_table_shows_mean_and_std(lg):
     res = _fake_results({"alibi": ((3.25, 3.2), (0.05, 0.2)),
                          "ssmax": ((None, None), (None, None))})
@@ -341,6 +357,7 @@ def test_committed_study_tables_are_generated_from_its_results(lg):
     study = (ROOT / "docs" / "study.md").read_text()
     assert lg.format_table(results, timings=False) in readme
     assert lg.format_table(results) in study
+    assert lg.format_ranking(results) in study
     assert lg.format_claims(results) in study
 
 
