@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["cast_varying", "match_vma", "pad_axis", "pow2_at_least", "varying_axes",
-           "zero_cotangent"]
+__all__ = ["cast_varying", "match_vma", "pad_axis", "pow2_at_least", "sink_gradient",
+           "varying_axes", "zero_cotangent"]
 
 
 def pad_axis(x, axis: int, size: int, value=0, mode: str = "constant"):
@@ -68,3 +68,13 @@ def zero_cotangent(x):
     if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
         return jnp.zeros(jnp.shape(x), jnp.result_type(x))
     return np.zeros(jnp.shape(x), jax.dtypes.float0)
+
+
+def sink_gradient(sinks, lse, delta, head_axis: int):
+    """``d sink_h = -sum exp(sink_h - lse) * delta``, summed over every axis but
+    ``head_axis`` of ``lse`` and ``delta`` (``rowsum(dout * out)``): the sink's softmax
+    weight times ``delta`` is the whole gradient of a logit that carries no value vector.
+    ``lse`` includes the sink. Returns float32 ``[N]``."""
+    flat = lambda x: jnp.moveaxis(x, head_axis, 0).reshape(x.shape[head_axis], -1)
+    w = jnp.exp(sinks.astype(jnp.float32)[:, None] - flat(lse))
+    return -jnp.sum(jnp.where(jnp.isfinite(w), w, 0.0) * flat(delta), axis=1)

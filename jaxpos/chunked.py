@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxpos._util import match_vma, pad_axis, zero_cotangent
+from jaxpos._util import match_vma, pad_axis, sink_gradient, zero_cotangent
 from jaxpos.call import AttentionCall, apply_rope_tables
 from jaxpos.chunked_decode import decode_shaped, run_chunked_decode
 from jaxpos.dropout import Dropout, keep_tile
@@ -37,7 +37,7 @@ from jaxpos.reference import (
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "NEG_INF", "ChunkCfg", "blocks", "chunk_inputs",
            "chunked_attention", "chunked_backward", "chunked_forward", "merge_terms",
-           "run_chunked", "sink_gradient", "split_terms", "tile_kind", "unblocks",
+           "run_chunked", "split_terms", "tile_kind", "unblocks",
            "varying_zero"]
 
 NEG_INF = -jnp.inf
@@ -351,16 +351,6 @@ def _chunked_core(cfg, fl, il, sinks, qs, k, v, ints):
 def _chunked_core_fwd(cfg, fl, il, sinks, qs, k, v, ints):
     out, lse = chunked_forward(merge_terms(cfg, fl, il), sinks, _assemble(qs, k, v, ints), cfg)
     return out, (fl, il, sinks, qs, k, v, ints, out, lse)
-
-
-def sink_gradient(sinks, lse, delta, head_axis: int):
-    """``d sink_h = -sum exp(sink_h - lse) * delta``, summed over every axis but
-    ``head_axis`` of ``lse`` and ``delta`` (``rowsum(dout * out)``): the sink's softmax
-    weight times ``delta`` is the whole gradient of a logit that carries no value vector.
-    ``lse`` includes the sink. Returns float32 ``[N]``."""
-    flat = lambda x: jnp.moveaxis(x, head_axis, 0).reshape(x.shape[head_axis], -1)
-    w = jnp.exp(sinks.astype(jnp.float32)[:, None] - flat(lse))
-    return -jnp.sum(jnp.where(jnp.isfinite(w), w, 0.0) * flat(delta), axis=1)
 
 
 def _chunked_core_bwd(cfg, res, dout):

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
-from jaxpos._util import match_vma, zero_cotangent
+from jaxpos._util import match_vma, sink_gradient, zero_cotangent
 from jaxpos.call import AttentionCall, validate_call
 from jaxpos.chunked import (
     BLOCK_K,
@@ -62,7 +62,6 @@ from jaxpos.chunked import (
     chunked_backward,
     chunked_forward,
     merge_terms,
-    sink_gradient,
     split_terms,
     tile_kind,
     unblocks,

@@ -86,6 +86,7 @@ from jaxpos._util import (
     match_vma,
     pad_axis,
     pow2_at_least,
+    sink_gradient,
     varying_axes,
     zero_cotangent,
 )
@@ -1172,11 +1173,9 @@ def _core_bwd(cfg, res, cts):
         dsmod = smod.with_consts(cts_c)
     dsinks = None
     if sinks is not None:
-        w = jnp.exp(sinks[None, :, None, None] - lse_b)  # [B, N, Tq_p, 1]
-        # a sink of -inf on a row with no visible key: lse = -inf too, exp(nan); its
-        # weight is 0 (as the chunked path's sink_gradient has it)
-        w = jnp.where(jnp.isfinite(w), w, 0.0) * delta
-        dsinks = match_vma(-jnp.sum(w, axis=(0, 2, 3)).astype(sinks.dtype), sinks)
+        # lse_b, delta: [B, N, Tq_p, 1]; a row with no visible key and a sink of -inf
+        # weighs 0
+        dsinks = match_vma(sink_gradient(sinks, lse_b, delta, 1).astype(sinks.dtype), sinks)
     return (dq, dk, dv, zeros(ints), zeros(sched), dsmod,
             None if mmod is None else zeros(mmod), dsinks,
             None if kv_len is None else zeros(kv_len), None if tabs is None else zeros(tabs))
