@@ -23,8 +23,10 @@ the user's own ``score_mod`` and ``mask_mod``. Nothing here names a scheme.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos.call import AttentionCall, apply_rope_tables, transform_call, validate_call
@@ -44,9 +46,10 @@ IMPLEMENTATIONS = ("reference", "chunked", "pallas")
 ALL_IMPLEMENTATIONS = IMPLEMENTATIONS + ("xla",)
 
 
-def default_implementation(position: PositionScheme | None = None, *, score_mod=None,
-                           mask_mod=None, q_len: int = 0, kv_len: int = 0, num_heads: int = 1,
-                           batch: int = 1) -> str:
+def default_implementation(position: PositionScheme | None = None, *,
+                           score_mod: Callable[..., Any] | None = None,
+                           mask_mod: Callable[..., Any] | None = None, q_len: int = 0,
+                           kv_len: int = 0, num_heads: int = 1, batch: int = 1) -> str:
     """The implementation ``attention(implementation=None)`` runs, by the measured rule of
     :func:`jaxpos.kernels.choose_implementation` (``docs/kernel.md``): ``"chunked"`` on
     CPU and for schemes the kernel cannot fuse (Shaw); on an NVIDIA GPU ``"xla"``
@@ -169,31 +172,31 @@ def _check_runner(name: str, call: AttentionCall, head_dim: int) -> None:
 
 
 def attention(
-    q,
-    k,
-    v,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
     *,
-    position=None,
-    score_mod=None,
-    mask_mod=None,
+    position: PositionScheme | str | None = None,
+    score_mod: Callable[..., Any] | None = None,
+    mask_mod: Callable[..., Any] | None = None,
     block_mask: BlockMask | None = None,
-    sinks=None,
-    q_positions=None,
-    kv_positions=None,
+    sinks: ArrayLike | None = None,
+    q_positions: ArrayLike | None = None,
+    kv_positions: ArrayLike | None = None,
     causal: bool = False,
-    mask=None,
-    segment_ids=None,
-    kv_segment_ids=None,
-    scale=None,
+    mask: ArrayLike | None = None,
+    segment_ids: ArrayLike | None = None,
+    kv_segment_ids: ArrayLike | None = None,
+    scale: ArrayLike | None = None,
     implementation: str | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
-    kv_lengths=None,
-    rope_tables=None,
+    kv_lengths: ArrayLike | None = None,
+    rope_tables: Any = None,
     dropout_rate: float = 0.0,
-    dropout_rng=None,
+    dropout_rng: jax.Array | None = None,
     broadcast_dropout: bool = False,
-):
+) -> jax.Array:
     """Multi-head attention with any position scheme, score_mod and mask_mod.
 
     ``softmax(score_mod(scale * q k^T) + bias) v`` per head, where the scheme transforms q
