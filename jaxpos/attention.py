@@ -53,8 +53,9 @@ def default_implementation(position: PositionScheme | None = None, *,
     """The implementation ``attention(implementation=None)`` runs, by the measured rule of
     :func:`jaxpos.kernels.choose_implementation` (``docs/kernel.md``): ``"chunked"`` on
     CPU and for schemes the kernel cannot fuse (Shaw); on an NVIDIA GPU ``"xla"``
-    (``jax.nn.dot_product_attention``, cuDNN) when there is no score term, or while the
-    dense bias of the score term fits the budget, else ``"pallas"``; ``"pallas"`` on TPU.
+    (``jax.nn.dot_product_attention``, cuDNN) when there is no score term, or for a
+    mask_mod alone while its dense mask fits the budget; else ``"pallas"`` (a score term
+    never goes to cuDNN: it would round the bias); ``"pallas"`` on TPU.
 
     Args:
       position: the scheme (its own score_mod counts as a score term).

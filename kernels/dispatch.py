@@ -66,11 +66,18 @@ def choose_implementation(*, backend: str, fusable: bool, has_score_mod: bool,
       xPos: their transform is applied before) -> ``"xla"``: cuDNN's flash attention
       (measured 500 TFLOP/s forward, 483 forward+backward) beats the Pallas kernel
       (171 / 172);
-    * NVIDIA GPU with a score_mod or mask_mod -> ``"xla"`` (cuDNN with the term
-      materialised densely: measured 284 / 197 TFLOP/s for ALiBi, against 164 / 87 for the
-      Pallas kernel) while that dense array, ``batch * num_heads * Tq * Tk * 4`` bytes,
-      fits ``dense_bias_budget_bytes`` (default :data:`DENSE_BIAS_BUDGET_BYTES`, 1 GiB);
-      above it ``"pallas"``, whose memory is ``O(T)``;
+    * NVIDIA GPU with a score term (a score_mod, the scheme's included) -> ``"pallas"``:
+      the kernel applies it in float32 tile by tile. cuDNN is not used for a bias
+      (:func:`jaxpos.xla.cudnn_allowed`): it takes the bias in the inputs' dtype, which
+      rounds the term (BLOOM's ``slopes[h] * kv_pos`` was 0.64 off in bfloat16), and its
+      bias gradient is wrong for batch > 1 (https://github.com/jax-ml/jax/issues/30593);
+      the 284 / 197 TFLOP/s once measured for ALiBi through cuDNN came from that path;
+    * NVIDIA GPU with a mask_mod only -> ``"xla"`` (cuDNN with the mask materialised
+      densely; no bias, so no bias gradient) while that dense array,
+      ``batch * num_heads * Tq * Tk * 4`` bytes, fits ``dense_bias_budget_bytes``
+      (default :data:`DENSE_BIAS_BUDGET_BYTES`, 1 GiB); above it ``"pallas"``, whose
+      memory is ``O(T)``. A window is a mask_mod, never cuDNN's ``local_window_size``
+      (its non-causal window attends to the future: https://github.com/jax-ml/jax/pull/39576);
     * any other backend (ROCm, where cuDNN is absent) -> ``"pallas"`` if fusable.
 
     Args:
@@ -102,7 +109,9 @@ def choose_implementation(*, backend: str, fusable: bool, has_score_mod: bool,
     if backend == "tpu":
         return "pallas"
     if backend in GPU_BACKENDS:
-        if not (has_score_mod or has_mask_mod):
+        if has_score_mod:
+            return "pallas"
+        if not has_mask_mod:
             return "xla"
         dense_bytes = int(batch) * int(num_heads) * int(Tq) * int(Tk) * 4
         return "xla" if dense_bytes <= budget else "pallas"
