@@ -122,7 +122,8 @@ def test_key_splits_cover_the_filled_tiles_once():
     np.testing.assert_array_equal(fwd[0, 0, 0], [[0, 2], [1, 0], [0, 0], [0, 0]])
 
 
-@pytest.mark.parametrize("splits", [pytest.param(1, marks=pytest.mark.slow), 3])
+@pytest.mark.slow
+@pytest.mark.parametrize("splits", [1, 3])
 def test_split_counts_agree_with_dense_attention(splits):
     """Forward of a decode step (Tq = 1, GQA 4:1, sinks, Tk = 40 not a tile multiple) with
     one and three key splits equals the dense reference."""
