@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos._checks import relative_offsets
@@ -54,7 +55,8 @@ def alibi_slopes(num_heads: int) -> jax.Array:
     return jnp.asarray(np.array(slopes, np.float64), jnp.float32)
 
 
-def alibi_bias(q_positions, kv_positions, slopes, *, bidirectional: bool = False) -> jax.Array:
+def alibi_bias(q_positions: ArrayLike, kv_positions: ArrayLike, slopes: ArrayLike, *,
+               bidirectional: bool = False) -> jax.Array:
     """The ALiBi score bias for every (query, key) pair (Press et al. 2022, §3, Fig. 3).
 
     ``bidirectional=False`` (causal, the paper): ``slopes[h] * (kv_pos - q_pos)``,

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 
@@ -24,7 +25,8 @@ OUT_OF_RANGE_POLICIES = ("error", "checked", "wrap", "clip")
 _POLICIES = OUT_OF_RANGE_POLICIES
 
 
-def learned_positions(table, positions, *, out_of_range: str = "error") -> jax.Array:
+def learned_positions(table: ArrayLike, positions: ArrayLike, *,
+                      out_of_range: str = "error") -> jax.Array:
     """Look up learned position vectors (Gehring et al. 2017, §3.1; GPT-2; BERT).
 
     Args:

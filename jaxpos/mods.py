@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos._util import cast_varying, varying_axes
@@ -516,7 +517,8 @@ def _sorted_live(kinds):
     return count, idx
 
 
-def create_block_mask(mask_mod: Callable, *, q_positions, kv_positions, block_q: int = 128,
+def create_block_mask(mask_mod: Callable, *, q_positions: ArrayLike, kv_positions: ArrayLike,
+                      block_q: int = 128,
                       block_k: int = 128, batch_size: int | None = None,
                       num_heads: int | None = None) -> BlockMask:
     """Classify every ``block_q x block_k`` tile of ``mask_mod`` as empty, full or partial.

@@ -46,6 +46,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxpos import _checks, rope_scaling
 from jaxpos.rope_scaling import check_rotary_dim, default_inv_freq, rope_frequencies
@@ -246,8 +247,8 @@ def _unpack_frequencies(inv_freq, attention_factor):
     return inv_freq, attention_factor
 
 
-def apply_rope(x, positions, inv_freq, *, layout: str = "half", attention_factor=1.0,
-               angle_precision: str = "high"):
+def apply_rope(x: ArrayLike, positions: ArrayLike, inv_freq: ArrayLike, *, layout: str = "half",
+               attention_factor: ArrayLike = 1.0, angle_precision: str = "high") -> jax.Array:
     """Rotate the first ``2 * len(inv_freq)`` features of each head of ``x`` (Su et al.
     2024, §3.4.2: ``R^d_{Theta,m} x`` computed with cos/sin, not a matrix).
 
@@ -376,7 +377,8 @@ def _permute_features(w, perm, head_dim: int, axis: int, name: str):
     return xp.reshape(w4, shp)
 
 
-def interleaved_to_half(w, *, head_dim: int, rotary_dim: int | None = None, axis: int = -1):
+def interleaved_to_half(w: ArrayLike, *, head_dim: int, rotary_dim: int | None = None,
+                        axis: int = -1) -> np.ndarray | jax.Array:
     """Permute q/k projection features from the interleaved layout (Meta's Llama, GPT-J,
     RoFormer) to the half layout (HF Llama, GPT-NeoX), head by head.
 
@@ -402,7 +404,8 @@ def interleaved_to_half(w, *, head_dim: int, rotary_dim: int | None = None, axis
                              "interleaved_to_half")
 
 
-def half_to_interleaved(w, *, head_dim: int, rotary_dim: int | None = None, axis: int = -1):
+def half_to_interleaved(w: ArrayLike, *, head_dim: int, rotary_dim: int | None = None,
+                        axis: int = -1) -> np.ndarray | jax.Array:
     """Inverse of :func:`interleaved_to_half` (HF Llama weights back to Meta's layout).
 
     Same arguments, returns and errors as :func:`interleaved_to_half`.

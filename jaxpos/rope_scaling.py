@@ -49,8 +49,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 
@@ -73,7 +75,8 @@ _f32 = np.float32
 
 
 # ------------------------------------------------------------------------- frequencies
-def rope_frequencies(rotary_dim: int, base: float = 10000.0, *, scaling=None, seq_len=None):
+def rope_frequencies(rotary_dim: int, base: float = 10000.0, *, scaling: Any = None,
+                     seq_len: ArrayLike | None = None) -> tuple[jax.Array, float]:
     """Inverse frequencies of RoPE and the attention factor, as Hugging Face's rope init
     functions return them (Su et al. 2024, eq. 15: ``theta_i = base ** (-2(i-1)/d)``).
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos._checks import relative_offsets
@@ -125,9 +126,11 @@ def shaw_values(p, idx, rel_v) -> jax.Array:
     return jnp.einsum("bnqr,rh->bnqh", w, rel_v.astype(jnp.float32))
 
 
-def shaw_attention(q, k, v, rel_k, rel_v, *, q_positions=None, kv_positions=None,
-                   causal: bool = False, scale=None, implementation=None,
-                   block_q: int | None = None, block_k: int | None = None):
+def shaw_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, rel_k: ArrayLike,
+                   rel_v: ArrayLike | None, *, q_positions: ArrayLike | None = None,
+                   kv_positions: ArrayLike | None = None, causal: bool = False,
+                   scale: ArrayLike | None = None, implementation: str | None = None,
+                   block_q: int | None = None, block_k: int | None = None) -> jax.Array:
     """Multi-head attention with Shaw et al. relative keys and values (Shaw et al. 2018, §3).
 
     ``e_mn = scale * q_m . (k_n + a_K[r])``, ``z_m = sum_n softmax(e)_mn (v_n + a_V[r])``

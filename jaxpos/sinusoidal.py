@@ -30,6 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 from jaxpos import _checks
 
@@ -79,9 +80,9 @@ def sinusoidal_pe(
     d: int,
     base: float = 10000.0,
     *,
-    offset=0,
+    offset: ArrayLike = 0,
     layout: str = "interleaved",
-    dtype=jnp.float32,
+    dtype: DTypeLike = jnp.float32,
     angle_precision: str = "float32",
     spacing: str = "vaswani",
 ) -> jax.Array:
@@ -172,7 +173,7 @@ def _table(off, omega, omega_tail, *, T, d, layout, dtype, angle_precision="floa
     return jnp.concatenate([table, pad], axis=-1).astype(dtype)
 
 
-def shift_matrix(k, d: int, base: float = 10000.0, *, spacing: str = "vaswani") -> jax.Array:
+def shift_matrix(k: int, d: int, base: float = 10000.0, *, spacing: str = "vaswani") -> jax.Array:
     """The ``[d, d]`` block-diagonal rotation ``M_k`` with ``P[t + k] = M_k @ P[t]``.
 
     For the interleaved table of :func:`sinusoidal_pe`, block ``i`` acts on
@@ -222,7 +223,7 @@ def shift_matrix(k, d: int, base: float = 10000.0, *, spacing: str = "vaswani") 
     return m.at[idx + 1, idx].set(-s).at[idx + 1, idx + 1].set(c)
 
 
-def relative_head_W(k, d: int, c: float = 8.0, base: float = 10000.0, *,
+def relative_head_W(k: int, d: int, c: float = 8.0, base: float = 10000.0, *,
                     spacing: str = "vaswani") -> jax.Array:
     """``c * M_k``: a bilinear form under which ``p_m @ W @ p_n`` peaks at ``n = m - k``.
 

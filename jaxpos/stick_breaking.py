@@ -44,6 +44,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos.scheme import PositionScheme, register
@@ -217,11 +218,15 @@ def _pad_to(x, size, axis, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def stick_breaking_attention(q, k, v, *, causal: bool = True, q_positions=None,
-                             kv_positions=None, segment_ids=None, kv_segment_ids=None,
-                             scale=None, attend_current: bool = False,
+def stick_breaking_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
+                             q_positions: ArrayLike | None = None,
+                             kv_positions: ArrayLike | None = None,
+                             segment_ids: ArrayLike | None = None,
+                             kv_segment_ids: ArrayLike | None = None,
+                             scale: ArrayLike | None = None, attend_current: bool = False,
                              remainder: bool = True, implementation: str | None = None,
-                             block_q: int | None = None, block_k: int | None = None):
+                             block_q: int | None = None,
+                             block_k: int | None = None) -> jax.Array:
     """Stick-breaking attention (Tan et al. 2025, §2, Eq. 1), in log space.
 
     ``o_i = sum_j A_ij v_j (+ rem_i v_i)`` with ``A_ij = sigmoid(z_ij) prod_{j<k<i}
@@ -345,6 +350,9 @@ class StickBreaking(PositionScheme):
     Raises:
       ValueError: a non-causal layer (``check_causal``); :func:`jaxpos.attention` with it.
     """
+
+    attend_current: bool
+    remainder: bool
 
     _static = ("attend_current", "remainder")
     #: The modules call :meth:`attention` instead of :func:`jaxpos.attention`.

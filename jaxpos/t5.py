@@ -17,6 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos._checks import relative_offsets
@@ -60,7 +61,8 @@ def check_bucket_args(num_buckets, max_distance, bidirectional) -> None:
         )
 
 
-def t5_bucket(rel, bidirectional: bool = True, num_buckets: int = 32, max_distance: int = 128):
+def t5_bucket(rel: ArrayLike, bidirectional: bool = True, num_buckets: int = 32,
+              max_distance: int = 128) -> np.ndarray | jax.Array:
     """T5's bucket of a relative offset ``rel = kv_pos - q_pos``.
 
     Bidirectional: ``num_buckets // 2`` buckets per direction, keys after the query in
@@ -119,9 +121,9 @@ _bucket_jax = jax.jit(functools.partial(_bucket, jnp), static_argnums=(1, 2, 3))
 
 
 def t5_bias(
-    q_positions,
-    kv_positions,
-    table,
+    q_positions: ArrayLike,
+    kv_positions: ArrayLike,
+    table: ArrayLike,
     *,
     bidirectional: bool = True,
     num_buckets: int = 32,
@@ -199,7 +201,8 @@ def t5_bias_from_offsets(rel, table, *, bidirectional, num_buckets, max_distance
     return jnp.moveaxis(vals, -1, -3)
 
 
-def relative_bias_attention(Q, K, V, bias_table, *, scale: float = 1.0, causal: bool = False):
+def relative_bias_attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, bias_table: ArrayLike, *,
+                            scale: float = 1.0, causal: bool = False) -> jax.Array:
     """Attention with the T5 bucketed bias in one call, bidirectional by default.
 
     ``softmax(scale * Q K^T + bias) V`` per head with ``bias[h, i, j] =
