@@ -73,6 +73,8 @@ __all__ = [
 ]
 
 LAYOUTS = ("half", "interleaved")
+#: What a KV cache stores for RoPE (:meth:`RoPE.cache_write`).
+CACHE_ROTATIONS = ("write", "read")
 ANGLE_PRECISIONS = ("high", "float32")
 
 
@@ -624,6 +626,13 @@ class RoPE(PositionScheme):
         are 1-D per sequence) it is plain RoPE.
       mrope_interleaved: the Qwen3-VL / Qwen3-Omni layout, T/H/W frequencies interleaved
         rather than in contiguous sections (see :func:`mrope_frequency_axes`).
+      cache_rotation: what a KV cache stores (:meth:`cache_write`). ``"write"`` (default):
+        keys rotated once, when written, with the frequencies of the call that writes them
+        (for a length-dependent scaling this is Hugging Face's ``dynamic_rope_update``
+        decoding). ``"read"``: raw keys, every cached key rotated at each step with the
+        current call's frequencies (exact dynamic NTK / LongRoPE: each step equals the full
+        pass at that length; the Flax modules rotate on load through
+        :func:`jaxpos.rope_tables.rope_tables`).
 
     Raises:
       ValueError: neither ``inv_freq`` nor ``rotary_dim``; ``rotary_dim`` that does not
@@ -642,15 +651,17 @@ class RoPE(PositionScheme):
     angle_precision: str
     mrope_section: tuple[int, ...] | None
     mrope_interleaved: bool
+    cache_rotation: str
 
     _children = ("inv_freq",)
     _static = ("layout", "attention_factor", "scaling", "base", "rotary_dim",
-               "angle_precision", "mrope_section", "mrope_interleaved")
+               "angle_precision", "mrope_section", "mrope_interleaved", "cache_rotation")
 
     def __init__(self, inv_freq=None, *, rotary_dim=None, base=10000.0, layout="half",
                  scaling=None, attention_factor=None, angle_precision="high",
-                 mrope_section=None, mrope_interleaved=False):
+                 mrope_section=None, mrope_interleaved=False, cache_rotation="write"):
         _checks.check_choice("layout", layout, LAYOUTS)
+        _checks.check_choice("cache_rotation", cache_rotation, CACHE_ROTATIONS)
         _checks.check_choice("angle_precision", angle_precision, ANGLE_PRECISIONS)
         if inv_freq is None:
             if rotary_dim is None:
@@ -682,7 +693,7 @@ class RoPE(PositionScheme):
                   attention_factor=1.0 if attention_factor is None else float(attention_factor),
                   scaling=scaling, base=float(base), rotary_dim=rd,
                   angle_precision=angle_precision, mrope_section=mrope_section,
-                  mrope_interleaved=bool(mrope_interleaved))
+                  mrope_interleaved=bool(mrope_interleaved), cache_rotation=cache_rotation)
 
     def check(self, num_heads, head_dim):
         check_rotary_dim(self.rotary_dim, head_dim)
@@ -742,15 +753,58 @@ class RoPE(PositionScheme):
         return cls(rotary_dim=head_dim if rd is None else rd,
                    base=10000.0 if base is None else base,
                    layout=options.get("rope_layout") or "half",
-                   scaling=options.get("rope_scaling"))
+                   scaling=options.get("rope_scaling"),
+                   cache_rotation=options.get("rope_cache_rotation") or "write")
 
     def cache_write(self, q, k, positions):
-        """Hugging Face's decoding rule: with a length-dependent scaling (dynamic NTK,
-        LongRoPE) each key keeps the frequencies of the call that wrote it, so q and k are
-        rotated now (with this call's ``max(positions) + 1``) and the cache is read with
-        :class:`NoPE`; otherwise keys are stored unrotated and rotated at read time."""
-        if self.scaling is not None and rope_scaling.depends_on_length(self.scaling):
-            inv_freq, _ = self.frequencies(positions, positions)
-            return (self.rotate(q, positions, inv_freq=inv_freq),
-                    self.rotate(k, positions, inv_freq=inv_freq), NoPE())
-        return q, k, self
+        """What a KV cache stores: ``(q, k, scheme_for_reading)``.
+
+        ``cache_rotation="write"`` (default): ``q`` and ``k`` are rotated now, with this
+        call's frequencies (a fixed table for the default, linear, YaRN, Llama 3, p-RoPE and
+        M-RoPE forms; ``max(positions) + 1`` for dynamic NTK / LongRoPE, Hugging Face's
+        decoding), and the cache is read with :class:`NoPE`: a decode step rotates the new
+        tokens only, never the cache (a key's rotation depends on its own position only,
+        Su et al. 2024, §3.4). ``cache_rotation="read"``: raw keys, the scheme itself for
+        reading (every cached key rotated at each step with the current frequencies;
+        :meth:`read_tables`)."""
+        if self.cache_rotation == "read":
+            return q, k, self
+        inv_freq, _ = self.frequencies(positions, positions)
+        return (self.rotate(q, positions, inv_freq=inv_freq),
+                self.rotate(k, positions, inv_freq=inv_freq), NoPE())
+
+    def read_tables(self, q_positions, kv_positions, seq_len=None):
+        """:class:`jaxpos.rope_tables.RopeTables` rotating unrotated q and k on load, for a
+        cache read with this scheme (``cache_rotation="read"``, or a StreamingLLM cache whose
+        key positions are its slots; Xiao et al. 2024, §3.2).
+
+        Args:
+          q_positions: int ``[B|1, Tq]``; kv_positions: int ``[B|1, Tk]`` or ``[Tk]``.
+          seq_len: int scalar (may be traced), the length whose frequencies apply for a
+            length-dependent scaling (default ``max(q_positions) + 1``: the newest tokens
+            hold the largest positions, so this is the full pass's ``max(position) + 1``
+            without a pass over the cached positions).
+
+        Returns:
+          :class:`jaxpos.rope_tables.RopeTables` (``"half"`` layout, attention factor in).
+
+        Raises:
+          ValueError: ``layout="interleaved"`` (the tables pair feature ``i`` with
+            ``i + rotary_dim // 2``; convert the weights with :func:`interleaved_to_half`).
+        """
+        from jaxpos.rope_tables import rope_tables
+
+        if self.layout != "half":
+            raise ValueError("RoPE on load (rope tables) takes layout='half'; this RoPE has "
+                             "layout='interleaved' (convert q/k weights with "
+                             "jaxpos.rope.interleaved_to_half).")
+        if self.scaling is None or not rope_scaling.depends_on_length(self.scaling):
+            inv_freq = self.inv_freq
+        else:
+            if seq_len is None:
+                seq_len = jnp.max(jnp.asarray(q_positions)) + 1
+            inv_freq, _ = rope_scaling.frequencies_for_length(self.rotary_dim, self.base,
+                                                              self.scaling, seq_len)
+        return rope_tables(q_positions, kv_positions, inv_freq,
+                           attention_factor=self.attention_factor,
+                           angle_precision=self.angle_precision)
