@@ -39,12 +39,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
 
-__all__ = ["Dropout", "check_dropout", "dropout_seed", "keep_mask", "keep_tile", "mix32"]
+__all__ = ["Dropout", "check_dropout", "check_dropout_rate", "dropout_seed", "keep_mask",
+           "keep_tile", "mix32"]
 
 _M1 = np.uint32(0x7FEB352D)
 _M2 = np.uint32(0x846CA68B)
@@ -130,9 +132,26 @@ def _is_key(x) -> bool:
     dt = getattr(x, "dtype", None)
     if dt is None:
         return False
-    if jax.dtypes.issubdtype(dt, jax.dtypes.prng_key):
+    if jnp.issubdtype(dt, jax.dtypes.prng_key):
         return _checks.shape_of(x) == ()
     return dt == jnp.uint32 and _checks.shape_of(x) in ((2,), (4,))
+
+
+def check_dropout_rate(name: str, rate) -> float:
+    """``rate`` as a Python float in ``[0, 1)``.
+
+    Raises:
+      TypeError: not a real number (a traced rate: it selects the computation).
+      ValueError: outside ``[0, 1)``.
+    """
+    if isinstance(rate, jax.core.Tracer) or isinstance(rate, (str, bytes, bool)) \
+            or np.ndim(rate) != 0:
+        raise TypeError(f"{name} must be a Python float in [0, 1) (static: it selects the "
+                        f"computation); got {type(rate).__name__} {rate!r}.")
+    if not 0.0 <= float(rate) < 1.0:
+        raise ValueError(f"{name} must be in [0, 1) (the probability of dropping an "
+                         f"element); got {rate!r}.")
+    return float(rate)
 
 
 def check_dropout(dropout_rate, dropout_rng, broadcast_dropout=False) -> Dropout | None:
@@ -146,14 +165,7 @@ def check_dropout(dropout_rate, dropout_rng, broadcast_dropout=False) -> Dropout
       ValueError: ``dropout_rate`` outside ``[0, 1)``; ``dropout_rate > 0`` without
         ``dropout_rng``.
     """
-    if isinstance(dropout_rate, jax.core.Tracer) or isinstance(dropout_rate, (str, bytes, bool)) \
-            or np.ndim(dropout_rate) != 0:
-        raise TypeError(f"dropout_rate must be a Python float in [0, 1) (static: it selects the "
-                        f"computation); got {type(dropout_rate).__name__} {dropout_rate!r}.")
-    rate = float(dropout_rate)
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1) (the probability of dropping an "
-                         f"attention weight); got {dropout_rate!r}.")
+    rate = check_dropout_rate("dropout_rate", dropout_rate)
     if not isinstance(broadcast_dropout, (bool, np.bool_)):
         raise TypeError(f"broadcast_dropout must be a bool; got "
                         f"{type(broadcast_dropout).__name__}.")

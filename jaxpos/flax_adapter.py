@@ -262,10 +262,7 @@ def flax_attention_fn(
         q_positions = _decode_q_positions(mask4, B, Tk) if decode else \
             jnp.arange(Tq, dtype=jnp.int32)
         array_mask, array_bias = _array_mods(mask4, bias4, decode)
-        dropout = {}
-        if not deterministic and dropout_rate > 0.0:
-            dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                           broadcast_dropout=broadcast_dropout)
+        dropping = not deterministic and dropout_rate > 0.0
 
         def run():
             return attention(q, k, v, position=scheme,
@@ -273,7 +270,10 @@ def flax_attention_fn(
                              mask_mod=_and_mods(array_mask, user_mask_mod),
                              q_positions=q_positions, kv_positions=jnp.arange(Tk, dtype=jnp.int32),
                              causal=bool(is_causal), scale=scale, implementation=implementation,
-                             block_q=block_q, block_k=block_k, **dropout)
+                             block_q=block_q, block_k=block_k,
+                             dropout_rate=dropout_rate if dropping else 0.0,
+                             dropout_rng=dropout_rng if dropping else None,
+                             broadcast_dropout=bool(broadcast_dropout))
 
         name = _precision_name(precision)
         if name is None:
