@@ -222,7 +222,7 @@ def test_flax_decode_without_the_adapter_positions_would_differ():
     assert float(jnp.max(jnp.abs(decoded - full))) > 1e-2
 
 
-@pytest.mark.parametrize("name", ["rope", "t5"])
+@pytest.mark.parametrize("name", ["rope", pytest.param("t5", marks=pytest.mark.slow)])
 def test_linen_decode_cache_equals_the_full_pass(name):
     x = jax.random.normal(jax.random.key(1), (B, 5, D))
     fn = jaxpos.flax_attention_fn(schemes()[name])
