@@ -4,12 +4,13 @@ plain arrays (no scheme objects), translated into a per-token rotation and score
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jaxpos.kernels.fused import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, kernel_attention, resolve_mode
 
 from jaxpos import _checks
 from jaxpos.alibi import alibi_score_mod
+from jaxpos.kernels.fused import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, kernel_attention, resolve_mode
 from jaxpos.mods import compose_score_mods, offset_score_mod
 from jaxpos.rope import ANGLE_PRECISIONS, LAYOUTS, apply_rope
+from jaxpos.rope_tables import rope_tables
 
 __all__ = ["alibi_score_mod", "fused_attention", "offset_bias_score_mod"]
 
@@ -38,7 +39,7 @@ def fused_attention(q, k, v, *, q_positions, kv_positions, inv_freq=None, rope_l
                     alibi_bidirectional=False, offset_bias=None, score_mod=None, mask_mod=None,
                     block_mask=None, sinks=None, causal=False, segment_ids=None,
                     kv_segment_ids=None, scale=None, block_q=None, block_k=None,
-                    interpret=None):
+                    interpret=None, rope_on_load=False):
     """Fused attention (Pallas) with RoPE, ALiBi and an offset-indexed bias given as arrays.
 
     Computes, per batch ``b`` and query head ``h`` (key/value head ``h // (N / N_kv)``)::
@@ -78,6 +79,9 @@ def fused_attention(q, k, v, *, q_positions, kv_positions, inv_freq=None, rope_l
       scale: Python float, default ``1 / sqrt(H)``.
       block_q, block_k: tile sizes, powers of two (default 128; the block mask's when given).
       interpret: True interprets, False compiles (Triton / Mosaic), None: interpret on CPU.
+      rope_on_load: rotate q and k inside the kernel as they are loaded, from cos/sin
+        tables of the positions computed once (``"half"`` layout only; ``inv_freq`` then
+        gets no gradient), instead of one rotation pass before the kernel.
 
     Returns:
       ``[B, Tq, N, H_v]`` in q's dtype. A query row with no visible key returns zeros, with
@@ -87,7 +91,8 @@ def fused_attention(q, k, v, *, q_positions, kv_positions, inv_freq=None, rope_l
       ValueError / TypeError: bad ranks or shapes, mismatched dtypes, float positions,
         ``offset_bias`` of even length, ``alibi_slopes`` not ``[N]``, ``inv_freq`` longer
         than ``H / 2``, block sizes that are not powers of two, segment ids given alone,
-        unknown ``rope_layout`` / ``angle_precision``, ``interpret`` not a bool or None.
+        unknown ``rope_layout`` / ``angle_precision``, ``interpret`` not a bool or None,
+        ``rope_on_load`` with ``rope_layout="interleaved"``.
     """
     _checks.check_qkv(q, k, v)
     B, Tq, N, H = _checks.shape_of(q)
@@ -105,16 +110,25 @@ def fused_attention(q, k, v, *, q_positions, kv_positions, inv_freq=None, rope_l
     q_pos = _checks.positions_2d("q_positions", q_positions, B, Tq)
     kv_pos = _checks.positions_2d("kv_positions", kv_positions, B, Tk)
     mods = []
+    tables = None
     if inv_freq is not None:
         _checks.check_rank("inv_freq", inv_freq, (1,), "[rotary_dim // 2]")
         _checks.check_floating("inv_freq", inv_freq)
         half = _checks.shape_of(inv_freq)[0]
         if not 0 < 2 * half <= H:
             raise ValueError(f"inv_freq must have length in [1, H/2 = {H // 2}]; got {half}.")
-        kw = {"layout": rope_layout, "attention_factor": attention_factor,
-              "angle_precision": angle_precision}
-        q = apply_rope(q, q_pos, inv_freq, **kw)
-        k = apply_rope(k, kv_pos, inv_freq, **kw)
+        if rope_on_load:
+            if rope_layout != "half":
+                raise ValueError(f"rope_on_load rotates the 'half' layout only; got "
+                                 f"rope_layout={rope_layout!r} (rotate before the kernel, or "
+                                 f"permute the features with jaxpos.rope.interleaved_to_half).")
+            tables = rope_tables(q_pos, kv_pos, inv_freq, attention_factor=attention_factor,
+                                 angle_precision=angle_precision)
+        else:
+            kw = {"layout": rope_layout, "attention_factor": attention_factor,
+                  "angle_precision": angle_precision}
+            q = apply_rope(q, q_pos, inv_freq, **kw)
+            k = apply_rope(k, kv_pos, inv_freq, **kw)
     if alibi_slopes is not None:
         _checks.check_rank("alibi_slopes", alibi_slopes, (1,), "[num_heads]")
         if _checks.shape_of(alibi_slopes)[0] != N:
@@ -135,4 +149,5 @@ def fused_attention(q, k, v, *, q_positions, kv_positions, inv_freq=None, rope_l
     return kernel_attention(q, k, v, score_mod=mod, mask_mod=mask_mod, block_mask=block_mask,
                             sinks=sinks, q_positions=q_pos, kv_positions=kv_pos, causal=causal,
                             segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, scale=scale,
-                            block_q=block_q, block_k=block_k, interpret=interpret)
+                            block_q=block_q, block_k=block_k, interpret=interpret,
+                            rope_tables=tables)

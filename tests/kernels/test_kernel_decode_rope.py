@@ -271,3 +271,20 @@ def test_per_head_block_mask_with_grouped_kv_heads():
     _close(o, o_ref, "forward")
     for name, a, b in zip(("dq", "dk", "dv"), g, g_ref):
         _close(a, b, name)
+
+
+def test_fused_attention_rope_on_load_equals_rotation_before():
+    """``fused_attention(..., rope_on_load=True)`` (tables, rotation inside the kernel)
+    equals the default one rotation pass before the kernel, with ALiBi slopes and a YaRN
+    style attention factor; the interleaved layout is refused."""
+    from jaxpos.kernels import fused_attention
+
+    q, k, v = _qkv(1, 12, 12, 2, 1, 16, seed=4)
+    pos = jnp.arange(12)
+    kw = dict(q_positions=pos, kv_positions=pos, inv_freq=1.0 / 100.0 ** (jnp.arange(8) / 8),
+              attention_factor=1.1, alibi_slopes=jnp.asarray([0.5, 0.25]), causal=True,
+              block_q=8, block_k=8, interpret=True)
+    _close(fused_attention(q, k, v, rope_on_load=True, **kw), fused_attention(q, k, v, **kw),
+           "forward")
+    with pytest.raises(ValueError, match="rope_on_load rotates the 'half' layout"):
+        fused_attention(q, k, v, rope_on_load=True, rope_layout="interleaved", **kw)
