@@ -11,6 +11,8 @@ hyper-parameters through small hooks that each twin gives (``_dims()``, ``_posit
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -75,6 +77,9 @@ class SinusoidalCore:
     """The call of :class:`jaxpos.nnx.SinusoidalEmbedding` and its Linen twin (fields ``d_model``,
     ``base``, ``layout``, ``dtype``)."""
 
+    if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
+        def __getattr__(self, name: str) -> Any: ...
+
     def __call__(self, positions) -> jax.Array:
         return sinusoidal_embedding(positions, self.d_model, self.base, self.layout, self.dtype)
 
@@ -82,6 +87,9 @@ class SinusoidalCore:
 class LearnedCore:
     """The call of :class:`jaxpos.nnx.LearnedPositionalEmbedding` and its Linen twin (``table``,
     ``out_of_range``)."""
+
+    if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
+        def __getattr__(self, name: str) -> Any: ...
 
     def __call__(self, positions) -> jax.Array:
         return learned_positions(param_value(self.table), positions, out_of_range=self.out_of_range)
@@ -91,6 +99,9 @@ class PositionCore:
     """``scheme()`` of :class:`jaxpos.nnx.PositionModule` and its Linen twin. Subclasses give
     ``_spec()`` -> ``(position, num_heads, head_dim, causal, options)`` and
     ``_scheme_params()`` -> ``{name: array}``."""
+
+    if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
+        def __getattr__(self, name: str) -> Any: ...
 
     def scheme(self, rope_scaling=None, *, x=None, positions=None) -> PositionScheme:
         """The scheme object for one call (:func:`build_scheme`): built from the module's
@@ -133,6 +144,9 @@ class AttentionCore:
     None), and give ``_dims()`` -> ``(d_model, num_heads, num_kv_heads, head_dim)``,
     ``_position()`` (the position module or None) and ``_sinks()`` (the sink logits
     ``[num_heads]``, or None for a layer without sinks)."""
+
+    if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
+        def __getattr__(self, name: str) -> Any: ...
 
     def _proj(self, layer, x, heads):
         return project_heads(x, param_value(layer.kernel), heads, self._dims()[3], self.dtype,
@@ -226,6 +240,9 @@ class BlockCore:
     """The computation of :class:`jaxpos.nnx.TransformerBlock` and its Linen twin (``attn_norm``,
     ``attn``, ``mlp_norm``, ``mlp_in``, ``mlp_out``, ``dtype``)."""
 
+    if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
+        def __getattr__(self, name: str) -> Any: ...
+
     def _mlp(self, x):
         h = rms_norm(x, param_value(self.mlp_norm.scale))
         return x + mlp(h, param_value(self.mlp_in.kernel), param_value(self.mlp_out.kernel), self.dtype)
@@ -247,6 +264,9 @@ class StackCore:
     every layer), ``blocks``, ``final_norm`` and fields ``vocab_size``, ``d_model``,
     ``max_len``, ``implementation``, ``dtype``; and give ``_position_name()`` and
     ``_cache_dims()`` -> ``(num_layers, num_kv_heads, head_dim)``."""
+
+    if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
+        def __getattr__(self, name: str) -> Any: ...
 
     def _embed(self, tokens, pos):
         tokens = check_tokens(tokens, self.vocab_size)
@@ -279,6 +299,9 @@ class StackCore:
 
 class DecoderCore(StackCore):
     """The calls of :class:`jaxpos.nnx.DecoderLM` and its Linen twin."""
+
+    if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
+        def __getattr__(self, name: str) -> Any: ...
 
     def __call__(self, tokens, *, positions=None, rope_scaling=None, implementation=None,
                  segment_ids=None) -> jax.Array:
@@ -346,6 +369,9 @@ class DecoderCore(StackCore):
 
 class EncoderCore(StackCore):
     """The call of :class:`jaxpos.nnx.Encoder` and its Linen twin."""
+
+    if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
+        def __getattr__(self, name: str) -> Any: ...
 
     def __call__(self, tokens, *, positions=None, mask=None, segment_ids=None,
                  rope_scaling=None, implementation=None) -> jax.Array:
