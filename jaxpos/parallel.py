@@ -327,7 +327,9 @@ def _ring_forward(rc: _RingCfg, fl, il, sinks, qs, loc, kv):
     if sinks is not None:  # one more logit per head in every row's normaliser
         s = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :, None], lse.shape)
         new = jnp.logaddexp(lse, s)
-        out = out * jnp.exp(lse - new)[..., None]
+        # a row with no visible key and a sink of -inf: lse = new = -inf, out is 0 and
+        # stays 0 (exp(-inf - -inf) would be NaN); the backward is custom (no NaN there)
+        out = out * jnp.where(jnp.isneginf(new), 0.0, jnp.exp(lse - new))[..., None]
         lse = new
     return out, lse
 

@@ -387,14 +387,16 @@ def _every_shape(cid: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Path:
-    """An implementation: ``attend(q, k, v, scheme, sinks, **kw) -> out``, which cases
-    it takes (``takes``: None = all), which of them run in the default run (``default``:
-    a predicate on the case id; the rest are ``slow``) and whether to ``jit`` the call."""
+    """An implementation: ``attend(q, k, v, scheme, sinks, **kw) -> out`` (or ``run``,
+    case -> ``(out, grads)``), which cases it takes (``takes``: None = all), which of
+    them run in the default run (``default``: a predicate on the case id; the rest are
+    ``slow``) and whether to ``jit`` the call."""
 
     attend: Callable | None
     takes: Callable[[Case], bool] | None = None
     default: Callable[[str], bool] = _every_shape
     jit: bool = True
+    run: Callable | None = None  # case -> (out, grads or None), instead of attend
 
 
 def _via(impl, **extra):
@@ -404,35 +406,56 @@ def _via(impl, **extra):
     return attend
 
 
-def _cached_decode(q, k, v, scheme, sinks, *, causal, q_positions, kv_positions,
-                   segment_ids=None, kv_segment_ids=None, score_mod=None, mask_mod=None):
-    """The Flax modules' KV-cache decode (``jaxpos.nnx.AttentionCore.decode``): the first
-    ``Tk - Tq`` keys written as a prefill, then the queries' own tokens, into a cache with
-    empty slots; attention over the whole cache as the module runs it."""
+def run_module_decode(case: Case):
+    """``(out, None)`` of the Flax modules' KV-cache decode on the case: a real
+    :class:`jaxpos.nnx.MultiHeadAttention` whose projections select the case's q, k, v
+    from the input (0/1 kernels: exact in every dtype) and whose output projection
+    selects the attention output; the first ``Tk - Tq`` tokens are written by one
+    ``decode`` call (the prefill), the queries' own tokens by a second, into a cache with
+    three empty slots. Forward only (decoding takes no gradients)."""
+    from flax import nnx
+
     from jaxpos import nnx as jnnx
 
-    B, Tq = q.shape[:2]
-    Tk = k.shape[1]
-    kvp = jnp.broadcast_to(jnp.asarray(
-        np.arange(Tk) if kv_positions is None else kv_positions, jnp.int32), (B, Tk))
-    qp = kvp[:, Tk - Tq:]
-    cache = jnnx.init_kv_cache(B, Tk + 3, k.shape[2], k.shape[3], k.dtype)
-    sch = jaxpos.as_scheme(scheme)
+    q, k, v, _ = case.arrays()
+    dt = jnp.dtype(case.dtype)
+    B, Tq, N, H = q.shape
+    Tk, Nk = k.shape[1], k.shape[2]
+    dq, dkv = N * H, Nk * H
+    D = dq + 2 * dkv
+    x = np.zeros((B, Tk, D))
+    x[:, Tk - Tq:, :dq] = q.reshape(B, Tq, dq)
+    x[:, :, dq:dq + dkv] = k.reshape(B, Tk, dkv)
+    x[:, :, dq + dkv:] = v.reshape(B, Tk, dkv)
+    eye = np.eye(D, dtype=np.float32)
+    mha = jnnx.MultiHeadAttention(D, N, num_kv_heads=Nk, head_dim=H, causal=case.causal,
+                                  sinks=case.sinks is not None,
+                                  mask_mod=None if case.mask_mod is None
+                                  else MASK_MODS[case.mask_mod], dtype=dt, rngs=nnx.Rngs(0))
+    mha.q_proj.kernel[...] = jnp.asarray(eye[:, :dq])
+    mha.k_proj.kernel[...] = jnp.asarray(eye[:, dq:dq + dkv])
+    mha.v_proj.kernel[...] = jnp.asarray(eye[:, dq + dkv:])
+    mha.o_proj.kernel[...] = jnp.asarray(eye[:dq, :])
+    if case.sinks is not None:
+        mha.sinks[...] = jnp.asarray(case.sinks, jnp.float32)
+    scheme = SCHEMES[case.scheme][1](SCHEMES[case.scheme][0])
+    kvp = np.broadcast_to(np.arange(Tk) if case.kv_positions is None
+                          else case.np_("kv_positions"), (B, Tk))
+    cache = mha.init_cache(B, Tk + 3)
+    xx = jnp.asarray(x, dt)
     if Tk > Tq:
-        _, k0, sch0 = jnnx.rotate_at_write(sch, q[:, :0], k[:, :Tk - Tq], kvp[:, :Tk - Tq])
-        cache, *_ = jnnx.update_kv_cache(cache, k0, v[:, :Tk - Tq], kvp[:, :Tk - Tq])
-    qq, k1, sch1 = jnnx.rotate_at_write(sch, q, k[:, Tk - Tq:], qp)
-    cache, seg, kv_seg, _ = jnnx.update_kv_cache(cache, k1, v[:, Tk - Tq:], qp)
-    return jaxpos.attention(qq, cache.k, cache.v, position=sch1, q_positions=qp,
-                            kv_positions=cache.positions, causal=causal, segment_ids=seg,
-                            kv_segment_ids=kv_seg, sinks=sinks, score_mod=score_mod,
-                            mask_mod=mask_mod, implementation="chunked")
+        _, cache = mha.decode(xx[:, :Tk - Tq], cache, positions=kvp[:, :Tk - Tq],
+                              scheme=scheme)
+    y, _ = mha.decode(xx[:, Tk - Tq:], cache, positions=kvp[:, Tk - Tq:], scheme=scheme)
+    out = np.asarray(jnp.asarray(y[..., :dq]).astype(jnp.float32), np.float64)
+    return out.reshape(B, Tq, N, H), None
 
 
 def _module_takes(case: Case) -> bool:
     # the cache hides its empty slots with segment ids, so a case with its own segments
     # is not a decode call; the queries must be the last keys' tokens
-    return case.segment_ids is None and case.self_attention and (
+    # and the module has no score_mod argument
+    return case.segment_ids is None and case.self_attention and case.score_mod is None and (
         case.q_positions is None or case.q_positions == case.kv_positions or case.Tq == case.Tk)
 
 
@@ -481,7 +504,8 @@ IMPLEMENTATIONS: dict[str, Path] = {
     # eager, as most users call it: under jit the positions are traced and the
     # is_causal route (arange positions) is never taken
     "xla": Path(_via("xla"), jit=False),
-    "module_cached_decode": Path(_cached_decode, takes=_module_takes, default=lambda cid: False),
+    "module_cached_decode": Path(None, run=run_module_decode, takes=_module_takes,
+                                 default=lambda cid: False),
     # Flax's attention_fn hook with dropout_rate=0 (jaxpos.flax_attention_fn)
     "flax_adapter": Path(_flax_adapter, takes=_flax_adapter_takes,
                          default=lambda cid: cid in FLAX_ADAPTER_DEFAULT),
