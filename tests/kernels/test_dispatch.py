@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _kernel_dense import dense_attention
+
 from jaxpos.kernels import DENSE_BIAS_BUDGET_BYTES, attention_via_xla, choose_implementation
 
 F32_TOL = {"atol": 2e-5, "rtol": 2e-5}
