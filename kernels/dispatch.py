@@ -14,7 +14,7 @@ Nothing here names a position scheme: schemes reach the kernel as a per-token tr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from jaxpos import _checks
 from jaxpos.kernels.fused import kernel_attention
@@ -176,10 +176,11 @@ def run_kernel(call: AttentionCall) -> jax.Array:
     """The ``"pallas"`` runner of :func:`jaxpos.attention`: the fused kernel on a validated,
     transformed call (:func:`jaxpos.call.validate_call`, :func:`jaxpos.call.transform_call`;
     q, k and v are not checked again here). ``[B, Tq, N, H_v]`` in q's dtype."""
-    return kernel_attention(call.q, call.k, call.v, score_mod=call.score_mod,
-                            mask_mod=call.mask_mod, block_mask=call.block_mask, sinks=call.sinks,
-                            q_positions=call.q_positions, kv_positions=call.kv_positions,
-                            causal=call.causal, segment_ids=call.segment_ids,
-                            kv_segment_ids=call.kv_segment_ids, scale=call.scale,
-                            block_q=call.block_q, block_k=call.block_k, interpret=None,
-                            kv_lengths=call.kv_lengths, rope_tables=call.rope_tables)
+    out = kernel_attention(call.q, call.k, call.v, score_mod=call.score_mod,
+                           mask_mod=call.mask_mod, block_mask=call.block_mask, sinks=call.sinks,
+                           q_positions=call.q_positions, kv_positions=call.kv_positions,
+                           causal=call.causal, segment_ids=call.segment_ids,
+                           kv_segment_ids=call.kv_segment_ids, scale=call.scale,
+                           block_q=call.block_q, block_k=call.block_k, interpret=None,
+                           kv_lengths=call.kv_lengths, rope_tables=call.rope_tables)
+    return cast("jax.Array", out)  # return_lse=False: the output alone

@@ -73,7 +73,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -628,7 +628,7 @@ def _declare_axes(out_shape, axes, like):
     params = inspect.signature(jax.ShapeDtypeStruct).parameters
     aval = jax.typeof(like)
     mat = getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
-    if "manual_axis_type" in params and hasattr(mat, "update"):  # JAX 0.10
+    if "manual_axis_type" in params and mat is not None and hasattr(mat, "update"):  # JAX 0.10
         declare = {"manual_axis_type": mat.update(varying=axes)}
     elif "vma" in params:
         declare = {"vma": axes}
@@ -1121,7 +1121,7 @@ def _mod_const_grads(cfg, q, k, v, ints, smod, mmod, lse, do, delta, kv_len, tab
 
     acc0 = [jnp.zeros(np.shape(consts[i]), jnp.result_type(consts[i])) for i in diff]
     acc, _ = jax.lax.scan(step, acc0, xs)
-    out = [None] * len(consts)
+    out: list[Any] = [None] * len(consts)
     for i, a in zip(diff, acc):
         out[i] = a
     return out
@@ -1329,7 +1329,9 @@ def kernel_attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None,
         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, scale=scale, block_q=block_q,
         block_k=block_k, mode=resolve_mode(interpret), kv_lengths=kv_lengths,
         rope_tables=rope_tables, kv_splits=kv_splits)
-    out, lse = _core(cfg, q, k, v, ints, sched, smod, mmod, sinks, kv_len, tabs)
+    # (custom_vjp through functools.partial hides the return type from type checkers)
+    out, lse = cast("tuple[jax.Array, jax.Array]",
+                    _core(cfg, q, k, v, ints, sched, smod, mmod, sinks, kv_len, tabs))
     out = out.astype(q.dtype)
     if return_lse:
         return out, lse[:, :, :cfg.Tq, 0]
@@ -1347,5 +1349,6 @@ def tile_visits(q, k, v, **kw):
     lse_b, delta = _backward_rows(cfg, out, lse, jnp.zeros_like(out), jnp.zeros_like(lse))
     *_, dkv = _backward_kernels(cfg, q, k, v, ints, sched, smod, mmod, kv_len, tabs, lse_b,
                                 delta, jnp.zeros_like(out))
+    assert fwd is not None and dkv is not None  # counted: count_tiles=True
     fwd = fwd[..., 0, :]
     return (fwd[:, :, :, 0] if cfg.splits == 1 else fwd), dkv[..., 0, :]

@@ -145,7 +145,6 @@ class LoopLoader(Loader):
         scal = [x.scalar if isinstance(x, _Bcast) else x for x in per_dim]
         ref = self.refs[view.slot]
         scal = _lead(ref, view) + scal
-        d = None if not arrays else arrays[0] + len(scal) - len(per_dim)
         if not arrays:
             return jnp.broadcast_to(ref[tuple(scal)], shape)
         if len(arrays) > 1:
@@ -155,9 +154,10 @@ class LoopLoader(Loader):
                 "axis only. Index one axis with a scalar (batch, head) or use "
                 "implementation='chunked'.")
         ix = jnp.broadcast_to(per_dim[arrays[0]], shape)
+        d = arrays[0] + len(scal) - len(per_dim)  # the looped axis of the captured array
 
         def step(r, acc):
-            at = list(scal)
+            at: list[Any] = list(scal)
             at[d] = r
             return jnp.where(ix == r, ref[tuple(at)].astype(dtype), acc)
 
@@ -314,6 +314,9 @@ def _eval(jaxpr, consts, args, loader: Loader):
                 out = _eval(inner.jaxpr, inner.consts, vals, loader)
             elif inner is not None:
                 out = _eval(inner, (), vals, loader)
+            else:
+                raise NotImplementedError(f"a score_mod/mask_mod calls {name!r} without a "
+                                          f"readable jaxpr; use implementation='chunked'.")
             outs = out
         elif out is not None:
             outs = [out]
@@ -348,7 +351,7 @@ def _lazy_rule(eqn, name, vals, loader):
         return _view_squeeze(x, p["dimensions"])
     if name == "gather" and isinstance(x, _View):
         return _try_view_gather(x, vals[1], p, loader)
-    if name == "broadcast_in_dim" and not isinstance(x, (_View, _Stack)):
+    if name == "broadcast_in_dim" and x is not None and not isinstance(x, (_View, _Stack)):
         shape, dims = tuple(p["shape"]), tuple(p["broadcast_dimensions"])
         if isinstance(x, _Bcast):
             if shape == x.shape + (1,) and dims == tuple(range(len(x.shape))):
