@@ -442,8 +442,8 @@ class MultiHeadAttention(AttentionCore, _AttentionFields):
 
     Call: ``x [B, T, D]`` -> ``[B, T, D]`` (keywords ``context``, ``positions``,
     ``kv_positions``, ``mask``, ``segment_ids``, ``kv_segment_ids``, ``scheme``,
-    ``rope_scaling``, ``implementation``, ``mask_mod``, as the NNX twin);
-    ``decode(x, cache, ...)`` -> ``(y, cache)``; ``init_cache(batch, max_len)`` needs no
+    ``rope_scaling``, ``implementation``, ``mask_mod``, ``attention_mask``, as the NNX
+    twin); ``decode(x, cache, ...)`` -> ``(y, cache)``; ``init_cache(batch, max_len)`` needs no
     parameters. Raises as the NNX twin.
     """
 
@@ -611,7 +611,7 @@ class DecoderLM(DecoderCore, _Stack):
     ``blocks_{i}/attn/sinks``).
 
     ``__call__(tokens [B, T], *, positions=None, rope_scaling=None, implementation=None,
-    segment_ids=None)`` -> float32 logits ``[B, T, vocab_size]``;
+    segment_ids=None, attention_mask=None)`` -> float32 logits ``[B, T, vocab_size]``;
     ``init_cache(batch, max_len)`` (no parameters needed) and
     ``apply(..., tokens, cache, method="decode_step")`` -> ``(logits, cache)``.
     Raises as the NNX twin (``"learned"`` past ``max_len`` raises ``ValueError``).

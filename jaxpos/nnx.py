@@ -27,8 +27,8 @@ The last four are :class:`PositionModule` for ``"rope"``, ``"alibi"``, ``"t5"`` 
 ``"shaw"`` with their classic constructor arguments. Then :class:`MultiHeadAttention`
 (``position=...``), :class:`TransformerBlock`, :class:`DecoderLM` and :class:`Encoder`.
 The Linen twins in :mod:`jaxpos.linen` run the same code (the ``*Core`` classes of
-:mod:`jaxpos.layers.cores`) over Linen parameter declarations, so :func:`jaxpos.linen.params_from_nnx` moves weights
-across and both give the same outputs.
+:mod:`jaxpos.layers.cores`) over Linen parameter declarations, so
+:func:`jaxpos.linen.params_from_nnx` moves weights across and both give the same outputs.
 
 Design choices of the stacks (documented once here, used by both twins):
 
@@ -59,9 +59,16 @@ KV-cache decoding: ``cache = model.init_cache(batch, max_len)`` then
 ``logits, cache = model.decode_step(tokens, cache, positions=...)`` with any number of
 new tokens per step. A cache (:class:`KVCache`) holds what the scheme's
 :meth:`~jaxpos.PositionScheme.cache_write` stores (raw keys for every built-in scheme but
-RoPE with a length-dependent scaling), their positions and a per-row fill count, so rows
-may sit at different offsets and positions are just integers: RoPE rotates cached keys
-from their stored positions, and ALiBi / T5 / Shaw read offsets from them.
+RoPE with a length-dependent scaling), their positions, a per-row fill count and which
+slots hold tokens (``valid``), so rows may sit at different offsets and positions are
+just integers: RoPE rotates cached keys from their stored positions, and ALiBi / T5 /
+Shaw read offsets from them.
+
+Padding: ``model(tokens, attention_mask=...)`` and ``decode_step(tokens, cache,
+attention_mask=...)`` take Hugging Face's mask (``[B, T]``, 1 = token, 0 = padding);
+positions then default to Hugging Face's ``cumsum - 1``, no token attends to padding and
+the cache remembers padded slots, so a left-padded batch gives every token the logits of
+its sequence run alone, in the full pass, the prefill and every later step.
 """
 
 from __future__ import annotations
@@ -453,11 +460,14 @@ class MultiHeadAttention(AttentionCore, nnx.Module):
     :func:`jaxpos.attention`,
     ``scheme`` (a scheme object that replaces this layer's own, e.g. a stack's shared T5
     bias), ``rope_scaling`` (this call only; ``ValueError`` for a scheme that does not
-    take it), ``implementation``, ``mask_mod`` (this call only; replaces the layer's).
-    The layer's scheme is built per call by the position
+    take it), ``implementation``, ``mask_mod`` (this call only; replaces the layer's),
+    ``attention_mask`` (self-attention: bool or int ``[B, T]``, 1 = token, 0 = padding,
+    Hugging Face's convention; no token attends to padding, and positions default to
+    ``cumsum(attention_mask) - 1``). The layer's scheme is built per call by the position
     module (:meth:`PositionModule.scheme`, from the call's ``x`` and ``positions``).
-    ``decode(x, cache, ...)`` appends to a :class:`KVCache` from
-    ``init_cache(batch, max_len)`` and returns ``(y, cache)``.
+    ``decode(x, cache, ..., attention_mask=None)`` appends to a :class:`KVCache` from
+    ``init_cache(batch, max_len)`` and returns ``(y, cache)``; the cache remembers padded
+    slots.
 
     Raises: ``ValueError`` for bad sizes, names (a registered scheme without
     ``from_params`` is named), positions or cache overflow; ``TypeError`` for float
@@ -681,10 +691,10 @@ class Encoder(EncoderCore, _Stack):
     needs a causal mask, such as FoX, raises ``ValueError``). There is no output head: the
     call returns the final-normalised hidden states.
 
-    Call: ``tokens`` int ``[B, T]``; keywords ``positions``, ``mask`` (bool, broadcastable
-    to ``[B, N, T, T]``, e.g. ``valid[:, None, None, :]`` for padding; the Pallas kernel
-    takes no arbitrary mask, so on GPU/TPU express padding with ``segment_ids`` instead,
-    e.g. 1 for real tokens and 0 for padding), ``segment_ids``, ``rope_scaling``,
+    Call: ``tokens`` int ``[B, T]``; keywords ``positions``, ``attention_mask`` (padding,
+    Hugging Face's ``[B, T]``, 1 = token, 0 = padding: no token attends to padding, on
+    every implementation), ``mask`` (bool, broadcastable to ``[B, N, T, T]``; the Pallas
+    kernel takes no arbitrary mask), ``segment_ids``, ``rope_scaling``,
     ``implementation``. Returns ``[B, T, d_model]`` in ``dtype``.
     """
 

@@ -21,6 +21,8 @@ from jaxpos import _checks
 from jaxpos.attention import attention
 from jaxpos.layers.cache import (
     KVCache,
+    cache_token_count,
+    check_cache,
     init_kv_cache,
     poison_rows,
     rotate_at_write,
@@ -29,15 +31,20 @@ from jaxpos.layers.cache import (
 from jaxpos.layers.functional import (
     attention_inputs,
     check_attention_input,
+    check_attention_mask,
     check_tokens,
     default_positions,
     embed_tokens,
+    fill_hidden_positions,
     merge_heads,
     mlp,
+    padding_segment_ids,
+    positions_from_mask,
     project_heads,
     rms_norm,
     sinusoidal_embedding,
     tied_logits,
+    visible_top,
 )
 from jaxpos.layers.options import (
     build_scheme,
@@ -164,7 +171,8 @@ class AttentionCore:
         return o * jax.nn.sigmoid(g.astype(jnp.float32)).astype(o.dtype)
 
     def _out(self, o):
-        return merge_heads(o, param_value(self.o_proj.kernel), self.dtype, param_value(self.o_proj.bias))
+        return merge_heads(o, param_value(self.o_proj.kernel), self.dtype,
+                           param_value(self.o_proj.bias))
 
     def _qkv(self, x, context=None):
         D, N, Nk, _ = self._dims()
@@ -186,11 +194,17 @@ class AttentionCore:
 
     def __call__(self, x, *, context=None, positions=None, kv_positions=None, mask=None,
                  segment_ids=None, kv_segment_ids=None, scheme=None, rope_scaling=None,
-                 implementation=None, mask_mod=None) -> jax.Array:
+                 implementation=None, mask_mod=None, attention_mask=None) -> jax.Array:
+        pad = self._padding(x, context, attention_mask)
+        if pad is not None and positions is None:
+            positions = positions_from_mask(pad)
         pos, kv_pos = attention_inputs(x, context, positions, kv_positions, kv_segment_ids,
                                        self._dims()[0])
         q, k, v = self._qkv(x, context)
         scheme = self._scheme(scheme, rope_scaling, x, pos)
+        if pad is not None:  # tokens never see padding; padding's positions stay in range
+            segment_ids = padding_segment_ids(pad, segment_ids)
+            pos = kv_pos = fill_hidden_positions(pos, pad)
         attend_fn = attention_for(scheme)
         o = attend_fn(q, k, v, position=scheme, q_positions=pos, kv_positions=kv_pos,
                       causal=self.causal, mask=mask, segment_ids=segment_ids,
@@ -199,6 +213,18 @@ class AttentionCore:
                       implementation=implementation or self.implementation)
         return self._out(self._gated(o, x))
 
+    def _padding(self, x, context, attention_mask):
+        """The call's padding mask, bool ``[B, T]`` (None without one); self-attention
+        only."""
+        if attention_mask is None:
+            return None
+        if context is not None:
+            raise ValueError("attention_mask (the padding of x's tokens) applies to "
+                             "self-attention only; for cross-attention give segment_ids and "
+                             "kv_segment_ids (equal ids attend) or mask.")
+        check_attention_input("x", x, self._dims()[0])
+        return check_attention_mask(attention_mask, *x.shape[:2])
+
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """An empty :class:`KVCache` of ``max_len`` slots for ``batch`` rows (no parameters
         needed)."""
@@ -206,10 +232,14 @@ class AttentionCore:
         return init_kv_cache(batch, max_len, Nk, H, dtype or self.dtype)
 
     def decode(self, x, cache: KVCache, *, positions=None, scheme=None, rope_scaling=None,
-               implementation=None, mask_mod=None):
+               implementation=None, mask_mod=None, attention_mask=None):
         """Attend from ``x [B, T, D]`` (new tokens) to the cache plus themselves.
 
-        ``positions`` default to each row's fill count ``+ arange(T)``. The layer's
+        ``attention_mask`` (bool or int ``[B, T]``, 1 = token, 0 = padding, Hugging Face's
+        convention; default all tokens) is stored in the cache (``valid``): no token sees
+        padding, in this step or a later one. ``positions`` default to each row's count of
+        cached tokens (padding excluded) ``+ cumsum(attention_mask) - 1`` (padding at
+        position 1), Hugging Face's positions. The layer's
         mask_mod (or the call's ``mask_mod``) and sinks apply as in the full pass: the
         mask_mod sees the global positions of the new tokens and of the cached keys, so a
         sliding window keeps its width at every step. The scheme's
@@ -221,15 +251,23 @@ class AttentionCore:
         """
         q, k, v = self._qkv(x)
         B, T = x.shape[:2]
+        check_cache(cache, B)
+        pad = check_attention_mask(attention_mask, B, T)
         if positions is None:
-            positions = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)
+            positions = positions_from_mask(jnp.ones((B, T), bool) if pad is None else pad,
+                                            cache_token_count(cache))
         pos = _checks.positions_2d("positions", positions, B, T)
         scheme = self._scheme(scheme, rope_scaling, x, pos)
         q, k, scheme = rotate_at_write(scheme, q, k, pos)
-        cache, seg, kv_seg, overflow = update_kv_cache(cache, k, v, pos)
+        cache, seg, kv_seg, overflow = update_kv_cache(cache, k, v, pos, pad)
+        # Empty and padding slots are hidden by the segment ids; their positions are set to
+        # a token's so that they do not widen the call's positions (xPos's centre).
+        top = visible_top(cache.positions, cache.valid)
+        kv_pos = fill_hidden_positions(cache.positions, cache.valid, top)
+        q_pos = pos if pad is None else fill_hidden_positions(pos, pad, top)
         attend_fn = attention_for(scheme)
         o = attend_fn(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), position=scheme,
-                      q_positions=pos, kv_positions=cache.positions, causal=self.causal,
+                      q_positions=q_pos, kv_positions=kv_pos, causal=self.causal,
                       segment_ids=seg, kv_segment_ids=kv_seg, scale=self.scale,
                       mask_mod=self._mask_mod(mask_mod), sinks=self._sinks(),
                       implementation=implementation or self.implementation)
@@ -237,15 +275,16 @@ class AttentionCore:
 
 
 class BlockCore:
-    """The computation of :class:`jaxpos.nnx.TransformerBlock` and its Linen twin (``attn_norm``,
-    ``attn``, ``mlp_norm``, ``mlp_in``, ``mlp_out``, ``dtype``)."""
+    """The computation of :class:`jaxpos.nnx.TransformerBlock` and its Linen twin
+    (``attn_norm``, ``attn``, ``mlp_norm``, ``mlp_in``, ``mlp_out``, ``dtype``)."""
 
     if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
         def __getattr__(self, name: str) -> Any: ...
 
     def _mlp(self, x):
         h = rms_norm(x, param_value(self.mlp_norm.scale))
-        return x + mlp(h, param_value(self.mlp_in.kernel), param_value(self.mlp_out.kernel), self.dtype)
+        return x + mlp(h, param_value(self.mlp_in.kernel), param_value(self.mlp_out.kernel),
+                       self.dtype)
 
     def __call__(self, x, **kw) -> jax.Array:
         x = x + self.attn(rms_norm(x, param_value(self.attn_norm.scale)), **kw)
@@ -258,10 +297,10 @@ class BlockCore:
 
 
 class StackCore:
-    """The computation shared by :class:`jaxpos.nnx.DecoderLM`, :class:`jaxpos.nnx.Encoder` and their Linen
-    twins. Subclasses declare ``embed`` (``embedding``), ``abs_position``,
-    ``rel_position`` (the stack's :class:`jaxpos.nnx.PositionModule`, or None when the scheme lives in
-    every layer), ``blocks``, ``final_norm`` and fields ``vocab_size``, ``d_model``,
+    """The computation shared by :class:`jaxpos.nnx.DecoderLM`, :class:`jaxpos.nnx.Encoder`
+    and their Linen twins. Subclasses declare ``embed`` (``embedding``), ``abs_position``,
+    ``rel_position`` (the stack's :class:`jaxpos.nnx.PositionModule`, or None when the
+    scheme lives in every layer), ``blocks``, ``final_norm`` and fields ``vocab_size``, ``d_model``,
     ``max_len``, ``implementation``, ``dtype``; and give ``_position_name()`` and
     ``_cache_dims()`` -> ``(num_layers, num_kv_heads, head_dim)``."""
 
@@ -283,17 +322,20 @@ class StackCore:
         return position_scheme(self.rel_position, rope_scaling, x=x, positions=pos), None
 
     def _hidden(self, tokens, positions, rope_scaling, implementation, mask=None,
-                segment_ids=None):
+                segment_ids=None, attention_mask=None):
         _checks.check_rank("tokens", tokens, (2,), "[batch, seq] token ids")
-        check_learned_length(self._position_name(), self.max_len, _checks.shape_of(tokens)[1],
-                             positions)
-        pos = default_positions(_checks.shape_of(tokens), positions)
+        B, T = _checks.shape_of(tokens)
+        pad = check_attention_mask(attention_mask, B, T)
+        if pad is not None and positions is None:
+            positions = positions_from_mask(pad)
+        check_learned_length(self._position_name(), self.max_len, T, positions)
+        pos = default_positions((B, T), positions)
         x = self._embed(tokens, pos)
         scheme, layer_scaling = self._scheme(rope_scaling, x, pos)
         impl = implementation or self.implementation
         for block in self.blocks:
             x = block(x, positions=pos, mask=mask, segment_ids=segment_ids, scheme=scheme,
-                      rope_scaling=layer_scaling, implementation=impl)
+                      rope_scaling=layer_scaling, implementation=impl, attention_mask=pad)
         return rms_norm(x, param_value(self.final_norm.scale))
 
 
@@ -304,27 +346,33 @@ class DecoderCore(StackCore):
         def __getattr__(self, name: str) -> Any: ...
 
     def __call__(self, tokens, *, positions=None, rope_scaling=None, implementation=None,
-                 segment_ids=None) -> jax.Array:
+                 segment_ids=None, attention_mask=None) -> jax.Array:
         """Causal forward pass.
 
         Args:
           tokens: int ``[B, T]`` in ``[0, vocab_size)`` (concrete ids outside raise).
-          positions: int ``[T]`` or ``[B, T]``, default ``arange(T)``; offsets, left
-            padding and packing are all position arrays.
+          positions: int ``[T]`` or ``[B, T]``, default ``arange(T)``, or Hugging Face's
+            positions of ``attention_mask`` when it is given (``cumsum - 1``, padding at
+            1); offsets and packing are position arrays.
           rope_scaling: a :mod:`jaxpos.rope_scaling` dataclass applied for this call only;
             ``ValueError`` for a model whose scheme does not take it (not ``"rope"``).
           implementation: overrides the model's attention backend for this call.
           segment_ids: int ``[B, T]`` for packed sequences (optional).
+          attention_mask: bool or int ``[B, T]``, 1 for a token and 0 for padding
+            (Hugging Face's convention; left or right padding). No token sees padding, so
+            every token of a left-padded row gets the logits of its sequence run alone.
+            Padding's own logits are meaningless.
 
         Returns:
           float32 logits ``[B, T, vocab_size]``.
 
         Raises:
           ValueError: ``"learned"`` with ``T > max_len`` or concrete positions outside the
-            table (never clamped), bad shapes; TypeError: float tokens/positions.
+            table (never clamped), bad shapes, ``attention_mask`` values other than 0/1;
+            TypeError: float tokens/positions/attention_mask.
         """
         h = self._hidden(tokens, positions, rope_scaling, implementation,
-                         segment_ids=segment_ids)
+                         segment_ids=segment_ids, attention_mask=attention_mask)
         return tied_logits(h, param_value(self.embed.embedding))
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> tuple[KVCache, ...]:
@@ -335,16 +383,23 @@ class DecoderCore(StackCore):
                      for _ in range(L))
 
     def decode_step(self, tokens, cache, *, positions=None, rope_scaling=None,
-                    implementation=None):
+                    implementation=None, attention_mask=None):
         """Run ``tokens [B, T]`` (one or more new tokens per row) against the cache.
 
-        ``positions`` default to each row's fill count ``+ arange(T)``; give them to put
-        rows at different offsets. Returns ``(logits float32 [B, T, vocab_size], cache)``.
-        Decoding a sequence token by token gives the logits of the full forward pass with
-        the same positions, except with a length-dependent ``rope_scaling`` (dynamic NTK,
-        LongRoPE): cached keys keep the rotation of the call that wrote them, as in Hugging
-        Face's decoding (:func:`rotate_at_write`). Raises as :meth:`__call__`, and
-        ``ValueError`` on concrete cache overflow (traced overflow gives NaN rows).
+        ``attention_mask``: bool or int ``[B, T]`` for the new tokens, 1 = token, 0 =
+        padding (Hugging Face's convention; default all tokens); the cache remembers it,
+        so no token sees padding in this step or a later one: a left-padded prefill
+        followed by steps gives every token the logits of its sequence run alone.
+        ``positions`` default to each row's count of cached tokens (padding excluded)
+        ``+ cumsum(attention_mask) - 1`` (``arange(T)`` after it without padding; padding
+        at 1), Hugging Face's positions; give them to put rows at other offsets. Returns
+        ``(logits float32 [B, T, vocab_size], cache)``. Decoding a sequence token by token
+        gives the logits of the full forward pass with the same positions, except with a
+        length-dependent ``rope_scaling`` (dynamic NTK, LongRoPE): cached keys keep the
+        rotation of the call that wrote them, as in Hugging Face's decoding
+        (:func:`jaxpos.nnx.rotate_at_write`). Raises as :meth:`__call__`, and
+        ``ValueError`` on concrete cache overflow (traced overflow gives NaN rows) and for
+        tokens whose batch size is not the cache's.
         """
         L = self._cache_dims()[0]
         if not isinstance(cache, (tuple, list)) or len(cache) != L:
@@ -352,8 +407,11 @@ class DecoderCore(StackCore):
                              f"{type(cache).__name__}.")
         _checks.check_rank("tokens", tokens, (2,), "[batch, seq] token ids")
         B, T = _checks.shape_of(tokens)
+        check_cache(cache[0], B)
+        pad = check_attention_mask(attention_mask, B, T)
         if positions is None:
-            positions = cache[0].length[:, None] + jnp.arange(T, dtype=jnp.int32)
+            positions = positions_from_mask(jnp.ones((B, T), bool) if pad is None else pad,
+                                            cache_token_count(cache[0]))
         pos = _checks.positions_2d("positions", positions, B, T)
         x = self._embed(tokens, pos)
         scheme, layer_scaling = self._scheme(rope_scaling, x, pos)
@@ -361,7 +419,7 @@ class DecoderCore(StackCore):
         new = []
         for block, c in zip(self.blocks, cache):
             x, c = block.decode(x, c, positions=pos, scheme=scheme, rope_scaling=layer_scaling,
-                                implementation=impl)
+                                implementation=impl, attention_mask=pad)
             new.append(c)
         h = rms_norm(x, param_value(self.final_norm.scale))
         return tied_logits(h, param_value(self.embed.embedding)), tuple(new)
@@ -374,8 +432,9 @@ class EncoderCore(StackCore):
         def __getattr__(self, name: str) -> Any: ...
 
     def __call__(self, tokens, *, positions=None, mask=None, segment_ids=None,
-                 rope_scaling=None, implementation=None) -> jax.Array:
+                 rope_scaling=None, implementation=None, attention_mask=None) -> jax.Array:
         """Bidirectional forward pass: final-normalised hidden states ``[B, T, d_model]``
-        (``dtype``); keywords as :meth:`jaxpos.nnx.DecoderLM.__call__` plus ``mask``."""
+        (``dtype``); keywords as :meth:`jaxpos.nnx.DecoderLM.__call__` (``attention_mask``
+        included: no token sees padding) plus ``mask``."""
         return self._hidden(tokens, positions, rope_scaling, implementation, mask=mask,
-                            segment_ids=segment_ids)
+                            segment_ids=segment_ids, attention_mask=attention_mask)

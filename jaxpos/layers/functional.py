@@ -15,19 +15,25 @@ from jaxpos import _checks
 from jaxpos.sinusoidal import sinusoidal_pe
 
 __all__ = [
+    "PAD_POSITION",
     "attention_inputs",
+    "check_attention_mask",
     "check_attention_input",
     "check_tokens",
     "default_positions",
     "embed_tokens",
     "learned_table_init",
     "merge_heads",
+    "fill_hidden_positions",
     "mlp",
+    "padding_segment_ids",
+    "positions_from_mask",
     "project_heads",
     "rms_norm",
     "sinusoidal_embedding",
     "tied_logits",
     "token_embedding_init",
+    "visible_top",
 ]
 
 def token_embedding_init(d_model: int):
@@ -143,3 +149,93 @@ def mlp(x, w_in, w_out, dtype):
     """``gelu(x W_in) W_out`` (tanh approximation)."""
     h = jax.nn.gelu(jnp.einsum("btd,df->btf", x.astype(dtype), jnp.asarray(w_in, dtype)))
     return jnp.einsum("btf,fd->btd", h, jnp.asarray(w_out, dtype))
+
+
+# ------------------------------------------------------------------ padding masks
+# Hugging Face's convention: attention_mask [B, T], 1 = token, 0 = padding.
+
+#: The position Hugging Face gives padding tokens (``position_ids.masked_fill_(
+#: attention_mask == 0, 1)`` in ``GenerationMixin.prepare_inputs_for_generation``).
+PAD_POSITION = 1
+
+
+def check_attention_mask(attention_mask, batch: int, length: int) -> jax.Array | None:
+    """``attention_mask`` (Hugging Face's padding mask) as bool ``[batch, length]``, True
+    for a token and False for padding; None stays None.
+
+    Args:
+      attention_mask: bool or integer ``[B, T]`` of 1 (token) and 0 (padding), or None.
+      batch, length: the tokens' ``B`` and ``T``.
+
+    Raises:
+      TypeError: a float (or other non-integer, non-bool) dtype.
+      ValueError: a shape other than ``[batch, length]``; concrete values other than 0/1.
+    """
+    if attention_mask is None:
+        return None
+    shp = _checks.shape_of(attention_mask)
+    if shp != (batch, length):
+        raise ValueError(f"attention_mask must have shape [B, T] = [{batch}, {length}] (1 for a "
+                         f"token, 0 for padding, as in Hugging Face); got shape {shp}.")
+    dt = _checks.dtype_of(attention_mask)
+    if dt != np.bool_ and not np.issubdtype(dt, np.integer):
+        raise TypeError(f"attention_mask must be bool or integer (1 for a token, 0 for "
+                        f"padding); got dtype {dt}.")
+    if _checks.is_concrete(attention_mask) and dt != np.bool_:
+        vals = np.unique(np.asarray(attention_mask))
+        if not set(vals.tolist()) <= {0, 1}:
+            raise ValueError(f"attention_mask must hold 1 (token) and 0 (padding) only; got "
+                             f"values {vals.tolist()}.")
+    return jnp.asarray(attention_mask) != 0
+
+
+def positions_from_mask(mask, start=0) -> jax.Array:
+    """Hugging Face's positions for a padded batch: ``start + cumsum(mask) - 1`` for
+    tokens (the ``i``-th token of a row at ``start + i``), :data:`PAD_POSITION` for padding
+    (``GenerationMixin.prepare_inputs_for_generation``).
+
+    Args:
+      mask: bool ``[B, T]`` (True = token). start: int ``[B, 1]`` or scalar, the number of
+        tokens before these (those held by a KV cache).
+
+    Returns:
+      int32 ``[B, T]``.
+    """
+    pos = jnp.asarray(start, jnp.int32) + jnp.cumsum(mask, axis=-1, dtype=jnp.int32) - 1
+    return jnp.where(mask, pos, jnp.int32(PAD_POSITION))
+
+
+def padding_segment_ids(mask, segment_ids=None) -> jax.Array:
+    """Segment ids that keep tokens and padding apart: int32 ``[B, T]``, ``mask`` as 1/0
+    when ``segment_ids`` is None, else ``segment_ids`` on tokens and ``min(segment_ids) - 1``
+    (an id no token has) on padding. Only equal ids attend (:func:`jaxpos.attention`), so a
+    token never sees padding, and padding sees only padding (its rows stay finite)."""
+    if segment_ids is None:
+        return mask.astype(jnp.int32)
+    seg = jnp.asarray(segment_ids, jnp.int32)
+    return jnp.where(mask, seg, jnp.min(seg) - 1)
+
+
+def visible_top(positions, visible) -> jax.Array:
+    """int32 ``[B, 1]``: each row's largest position where ``visible`` (bool ``[B, S]``) is
+    True, 0 for a row with none."""
+    low = jnp.iinfo(jnp.int32).min
+    top = jnp.max(jnp.where(visible, jnp.asarray(positions, jnp.int32), low), axis=-1,
+                  keepdims=True)
+    return jnp.where(top == low, 0, top)
+
+
+def fill_hidden_positions(positions, visible, top=None) -> jax.Array:
+    """``positions`` int32 ``[B|1, S]`` with every slot where ``visible`` (bool ``[B, S]``)
+    is False replaced by ``top`` (int32 ``[B, 1]``; default :func:`visible_top`, the row's
+    largest visible position).
+
+    A slot no token sees (padding, an empty KV-cache slot) changes no token's output, but
+    its position still enters functions of the whole call such as xPos's centre (the
+    midpoint of the call's positions; Sun et al. 2022, §3): an empty slot at position 0
+    beside tokens at 1e5 would move that centre 5e4 away and overflow xPos's float32
+    scales. Filled with a visible position, such slots keep the call's positions within
+    the range of its tokens'. Returns int32 ``[B, S]``."""
+    if top is None:
+        top = visible_top(positions, visible)
+    return jnp.where(visible, jnp.asarray(positions, jnp.int32), top)

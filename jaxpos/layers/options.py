@@ -279,7 +279,8 @@ def build_scheme(position: str, params: dict, *, num_heads, head_dim, causal, op
 
 def check_attention_options(implementation, use_bias) -> None:
     """An attention layer's options, checked when it is built (not only at its first call):
-    ``implementation`` ``None`` or one of :data:`jaxpos.ALL_IMPLEMENTATIONS`, ``use_bias`` a bool."""
+    ``implementation`` ``None`` or one of :data:`jaxpos.ALL_IMPLEMENTATIONS`, ``use_bias`` a
+    bool."""
     if implementation is not None:
         _checks.check_choice("implementation", implementation, ALL_IMPLEMENTATIONS)
     if not isinstance(use_bias, bool):
