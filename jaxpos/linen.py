@@ -42,6 +42,7 @@ from flax import linen as nn
 
 from jaxpos import _checks
 from jaxpos.alibi import alibi_bias
+from jaxpos.dropout import check_dropout_rate
 from jaxpos.layers.cache import KVCache
 from jaxpos.layers.cores import (
     AttentionCore,
@@ -401,6 +402,25 @@ class ShawRelativePosition(_PositionBase):
 
 # ================================================================== attention
 
+class _LinenDropout:
+    """Flax Linen's dropout conventions: the call's ``deterministic`` when given, else
+    the ``deterministic`` field (one of them must be set when ``dropout_rate > 0``); keys
+    from ``self.make_rng("dropout")`` (``apply(..., rngs={"dropout": key})``)."""
+
+    def _is_deterministic(self, deterministic) -> bool:
+        if deterministic is not None:
+            return bool(deterministic)
+        if self.deterministic is not None:
+            return bool(self.deterministic)
+        raise ValueError(f"{type(self).__name__} has dropout_rate={self.dropout_rate}: pass "
+                         f"deterministic=True (evaluation) or False (training, with "
+                         f"apply(..., rngs={{'dropout': key}})) to the call, or set the "
+                         f"deterministic field.")
+
+    def _dropout_key(self, rngs):
+        return self.make_rng("dropout")
+
+
 class _AttentionFields(nn.Module):
     """The fields :class:`MultiHeadAttention` and :class:`TransformerBlock` share (the
     arguments of their NNX twins)."""
@@ -422,9 +442,11 @@ class _AttentionFields(nn.Module):
     scheme_options: Any = None
     sinks: bool = False
     mask_mod: Any = None
+    dropout_rate: float = 0.0
+    deterministic: bool | None = None
 
 
-class MultiHeadAttention(AttentionCore, _AttentionFields):
+class MultiHeadAttention(_LinenDropout, AttentionCore, _AttentionFields):
     """Linen twin of :class:`jaxpos.nnx.MultiHeadAttention`: grouped-query self- or
     cross-attention with any registered position scheme over :func:`jaxpos.attention`.
 
@@ -432,7 +454,9 @@ class MultiHeadAttention(AttentionCore, _AttentionFields):
     ``position`` (a registered name, or a Linen position module, shared if defined in a
     parent), ``causal``, ``rotary_dim``, ``rope_base``, ``num_buckets``, ``max_distance``,
     ``scale``, ``implementation``, ``use_bias``, ``dtype``, ``param_dtype``,
-    ``scheme_options``, ``sinks``, ``mask_mod``, ``output_gate``: ``gate_proj/kernel``). Parameters
+    ``scheme_options``, ``sinks``, ``mask_mod``, ``output_gate``: ``gate_proj/kernel``,
+    ``dropout_rate``, with Linen's ``deterministic`` field / call keyword and
+    ``make_rng("dropout")``). Parameters
     ``q_proj/k_proj/v_proj/o_proj.kernel`` (and ``.bias`` with ``use_bias``), ``sinks
     [num_heads]`` (zeros at init) with ``sinks=True``, and ``position_module/...`` for a
     position given by name. A
@@ -461,6 +485,7 @@ class MultiHeadAttention(AttentionCore, _AttentionFields):
 
     def setup(self):
         D, N, Nk, H = self._dims()
+        check_dropout_rate("dropout_rate", self.dropout_rate)
         check_attention_options(self.implementation, self.use_bias)
         check_mask_mod("mask_mod", self.mask_mod)
         # The parameter is named "sinks" as in the NNX twin (the field of the same name is
@@ -492,16 +517,21 @@ class MultiHeadAttention(AttentionCore, _AttentionFields):
 
 # ================================================================== blocks and stacks
 
-class TransformerBlock(BlockCore, _AttentionFields):
+class TransformerBlock(_LinenDropout, BlockCore, _AttentionFields):
     """Linen twin of :class:`jaxpos.nnx.TransformerBlock` (pre-LN, RMSNorm, GELU MLP).
-    Fields as :class:`MultiHeadAttention` (``sinks``, ``mask_mod`` included) plus
-    ``mlp_dim`` (default ``4 * d_model``)."""
+    Fields as :class:`MultiHeadAttention` (``sinks``, ``mask_mod``, ``dropout_rate``,
+    ``deterministic`` included) plus ``mlp_dim`` (default ``4 * d_model``) and
+    ``attention_dropout_rate`` (default: ``dropout_rate``)."""
 
     mlp_dim: int | None = None
+    attention_dropout_rate: float | None = None
 
     def setup(self):
         D = _checks.check_positive_int("d_model", self.d_model)
         F = 4 * D if self.mlp_dim is None else _checks.check_positive_int("mlp_dim", self.mlp_dim)
+        check_dropout_rate("dropout_rate", self.dropout_rate)
+        attn_rate = self.dropout_rate if self.attention_dropout_rate is None else \
+            check_dropout_rate("attention_dropout_rate", self.attention_dropout_rate)
         self.attn_norm = _Norm(D, self.param_dtype, name="attn_norm")
         self.attn = MultiHeadAttention(
             D, self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
@@ -510,7 +540,8 @@ class TransformerBlock(BlockCore, _AttentionFields):
             max_distance=self.max_distance, scale=self.scale,
             implementation=self.implementation, dtype=self.dtype,
             param_dtype=self.param_dtype, scheme_options=self.scheme_options,
-            sinks=self.sinks, mask_mod=self.mask_mod, name="attn")
+            sinks=self.sinks, mask_mod=self.mask_mod, dropout_rate=attn_rate,
+            deterministic=self.deterministic, name="attn")
         self.mlp_norm = _Norm(D, self.param_dtype, name="mlp_norm")
         self.mlp_in = _Dense(D, F, False, self.param_dtype, name="mlp_in")
         self.mlp_out = _Dense(F, D, False, self.param_dtype, name="mlp_out")
@@ -572,6 +603,8 @@ class _Stack(StackCore, nn.Module):
     mask_mod: Any = None
     layer_mask_mods: Any = None
     layer_positions: Any = None
+    dropout_rate: float = 0.0
+    attention_dropout_rate: float | None = None
 
     _causal = True
 
@@ -600,15 +633,19 @@ class _Stack(StackCore, nn.Module):
                           layer_positions=self.layer_positions,
                           causal=self._causal)
         parts = build_stack(spec, _LinenMaker(self.dtype, self.param_dtype), mlp_dim=self.mlp_dim,
-                            implementation=self.implementation, dtype=self.dtype)
+                            implementation=self.implementation, dtype=self.dtype,
+                            dropout_rate=self.dropout_rate,
+                            attention_dropout_rate=self.attention_dropout_rate)
         self.embed, self.abs_position, self.rel_position, self.blocks, self.final_norm = parts
 
 
 class DecoderLM(DecoderCore, _Stack):
     """Linen twin of :class:`jaxpos.nnx.DecoderLM`: a causal decoder-only language model
     with any registered position scheme (fields = the NNX constructor's arguments, with
-    ``sinks``, ``mask_mod`` and ``layer_mask_mods``; the sink logits are
-    ``blocks_{i}/attn/sinks``).
+    ``sinks``, ``mask_mod``, ``layer_mask_mods``, ``dropout_rate`` and
+    ``attention_dropout_rate``; the sink logits are ``blocks_{i}/attn/sinks``). With
+    dropout, the call takes ``deterministic`` (required) and the keys come from
+    ``apply(..., rngs={"dropout": key})``.
 
     ``__call__(tokens [B, T], *, positions=None, rope_scaling=None, implementation=None,
     segment_ids=None, attention_mask=None)`` -> float32 logits ``[B, T, vocab_size]``;

@@ -83,6 +83,7 @@ from flax import nnx
 # ones.
 from jaxpos import _checks
 from jaxpos.alibi import alibi_bias
+from jaxpos.dropout import check_dropout_rate
 from jaxpos.layers.cache import KVCache, rotate_at_write
 from jaxpos.layers.cores import (
     AttentionCore,
@@ -405,7 +406,34 @@ def make_position_module(position, *, num_heads, head_dim, d_model, causal, opti
 
 # ================================================================== attention
 
-class MultiHeadAttention(AttentionCore, nnx.Module):
+class _NnxDropout:
+    """Flax NNX's dropout conventions (those of ``nnx.Dropout`` and
+    ``nnx.MultiHeadAttention``): the call's ``deterministic`` when given, else the
+    module's ``deterministic`` attribute (False at construction; ``model.train()`` and
+    ``model.eval()`` set it); keys from the call's ``rngs`` (an :class:`flax.nnx.Rngs`,
+    its ``dropout`` stream, or a stream), else from the ``dropout`` stream the module
+    forked at construction (``self.rngs``)."""
+
+    def _is_deterministic(self, deterministic) -> bool:
+        return bool(self.deterministic if deterministic is None else deterministic)
+
+    def _dropout_key(self, rngs):
+        stream = rngs.dropout if isinstance(rngs, nnx.Rngs) else rngs
+        if stream is None:
+            stream = self.rngs
+        if stream is None:
+            raise ValueError(f"{type(self).__name__} has dropout_rate={self.dropout_rate} and "
+                             f"no dropout stream: pass rngs=nnx.Rngs(dropout=...) to the call.")
+        return stream()
+
+    def _keep_dropout_stream(self, rngs: nnx.Rngs):
+        """After the parameters: the module's own dropout stream (``rngs.dropout``
+        forked), kept only when it drops something."""
+        self.deterministic = False
+        self.rngs = rngs.dropout.fork() if self.dropout_rate > 0 else None
+
+
+class MultiHeadAttention(_NnxDropout, AttentionCore, nnx.Module):
     """Multi-head (grouped-query) self- or cross-attention with any position scheme, over
     :func:`jaxpos.attention`.
 
@@ -446,6 +474,12 @@ class MultiHeadAttention(AttentionCore, nnx.Module):
         for Mistral / Gemma / GPT-OSS sliding-window layers with ``causal=True``,
         ``jaxpos.ChunkedAttentionMask(c)`` for Llama 4's chunked layers); it is static
         module data, not a parameter. Default None.
+      dropout_rate: attention dropout, the rate at which softmax probabilities are
+        dropped (the kept ones scaled by ``1 / (1 - rate)``; :func:`jaxpos.attention`'s
+        ``dropout_rate``, run by the chunked or reference path). Default 0. Dropout follows
+        Flax NNX: on unless ``deterministic`` (the call's keyword, else the attribute that
+        ``model.eval()`` / ``model.train()`` set), keys from the call's ``rngs`` or the
+        ``dropout`` stream of ``rngs`` forked at construction. :meth:`decode` never drops.
       dtype: compute dtype; param_dtype: parameter dtype. rngs: :class:`flax.nnx.Rngs`.
 
     Parameters: ``q_proj.kernel [D, N*H]``, ``k_proj.kernel``/``v_proj.kernel [D, N_kv*H]``,
@@ -481,10 +515,11 @@ class MultiHeadAttention(AttentionCore, nnx.Module):
                  scheme_options: dict | None = None, scale: float | None = None,
                  implementation: str | None = None, use_bias: bool = False,
                  output_gate: bool = False,
-                 sinks: bool = False, mask_mod=None, dtype=jnp.float32,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 sinks: bool = False, mask_mod=None, dropout_rate: float = 0.0,
+                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         d_model, num_heads, num_kv_heads, head_dim = attention_dims(d_model, num_heads,
                                                                     num_kv_heads, head_dim)
+        self.dropout_rate = check_dropout_rate("dropout_rate", dropout_rate)
         check_attention_options(implementation, use_bias)
         sinks = check_sinks_flag(sinks)
         self.mask_mod = check_mask_mod("mask_mod", mask_mod)
@@ -507,6 +542,7 @@ class MultiHeadAttention(AttentionCore, nnx.Module):
         self.position_module = make_position_module(
             position, num_heads=num_heads, head_dim=head_dim, d_model=d_model,
             causal=self.causal, options=options, param_dtype=param_dtype, rngs=rngs)
+        self._keep_dropout_stream(rngs)
 
     def _dims(self):
         return self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
@@ -519,12 +555,14 @@ class MultiHeadAttention(AttentionCore, nnx.Module):
 
 # ================================================================== blocks and stacks
 
-class TransformerBlock(BlockCore, nnx.Module):
+class TransformerBlock(_NnxDropout, BlockCore, nnx.Module):
     """A pre-LN transformer block: ``x + attn(rms_norm(x))``, then ``x + mlp(rms_norm(x))``
     (Xiong et al. 2020; RMSNorm, Zhang & Sennrich 2019; GELU MLP).
 
     Args: as :class:`MultiHeadAttention` (``sinks``, ``mask_mod`` included), plus
-    ``mlp_dim`` (default ``4 * d_model``).
+    ``mlp_dim`` (default ``4 * d_model``); ``dropout_rate`` is residual dropout on the
+    attention and MLP branches before they are added (Vaswani et al. 2017, Sec. 5.4) and,
+    unless ``attention_dropout_rate`` is given, attention dropout too.
     Parameters: ``attn_norm.scale``, ``attn.*``, ``mlp_norm.scale``, ``mlp_in.kernel
     [D, F]``, ``mlp_out.kernel [F, D]``.
 
@@ -538,9 +576,13 @@ class TransformerBlock(BlockCore, nnx.Module):
                  rope_base: float = 10000.0, num_buckets: int = 32,
                  max_distance: int | None = None, scheme_options: dict | None = None,
                  scale: float | None = None, implementation: str | None = None,
-                 sinks: bool = False, mask_mod=None, dtype=jnp.float32,
+                 sinks: bool = False, mask_mod=None, dropout_rate: float = 0.0,
+                 attention_dropout_rate: float | None = None, dtype=jnp.float32,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         d_model = _checks.check_positive_int("d_model", d_model)
+        self.dropout_rate = check_dropout_rate("dropout_rate", dropout_rate)
+        attn_rate = self.dropout_rate if attention_dropout_rate is None else \
+            check_dropout_rate("attention_dropout_rate", attention_dropout_rate)
         mlp_dim = 4 * d_model if mlp_dim is None else _checks.check_positive_int("mlp_dim", mlp_dim)
         self.dtype = dtype
         self.attn_norm = nnx.RMSNorm(d_model, param_dtype=param_dtype, rngs=rngs)
@@ -548,12 +590,13 @@ class TransformerBlock(BlockCore, nnx.Module):
             d_model, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, position=position,
             causal=causal, rotary_dim=rotary_dim, rope_base=rope_base, num_buckets=num_buckets,
             max_distance=max_distance, scheme_options=scheme_options, scale=scale,
-            implementation=implementation, sinks=sinks, mask_mod=mask_mod, dtype=dtype,
-            param_dtype=param_dtype, rngs=rngs)
+            implementation=implementation, sinks=sinks, mask_mod=mask_mod,
+            dropout_rate=attn_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.mlp_norm = nnx.RMSNorm(d_model, param_dtype=param_dtype, rngs=rngs)
         lin = lambda i, o: nnx.Linear(i, o, use_bias=False, param_dtype=param_dtype, rngs=rngs)
         self.mlp_in = lin(d_model, mlp_dim)
         self.mlp_out = lin(mlp_dim, d_model)
+        self._keep_dropout_stream(rngs)
 
 class _NnxMaker:
     """The NNX constructors of a stack's submodules (:func:`jaxpos.layers.stack.build_stack`)."""
@@ -597,7 +640,8 @@ class _Stack(nnx.Module):
                  t5_num_buckets: int = 32, t5_max_distance: int = 128,
                  shaw_max_distance: int = 16, scheme_options: dict | None = None,
                  implementation: str | None = None, sinks: bool = False, mask_mod=None,
-                 layer_mask_mods=None, layer_positions=None, dtype=jnp.float32,
+                 layer_mask_mods=None, layer_positions=None, dropout_rate: float = 0.0,
+                 attention_dropout_rate: float | None = None, dtype=jnp.float32,
                  param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
         spec = stack_spec(vocab_size, d_model=d_model, num_layers=num_layers,
@@ -613,7 +657,9 @@ class _Stack(nnx.Module):
         self.num_kv_heads, self.head_dim = spec.num_kv_heads, spec.head_dim
         self.implementation, self.dtype = implementation, dtype
         parts = build_stack(spec, _NnxMaker(dtype, param_dtype, rngs), mlp_dim=mlp_dim,
-                            implementation=implementation, dtype=dtype)
+                            implementation=implementation, dtype=dtype,
+                            dropout_rate=dropout_rate,
+                            attention_dropout_rate=attention_dropout_rate)
         self.embed, self.abs_position, self.rel_position, self.blocks, self.final_norm = parts
 
     def _position_name(self):
@@ -659,6 +705,11 @@ class DecoderLM(DecoderCore, _Stack):
         must be ``"nope"`` (or absolute). E.g. the RNoPE-SWA layout of Yang et al. 2025:
         :func:`jaxpos.rnope.rnope_swa_layers` gives ``position``, ``layer_positions``
         and ``layer_mask_mods``.
+      dropout_rate: residual dropout in every block and, unless
+        ``attention_dropout_rate`` is given, attention dropout (:class:`TransformerBlock`);
+        default 0. NNX conventions: on until ``model.eval()`` (or a call's
+        ``deterministic=True``), keys from the call's ``rngs`` or each layer's ``dropout``
+        stream forked from ``rngs`` at construction; :meth:`decode_step` never drops.
       dtype: compute dtype (logits are float32); param_dtype: parameter dtype.
       rngs: :class:`flax.nnx.Rngs` (``params`` stream).
 

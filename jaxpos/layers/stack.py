@@ -156,10 +156,13 @@ class StackParts(NamedTuple):
     final_norm: Any
 
 
-def build_stack(spec: StackSpec, make: StackMaker, *, mlp_dim, implementation, dtype) -> StackParts:
+def build_stack(spec: StackSpec, make: StackMaker, *, mlp_dim, implementation, dtype,
+                dropout_rate: float = 0.0, attention_dropout_rate: float | None = None
+                ) -> StackParts:
     """The submodules of a stack: the token embedding, the absolute position module (or
     None), the stack's position module (None when the scheme lives in every layer,
-    ``params_per_layer``), ``num_layers`` blocks and the final norm, built by ``make``."""
+    ``params_per_layer``), ``num_layers`` blocks (with the stack's dropout rates) and the
+    final norm, built by ``make``."""
     D, N, plan = spec.d_model, spec.num_heads, spec.plan
     embed = make.embed(spec.vocab_size, D)
     abs_position = None
@@ -179,6 +182,7 @@ def build_stack(spec: StackSpec, make: StackMaker, *, mlp_dim, implementation, d
                    position=layer_position[i], causal=spec.causal,
                    scheme_options=layer_options[i],
                    implementation=implementation, sinks=spec.sinks,
-                   mask_mod=spec.mask_mods[i], dtype=dtype)
+                   mask_mod=spec.mask_mods[i], dropout_rate=dropout_rate,
+                   attention_dropout_rate=attention_dropout_rate, dtype=dtype)
         for i in range(spec.num_layers)])
     return StackParts(embed, abs_position, rel_position, blocks, make.norm(D))
