@@ -49,26 +49,6 @@ def test_nnx_and_linen_encoders_agree(position):
     np.testing.assert_array_equal(got, nnx_model(tokens, mask=mask))
 
 
-@pytest.mark.slow  # Linen decode equals NNX decode also in tests/modules/test_sinks_windows.py
-def test_linen_decode_step_matches_full_forward_and_nnx():
-    nnx_model, linen_model = twins("t5")
-    params = {"params": jl.params_from_nnx(nnx_model)}
-    tokens = jax.random.randint(jax.random.key(3), (2, 3), 0, V)
-    positions = np.array([0, 7])[:, None] + np.arange(3)  # rows at different offsets
-    full = linen_model.apply(params, tokens, positions=positions)
-    np.testing.assert_array_equal(full, nnx_model(tokens, positions=positions))
-    cache = linen_model.init_cache(2, 6)  # no parameters needed
-    assert len(cache) == 1 and cache[0].k.shape == (2, 6, N, D // N)
-    lg, cache = linen_model.apply(params, tokens[:, :2], cache, positions=positions[:, :2],
-                                  method="decode_step")
-    np.testing.assert_allclose(lg, full[:, :2], rtol=1e-5, atol=1e-5)
-    for t in range(2, 3):
-        lg, cache = linen_model.apply(params, tokens[:, t:t + 1], cache,
-                                      positions=positions[:, t:t + 1], method="decode_step")
-        np.testing.assert_allclose(lg[:, 0], full[:, t], rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(cache[0].length, [3, 3])
-
-
 def test_linen_t5_table_is_one_parameter_and_sinusoidal_has_none():
     _, t5 = twins("t5", num_layers=3)
     tokens = jnp.zeros((1, 4), jnp.int32)

@@ -72,38 +72,6 @@ def test_bidirectional_alibi_cannot_tell_a_sentence_from_its_reverse():
 
 
 # ------------------------------------------------------------ KV-cache decoding
-def _concat_rows(*caches):
-    return jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs, axis=0), *caches)
-
-
-@pytest.mark.parametrize("position", [
-    pytest.param(p, marks=pytest.mark.slow) if p in ("sinusoidal", "alibi") else p for p in ALL])
-def test_kv_cache_decode_with_rows_at_different_offsets_equals_full_forward(position):
-    model = make_decoder(position)
-    T = 7
-    tokens = jax.random.randint(jax.random.key(1), (2, T), 0, V)
-    offsets = np.array([0, 4])             # rows start at different positions
-    positions = offsets[:, None] + np.arange(T)
-    full = model(tokens, positions=positions)  # [2, T, V]
-
-    # Rows also hold different numbers of cached tokens: row 0 prefills 3, row 1 prefills 1.
-    prompt = [3, 1]
-    caches = []
-    for b in range(2):
-        c = model.init_cache(1, 8)
-        lg, c = model.decode_step(tokens[b:b + 1, :prompt[b]], c,
-                                  positions=positions[b:b + 1, :prompt[b]])
-        np.testing.assert_allclose(lg[0], full[b, :prompt[b]], rtol=1e-5, atol=1e-5)
-        caches.append(c)
-    cache = _concat_rows(*caches)
-    np.testing.assert_array_equal(cache[0].length, prompt)
-    for s in range(3):
-        idx = np.array(prompt) + s
-        tok = tokens[np.arange(2), idx][:, None]
-        lg, cache = model.decode_step(tok, cache, positions=positions[np.arange(2), idx][:, None])
-        np.testing.assert_allclose(lg[:, 0], full[np.arange(2), idx], rtol=1e-5, atol=1e-5)
-
-
 def test_jitted_default_decode_one_token_at_a_time_equals_full_forward():
     # The default path: implementation=None (chunked on CPU), default positions from the
     # cache's fill count, everything under nnx.jit.

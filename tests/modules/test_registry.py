@@ -2,9 +2,8 @@
 
 * Every registered name builds a :class:`jaxpos.nnx.DecoderLM` (and its Linen twin) that
   runs a forward pass, or, for a scheme class without ``from_params``, raises a
-  ``ValueError`` that names the class; KV-cache decoding equals the full pass for every
-  buildable name (through the scheme's ``cache_write``), or raises a ``ValueError`` about
-  the cache.
+  ``ValueError`` that names the class (KV-cache decoding of every buildable name:
+  ``tests/modules/test_decode_equals_full_pass.py``).
 * A scheme registered from outside the library (here, in this file) enters every module
   with no change to them: its parameters (from ``init_params``, with the module's
   ``scheme_options``) become ``nnx.Param``s in the stack or in every layer as its
@@ -69,27 +68,6 @@ def test_decoder_builds_and_runs_for_every_registered_name(name):
     linen = _linen_decoder(name)
     got = linen.apply({"params": jl.params_from_nnx(model)}, tokens)
     np.testing.assert_allclose(got, logits, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("name", [n for n in NAMES if buildable(REGISTRY[n])])
-def test_kv_cache_decoding_equals_the_full_pass_for_every_registered_name(name):
-    # decode_step goes through the scheme's cache_write (no per-scheme code in the
-    # modules): prefill 3 tokens, then one at a time, against the full causal pass. A
-    # scheme that cannot decode from a cache must say so (FoX keeps no gates there).
-    model = _decoder(name)
-    tokens = jax.random.randint(jax.random.key(1), (2, 5), 0, V)
-    full = model(tokens)
-    cache = model.init_cache(2, 5)
-    try:
-        logits, cache = model.decode_step(tokens[:, :3], cache)
-    except ValueError as e:
-        assert "cache" in str(e), e
-        return
-    steps = [logits]
-    for t in (3, 4):
-        logits, cache = model.decode_step(tokens[:, t:t + 1], cache)
-        steps.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(steps, 1), full, rtol=1e-5, atol=1e-5)
 
 
 def test_positions_are_derived_from_the_registry():

@@ -1,7 +1,7 @@
 """Stick-breaking attention in the Flax modules (``position="stick_breaking"``): a layer's
 output is the output projection of :func:`jaxpos.stick_breaking_attention` on its
-projections, KV-cache decoding gives the logits of the full pass (NNX and Linen share the
-core), and the softmax path, an encoder and softmax-only options are refused."""
+projections (its KV-cache decoding: ``tests/modules/test_decode_equals_full_pass.py``),
+and the softmax path, an encoder and softmax-only options are refused."""
 
 from __future__ import annotations
 
@@ -27,20 +27,6 @@ def test_layer_is_stick_breaking_attention_of_its_projections():
                                         proj(layer.v_proj), implementation="reference")
     want = o.reshape(2, T, 16) @ layer.o_proj.kernel[...]
     np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(want), atol=2e-5, rtol=2e-5)
-
-
-def test_cached_decoding_equals_the_full_pass():
-    model = jn.DecoderLM(V, d_model=16, num_layers=2, num_heads=2, position="stick_breaking",
-                         implementation="chunked", rngs=nnx.Rngs(0))
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, T), 0, V)
-    full = np.asarray(model(tokens))
-    cache = model.init_cache(2, T)
-    logits, cache = model.decode_step(tokens[:, :2], cache)
-    steps = [np.asarray(logits)]
-    for t in range(2, T):
-        logits, cache = model.decode_step(tokens[:, t:t + 1], cache)
-        steps.append(np.asarray(logits))
-    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=2e-5, atol=2e-5)
 
 
 def test_refusals():

@@ -1,0 +1,89 @@
+"""KV-cache decoding equals the full causal pass, for every position the modules build
+(``jaxpos.nnx.POSITIONS``: the registered schemes plus sinusoidal/learned embeddings)
+and each module kind (the NNX ``DecoderLM`` and its Linen twin).
+
+One shape for all: two layers, batch rows starting at different positions (offsets 0
+and 4) and prefilling different prompt lengths (3 and 1 tokens, each row decoded on its
+own and the two caches concatenated), then three tokens one at a time with both rows in
+one call. Every step's logits equal the full pass's at those positions (float32, eager,
+``2e-5``) and the cache counts the tokens written. A scheme that cannot decode from a
+cache (FoX: its bias needs the forget gates of every cached token) raises a
+``ValueError`` about the cache instead of giving other numbers.
+
+The default run decodes every scheme with NNX (reference implementation, and
+stick-breaking through the chunked one) and RoPE/T5 with Linen; the other Linen cases
+run with ``-m slow`` (the twins share the cores, ``tests/modules/test_linen.py`` checks
+their logits are identical).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpos import linen as jl
+from jaxpos import nnx as jn
+
+V, D, N, T = 40, 16, 2, 7
+OFFSETS = np.array([0, 4])  # row 1 starts at position 4
+PROMPT = (3, 1)             # tokens each row prefills
+NO_CACHE = {"fox"}          # schemes that refuse to decode from a KV cache
+LINEN_DEFAULT = {"rope", "t5"}
+
+CASES = (
+    [pytest.param(p, "nnx", "reference", id=f"{p}-nnx") for p in jn.POSITIONS]
+    + [pytest.param("stick_breaking", "nnx", "chunked", id="stick_breaking-nnx-chunked")]
+    + [pytest.param(p, "linen", "reference", id=f"{p}-linen",
+                    marks=() if p in LINEN_DEFAULT else pytest.mark.slow)
+       for p in jn.POSITIONS]
+)
+
+
+def _model(position, kind, implementation):
+    """``(full(tokens, positions), init_cache(B, L), decode(tokens, cache, positions))``."""
+    args = dict(d_model=D, num_layers=2, num_heads=N, position=position, max_len=16,
+                implementation=implementation)
+    if kind == "nnx":
+        m = jn.DecoderLM(V, rngs=nnx.Rngs(0), **args)
+        return (lambda t, p: m(t, positions=p), m.init_cache,
+                lambda t, c, p: m.decode_step(t, c, positions=p))
+    m = jl.DecoderLM(V, **args)
+    params = m.init(jax.random.key(0), jnp.zeros((1, T), jnp.int32))
+    return (lambda t, p: m.apply(params, t, positions=p), m.init_cache,
+            lambda t, c, p: m.apply(params, t, c, positions=p, method="decode_step"))
+
+
+def _concat_rows(*caches):
+    return jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs, axis=0), *caches)
+
+
+@pytest.mark.parametrize(("position", "kind", "implementation"), CASES)
+def test_kv_cache_decoding_equals_the_full_pass(position, kind, implementation):
+    full_pass, init_cache, decode = _model(position, kind, implementation)
+    tokens = jax.random.randint(jax.random.key(1), (2, T), 0, V)
+    positions = OFFSETS[:, None] + np.arange(T)
+    if position in NO_CACHE:  # FoX indexes its gates by position: rows start at 0
+        positions = np.broadcast_to(np.arange(T), (2, T))
+        assert np.isfinite(np.asarray(full_pass(tokens, positions))).all()
+        with pytest.raises(ValueError, match="KV cache"):
+            decode(tokens[:, :1], init_cache(2, 8), positions[:, :1])
+        return
+    full = np.asarray(full_pass(tokens, positions))  # [2, T, V]
+    caches = []
+    for b, n in enumerate(PROMPT):
+        logits, cache = decode(tokens[b:b + 1, :n], init_cache(1, 8), positions[b:b + 1, :n])
+        np.testing.assert_allclose(logits[0], full[b, :n], rtol=2e-5, atol=2e-5,
+                                   err_msg=f"prefill of row {b}")
+        caches.append(cache)
+    cache = _concat_rows(*caches)
+    np.testing.assert_array_equal(cache[0].length, PROMPT)
+    rows = np.arange(2)
+    for s in range(3):
+        idx = np.array(PROMPT) + s
+        logits, cache = decode(tokens[rows, idx][:, None], cache, positions[rows, idx][:, None])
+        np.testing.assert_allclose(logits[:, 0], full[rows, idx], rtol=2e-5, atol=2e-5,
+                                   err_msg=f"decode step {s}")
+    np.testing.assert_array_equal(cache[-1].length, np.array(PROMPT) + 3)
