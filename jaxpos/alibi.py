@@ -150,11 +150,11 @@ class ALiBi(PositionScheme):
         self._set(slopes=jnp.asarray(slopes, jnp.float32), bidirectional=bool(bidirectional))
 
     @classmethod
-    def from_params(cls, params, *, num_heads, causal, **_):
+    def from_params(cls, params: dict, *, num_heads: int, causal: bool, **_) -> PositionScheme:
         """The paper's fixed slopes; bidirectional (``-m |kv - q|``) unless causal."""
         return cls(num_heads, bidirectional=not causal)
 
-    def check(self, num_heads, head_dim):
+    def check(self, num_heads: int, head_dim: int) -> None:
         if _checks.shape_of(self.slopes)[0] != num_heads:
             raise ValueError(f"ALiBi slopes must have shape [{num_heads}] (one per query head); "
                              f"got {_checks.shape_of(self.slopes)}.")

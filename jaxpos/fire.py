@@ -206,7 +206,8 @@ class FIRE(PositionScheme):
     # ---- for the Flax modules: one FIRE for the stack (as T5's table), options
     # ``mlp_width``, ``init_c``, ``init_L``, ``eps``.
     @classmethod
-    def init_params(cls, key, *, num_heads, options, param_dtype=jnp.float32, **_):
+    def init_params(cls, key: jax.Array, *, num_heads: int, options: dict, param_dtype=jnp.float32,
+                    **_) -> dict:
         """:meth:`init`'s arrays, ``{"w1", "b1", "w2", "b2", "c", "L_multiplier"}``."""
         s = cls.init(num_heads, key=key, mlp_width=_option(options, "mlp_width", 32),
                      init_c=_option(options, "init_c", 0.1),
@@ -214,7 +215,7 @@ class FIRE(PositionScheme):
         return {n: getattr(s, n).astype(param_dtype) for n in cls._children}
 
     @classmethod
-    def from_params(cls, params, *, options, **_):
+    def from_params(cls, params: dict, *, options: dict, **_) -> PositionScheme:
         return cls(params["w1"], params["b1"], params["w2"], params["b2"], c=params["c"],
                    L_multiplier=params["L_multiplier"],
                    init_L=_option(options, "init_L", 512.0), eps=_option(options, "eps", EPS))
@@ -224,7 +225,7 @@ class FIRE(PositionScheme):
         """``L = |L_multiplier * init_L|``, float32 scalar (positions)."""
         return jnp.abs(self.L_multiplier * jnp.float32(self.init_L))
 
-    def check(self, num_heads, head_dim):
+    def check(self, num_heads: int, head_dim: int) -> None:
         n = _checks.shape_of(self.w2)[1]
         if n != num_heads:
             raise ValueError(f"FIRE's MLP has {n} outputs (w2 {_checks.shape_of(self.w2)}, b2 "

@@ -163,14 +163,16 @@ class FoX(PositionScheme):
     params_per_layer = True
 
     @classmethod
-    def init_params(cls, key, *, num_heads, d_model, param_dtype=jnp.float32, **_):
+    def init_params(cls, key: jax.Array, *, num_heads: int, d_model: int, param_dtype=jnp.float32,
+                    **_) -> dict:
         """The forget-gate projection ``{"w": [d_model, N], "b": [N]}``: ``w ~ N(0,
         0.02^2)``, ``b = 0``, as the authors' code initialises its ``fgate_proj``."""
         w = 0.02 * jax.random.normal(key, (d_model, num_heads), jnp.float32)
         return {"w": w.astype(param_dtype), "b": jnp.zeros((num_heads,), param_dtype)}
 
     @classmethod
-    def from_params(cls, params, *, x=None, positions=None, **_):
+    def from_params(cls, params: dict, *, x: jax.Array | None = None,
+                    positions: jax.Array | None = None, **_) -> PositionScheme:
         """``FoX(forget_gate(x, w, b))`` from the layer's input ``x`` ``[B, T, D]``.
 
         The gates are indexed by position, so ``positions`` must be ``0 .. T-1`` along
@@ -205,7 +207,7 @@ class FoX(PositionScheme):
                          "forget gates of every cached token, which the cache does not keep. "
                          "Recompute the full sequence instead.")
 
-    def check(self, num_heads, head_dim):
+    def check(self, num_heads: int, head_dim: int) -> None:
         n = _checks.shape_of(self.log_forget)[2]
         if n != num_heads:
             raise ValueError(f"FoX log_forget must have shape [B, T, {num_heads}] (one gate per "
@@ -217,7 +219,8 @@ class FoX(PositionScheme):
                              "keys at or before the query (Lin et al. 2025, §2); for later keys "
                              "it would be positive.")
 
-    def transform_qk(self, q, k, q_positions, kv_positions):
+    def transform_qk(self, q: jax.Array, k: jax.Array, q_positions: jax.Array,
+                     kv_positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Unchanged ``q`` and ``k``; checks that the gates fit the call: batch 1 or ``B``,
         and concrete positions inside ``[0, T)``.
 

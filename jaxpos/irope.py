@@ -29,6 +29,7 @@ llama4.py`` does).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -115,7 +116,8 @@ class TemperatureTunedNoPE(PositionScheme):
         a, f = _check_temperature_args(attn_scale, floor_scale)
         self._set(attn_scale=a, floor_scale=f)
 
-    def transform_qk(self, q, k, q_positions, kv_positions):
+    def transform_qk(self, q: jax.Array, k: jax.Array, q_positions: jax.Array,
+                     kv_positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``q`` ``[B, Tq, N, H]`` times the temperature at ``q_positions`` (int32
         ``[B|1, Tq]``), cast back to ``q``'s dtype; ``k`` unchanged."""
         t = attention_temperature(q_positions, attn_scale=self.attn_scale,

@@ -176,7 +176,8 @@ class KERPLE(PositionScheme):
     # ---- for the Flax modules: one (r1, r2) pair per head, shared by the layers of a
     # stack, as the authors' GPT-NeoX model passes one KERPLE module to every layer.
     @classmethod
-    def init_params(cls, key, *, num_heads, options, param_dtype=jnp.float32, **_):
+    def init_params(cls, key: jax.Array, *, num_heads: int, options: dict, param_dtype=jnp.float32,
+                    **_) -> dict:
         """``{"r1", "r2"}``, float ``[num_heads]``, drawn as :meth:`init` does. Options:
         ``kind`` (the generic class only), ``eps``."""
         eps = options.get("eps")
@@ -185,7 +186,7 @@ class KERPLE(PositionScheme):
         return {"r1": s.r1.astype(param_dtype), "r2": s.r2.astype(param_dtype)}
 
     @classmethod
-    def from_params(cls, params, *, options, **_):
+    def from_params(cls, params: dict, *, options: dict, **_) -> PositionScheme:
         """The scheme from a module's stored ``r1``, ``r2``: raw values, which may have
         left the range during training (the forward pass clamps them), so their values
         are not checked here, only their shapes and dtypes."""
@@ -225,7 +226,7 @@ class KERPLE(PositionScheme):
                              f"kind={kind!r} (use KERPLE(..., kind={kind!r})).")
         return kind
 
-    def check(self, num_heads, head_dim):
+    def check(self, num_heads: int, head_dim: int) -> None:
         if _checks.shape_of(self.r1)[0] != num_heads:
             raise ValueError(f"KERPLE r1 and r2 must have shape [{num_heads}] (one per query "
                              f"head); got {_checks.shape_of(self.r1)}.")

@@ -151,8 +151,8 @@ class PoPE(PositionScheme):
 
     # ---- for the Flax modules: delta per layer, head and frequency, initialised at 0.
     @classmethod
-    def init_params(cls, key, *, num_heads, head_dim, options, param_dtype=jnp.float32,
-                    **_):
+    def init_params(cls, key: jax.Array, *, num_heads: int, head_dim: int, options: dict,
+                    param_dtype=jnp.float32, **_) -> dict:
         """``{"phase_bias": zeros [num_heads, head_dim]}`` (the paper's initialisation), or
         ``{}`` with option ``phase_bias=False``."""
         if options.get("phase_bias") is False:
@@ -160,14 +160,14 @@ class PoPE(PositionScheme):
         return {"phase_bias": jnp.zeros((num_heads, head_dim), param_dtype)}
 
     @classmethod
-    def from_params(cls, params, *, head_dim, options, **_):
+    def from_params(cls, params: dict, *, head_dim: int, options: dict, **_) -> PositionScheme:
         """Options: ``rope_base`` (the frequency base, 10000), ``phase_bias`` (False for
         none)."""
         base = options.get("rope_base")
         return cls(head_dim, base=10000.0 if base is None else base,
                    phase_bias=params.get("phase_bias"))
 
-    def check(self, num_heads, head_dim):
+    def check(self, num_heads: int, head_dim: int) -> None:
         if _checks.shape_of(self.inv_freq)[0] != head_dim:
             raise ValueError(f"PoPE has {_checks.shape_of(self.inv_freq)[0]} frequencies (one "
                              f"per feature); q and k have head_dim {head_dim}.")
@@ -176,7 +176,8 @@ class PoPE(PositionScheme):
             raise ValueError(f"PoPE phase_bias must have shape [{num_heads}, {head_dim}] (query "
                              f"heads, features); got {_checks.shape_of(self.phase_bias)}.")
 
-    def transform_qk(self, q, k, q_positions, kv_positions):
+    def transform_qk(self, q: jax.Array, k: jax.Array, q_positions: jax.Array,
+                     kv_positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``q`` and ``k`` ``[B, T, N, H]`` to PoPE's ``[B, T, N, 2H]`` features; the clamped
         phase bias is subtracted from the query phase (same score as adding it to the
         key phase)."""

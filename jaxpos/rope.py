@@ -695,7 +695,7 @@ class RoPE(PositionScheme):
                   angle_precision=angle_precision, mrope_section=mrope_section,
                   mrope_interleaved=bool(mrope_interleaved), cache_rotation=cache_rotation)
 
-    def check(self, num_heads, head_dim):
+    def check(self, num_heads: int, head_dim: int) -> None:
         check_rotary_dim(self.rotary_dim, head_dim)
 
     def frequencies(self, q_positions, kv_positions):
@@ -734,7 +734,8 @@ class RoPE(PositionScheme):
         return apply_rope(x, positions, inv_freq, layout=self.layout, attention_factor=af,
                           angle_precision=self.angle_precision)
 
-    def transform_qk(self, q, k, q_positions, kv_positions):
+    def transform_qk(self, q: jax.Array, k: jax.Array, q_positions: jax.Array,
+                     kv_positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Rotate ``q`` and ``k`` at their positions with this call's frequencies (one
         ``O(T * H)`` pass per call, before any attention implementation)."""
         inv_freq, af = self.frequencies(q_positions, kv_positions)
@@ -745,7 +746,7 @@ class RoPE(PositionScheme):
         return q, k
 
     @classmethod
-    def from_params(cls, params, *, head_dim, options, **_):
+    def from_params(cls, params: dict, *, head_dim: int, options: dict, **_) -> PositionScheme:
         """Options ``rotary_dim`` (default ``head_dim``), ``rope_base`` (10000),
         ``rope_scaling`` (a :mod:`jaxpos.rope_scaling` dataclass), ``rope_layout``."""
         rd = options.get("rotary_dim")

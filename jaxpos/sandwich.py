@@ -158,14 +158,14 @@ class Sandwich(PositionScheme):
                   base=float(base))
 
     @classmethod
-    def from_params(cls, params, *, num_heads, options, **_):
+    def from_params(cls, params: dict, *, num_heads: int, options: dict, **_) -> PositionScheme:
         """For the Flax modules (no parameters): options ``d_bar`` (128) and ``base``
         (10000)."""
         d_bar, base = options.get("d_bar"), options.get("base")
         return cls(num_heads, d_bar=128 if d_bar is None else d_bar,
                    base=10000.0 if base is None else base)
 
-    def check(self, num_heads, head_dim):
+    def check(self, num_heads: int, head_dim: int) -> None:
         if _checks.shape_of(self.head_scales)[0] != num_heads:
             raise ValueError(f"Sandwich head_scales must have shape [{num_heads}] (one per "
                              f"query head); got {_checks.shape_of(self.head_scales)}.")

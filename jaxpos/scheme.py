@@ -121,7 +121,8 @@ class PositionScheme:
         """Raise ``ValueError`` if the scheme contradicts the call's ``causal`` flag (e.g.
         T5's bidirectional buckets in a causal decoder)."""
 
-    def transform_qk(self, q, k, q_positions, kv_positions):
+    def transform_qk(self, q: jax.Array, k: jax.Array, q_positions: jax.Array,
+                     kv_positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Per-token transform of ``q`` ``[B, Tq, N, H]`` and ``k`` ``[B, Tk, N_kv, H]``
         at int32 positions ``[B|1, T]``. Returns ``(q, k)``, shapes and dtypes kept."""
         return q, k
@@ -222,8 +223,8 @@ class PositionScheme:
     params_per_layer: bool = False
 
     @classmethod
-    def init_params(cls, key, *, num_heads: int, head_dim: int, d_model: int, causal: bool,
-                    param_dtype, options: dict) -> dict:
+    def init_params(cls, key: jax.Array, *, num_heads: int, head_dim: int, d_model: int,
+                    causal: bool, param_dtype, options: dict) -> dict:
         """Initial values of the scheme's learned parameters, ``{name: array}`` (``{}``
         for none). ``options``: the module's scheme options (``rotary_dim``, ``rope_base``,
         ``num_buckets``, ``max_distance``, ... ; None where unset)."""
@@ -231,7 +232,8 @@ class PositionScheme:
 
     @classmethod
     def from_params(cls, params: dict, *, num_heads: int, head_dim: int, causal: bool,
-                    options: dict, x=None, positions=None) -> PositionScheme:
+                    options: dict, x: jax.Array | None = None,
+                    positions: jax.Array | None = None) -> PositionScheme:
         """The scheme for one call of a module holding ``params`` (from
         :meth:`init_params`). ``x`` ``[B, T, D]`` and ``positions`` ``[B|1, T]`` are the
         layer's input, for schemes computed from the tokens (FoX's forget gates)."""
@@ -257,7 +259,7 @@ class NoPE(PositionScheme):
         pass
 
     @classmethod
-    def from_params(cls, params, **_):
+    def from_params(cls, params: dict, **_) -> PositionScheme:
         return cls()
 
 

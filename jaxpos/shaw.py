@@ -197,7 +197,7 @@ class Shaw(PositionScheme):
     params_per_layer = True  # Shaw et al. 2018, §3.1: shared across heads, not layers
 
     @classmethod
-    def init_params(cls, key, *, head_dim, param_dtype, options, **_):
+    def init_params(cls, key: jax.Array, *, head_dim: int, param_dtype, options: dict, **_) -> dict:
         """``rel_k`` and ``rel_v`` ``[2K + 1, head_dim]``, Glorot uniform (tensor2tensor's
         default); ``K = options["max_distance"]`` (16 if unset); ``options["values"]``
         False learns the key table only."""
@@ -211,10 +211,10 @@ class Shaw(PositionScheme):
         return params
 
     @classmethod
-    def from_params(cls, params, **_):
+    def from_params(cls, params: dict, **_) -> PositionScheme:
         return cls(params["rel_k"], params.get("rel_v"))
 
-    def check(self, num_heads, head_dim):
+    def check(self, num_heads: int, head_dim: int) -> None:
         check_shaw_table("rel_k", self.rel_k, head_dim)
 
     def content_bias(self, qs, q_positions, kv_positions):

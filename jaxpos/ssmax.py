@@ -104,14 +104,16 @@ class SSMax(PositionScheme):
 
     # ---- for the Flax modules: one s per head and layer.
     @classmethod
-    def init_params(cls, key, *, num_heads, options, param_dtype=jnp.float32, **_):
+    def init_params(cls, key: jax.Array, *, num_heads: int, options: dict, param_dtype=jnp.float32,
+                    **_) -> dict:
         """``{"s": [num_heads]}`` filled with option ``s_init`` (default :data:`S_INIT`)."""
         s0 = options.get("s_init")
         s0 = S_INIT if s0 is None else _checks.check_real("s_init", s0)
         return {"s": jnp.full((num_heads,), s0, param_dtype)}
 
     @classmethod
-    def from_params(cls, params, *, causal, options, x=None, **_):
+    def from_params(cls, params: dict, *, causal: bool, options: dict, x: jax.Array | None = None,
+                    **_) -> PositionScheme:
         """Causal layers count ``q_pos + 1`` keys; a non-causal layer counts the length of
         its input ``x`` ``[B, T, D]`` (pads included: the modules do not pass the padding
         mask to the scheme)."""
@@ -119,7 +121,7 @@ class SSMax(PositionScheme):
             return cls(params["s"])
         return cls(params["s"], num_keys=np.int32(np.shape(x)[1]))
 
-    def check(self, num_heads, head_dim):
+    def check(self, num_heads: int, head_dim: int) -> None:
         if _checks.shape_of(self.s)[0] != num_heads:
             raise ValueError(f"SSMax s must have shape [{num_heads}] (one per query head); "
                              f"got {_checks.shape_of(self.s)}.")

@@ -362,7 +362,7 @@ class StickBreaking(PositionScheme):
         self._set(attend_current=bool(attend_current), remainder=bool(remainder))
 
     @classmethod
-    def from_params(cls, params, *, options, **_):
+    def from_params(cls, params: dict, *, options: dict, **_) -> PositionScheme:
         """Options ``attend_current`` (False) and ``remainder`` (True)."""
         ac, rem = options.get("attend_current"), options.get("remainder")
         return cls(attend_current=bool(ac) if ac is not None else False,
@@ -373,7 +373,8 @@ class StickBreaking(PositionScheme):
             raise ValueError("stick-breaking attention is causal by definition (Tan et al. "
                              "2025, §2); got a non-causal layer (an Encoder or causal=False).")
 
-    def transform_qk(self, q, k, q_positions, kv_positions):
+    def transform_qk(self, q: jax.Array, k: jax.Array, q_positions: jax.Array,
+                     kv_positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         raise ValueError("StickBreaking replaces softmax attention; call "
                          "jaxpos.stick_breaking_attention (the Flax modules do so for "
                          "position='stick_breaking'), not jaxpos.attention.")

@@ -279,7 +279,7 @@ class T5Bias(PositionScheme):
         self._set(table=table, bidirectional=bool(bidirectional), num_buckets=int(nb),
                   max_distance=int(max_distance))
 
-    def check(self, num_heads, head_dim):
+    def check(self, num_heads: int, head_dim: int) -> None:
         if _checks.shape_of(self.table)[1] != num_heads:
             shape = _checks.shape_of(self.table)
             raise ValueError(f"T5 table must have shape [num_buckets, N] = [{self.num_buckets}, "
@@ -287,7 +287,8 @@ class T5Bias(PositionScheme):
                              f"{transposed_hint(shape, num_heads=num_heads)}")
 
     @classmethod
-    def init_params(cls, key, *, num_heads, d_model, causal, param_dtype, options, **_):
+    def init_params(cls, key: jax.Array, *, num_heads: int, d_model: int, causal: bool, param_dtype,
+                    options: dict, **_) -> dict:
         """``table [num_buckets, num_heads]`` from ``N(0, 1/d_model)`` (Hugging Face's T5
         initialisation)."""
         nb = options.get("num_buckets")
@@ -296,7 +297,7 @@ class T5Bias(PositionScheme):
         return {"table": init(key, (nb, num_heads), param_dtype)}
 
     @classmethod
-    def from_params(cls, params, *, causal, options, **_):
+    def from_params(cls, params: dict, *, causal: bool, options: dict, **_) -> PositionScheme:
         """Causal buckets in a causal stack, bidirectional ones otherwise."""
         md = options.get("max_distance")
         return cls(params["table"], bidirectional=not causal,

@@ -183,7 +183,7 @@ class XPos(PositionScheme):
                   gamma=float(gamma), layout=layout, angle_precision=angle_precision)
 
     @classmethod
-    def from_params(cls, params, *, head_dim, options, **_):
+    def from_params(cls, params: dict, *, head_dim: int, options: dict, **_) -> PositionScheme:
         """For the Flax modules (no parameters): options ``rotary_dim`` (default
         ``head_dim``), ``rope_base`` (10000), ``rope_layout`` ("half"), ``scale_base``
         (512)."""
@@ -191,10 +191,11 @@ class XPos(PositionScheme):
         return cls(get("rotary_dim", head_dim), base=get("rope_base", 10000.0),
                    scale_base=get("scale_base", 512.0), layout=get("rope_layout", "half"))
 
-    def check(self, num_heads, head_dim):
+    def check(self, num_heads: int, head_dim: int) -> None:
         check_rotary_dim(self.rotary_dim, head_dim)
 
-    def transform_qk(self, q, k, q_positions, kv_positions):
+    def transform_qk(self, q: jax.Array, k: jax.Array, q_positions: jax.Array,
+                     kv_positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``q`` rotated and scaled by ``zeta ** ((m - c) / scale_base)``, ``k`` rotated and
         scaled by ``zeta ** (-(n - c) / scale_base)``, ``c`` the centre of the call's
         positions (int32 ``[B|1, T]``). Shapes and dtypes kept."""
