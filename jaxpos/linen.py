@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -406,6 +406,9 @@ class _LinenDropout:
     """Flax Linen's dropout conventions: the call's ``deterministic`` when given, else
     the ``deterministic`` field (one of them must be set when ``dropout_rate > 0``); keys
     from ``self.make_rng("dropout")`` (``apply(..., rngs={"dropout": key})``)."""
+
+    if TYPE_CHECKING:  # dropout_rate, deterministic, ... of the module mixing this in
+        def __getattr__(self, name: str) -> Any: ...
 
     def _is_deterministic(self, deterministic) -> bool:
         if deterministic is not None:

@@ -73,7 +73,7 @@ its sequence run alone, in the full pass, the prefill and every later step.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -413,6 +413,9 @@ class _NnxDropout:
     ``model.eval()`` set it); keys from the call's ``rngs`` (an :class:`flax.nnx.Rngs`,
     its ``dropout`` stream, or a stream), else from the ``dropout`` stream the module
     forked at construction (``self.rngs``)."""
+
+    if TYPE_CHECKING:  # dropout_rate, deterministic, ... of the module mixing this in
+        def __getattr__(self, name: str) -> Any: ...
 
     def _is_deterministic(self, deterministic) -> bool:
         return bool(self.deterministic if deterministic is None else deterministic)
