@@ -45,11 +45,13 @@ See docs/parallel.md for when to use the batch, head, all-gather and ring layout
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos._util import match_vma, sink_gradient, zero_cotangent
@@ -404,25 +406,25 @@ def _vary_like(tree, ref):
 
 
 def ring_attention(
-    q,
-    k,
-    v,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
     *,
     axis_name: str,
-    position=None,
-    score_mod=None,
-    mask_mod=None,
-    q_positions,
-    kv_positions,
+    position: PositionScheme | str | None = None,
+    score_mod: Callable[..., Any] | None = None,
+    mask_mod: Callable[..., Any] | None = None,
+    q_positions: ArrayLike,
+    kv_positions: ArrayLike,
     causal: bool = False,
-    segment_ids=None,
-    kv_segment_ids=None,
-    scale=None,
-    sinks=None,
+    segment_ids: ArrayLike | None = None,
+    kv_segment_ids: ArrayLike | None = None,
+    scale: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
     implementation: str | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
-):
+) -> jax.Array:
     """Ring attention (context parallelism) over the mesh axis ``axis_name``: call it
     inside ``jax.shard_map`` with the sequence of q, k and v sharded over that axis.
 

@@ -3,12 +3,17 @@ plain arrays (no scheme objects), translated into a per-token rotation and score
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, cast
+
+import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos.alibi import alibi_score_mod
 from jaxpos.kernels.fused import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, kernel_attention, resolve_mode
-from jaxpos.mods import compose_score_mods, offset_score_mod
+from jaxpos.mods import BlockMask, compose_score_mods, offset_score_mod
 from jaxpos.rope import ANGLE_PRECISIONS, LAYOUTS, apply_rope
 from jaxpos.rope_tables import rope_tables
 
@@ -34,12 +39,18 @@ def offset_bias_score_mod(offset_bias):
     return offset_score_mod(ob, (ob.shape[1] - 1) // 2)
 
 
-def fused_attention(q, k, v, *, q_positions, kv_positions, inv_freq=None, rope_layout="half",
-                    attention_factor=1.0, angle_precision="high", alibi_slopes=None,
-                    alibi_bidirectional=False, offset_bias=None, score_mod=None, mask_mod=None,
-                    block_mask=None, sinks=None, causal=False, segment_ids=None,
-                    kv_segment_ids=None, scale=None, block_q=None, block_k=None,
-                    interpret=None, rope_on_load=False):
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: ArrayLike,
+                    kv_positions: ArrayLike, inv_freq: ArrayLike | None = None,
+                    rope_layout: str = "half", attention_factor: float = 1.0,
+                    angle_precision: str = "high", alibi_slopes: ArrayLike | None = None,
+                    alibi_bidirectional: bool = False, offset_bias: ArrayLike | None = None,
+                    score_mod: Callable[..., Any] | None = None,
+                    mask_mod: Callable[..., Any] | None = None,
+                    block_mask: BlockMask | None = None, sinks: ArrayLike | None = None,
+                    causal: bool = False, segment_ids: ArrayLike | None = None,
+                    kv_segment_ids: ArrayLike | None = None, scale: ArrayLike | None = None,
+                    block_q: int | None = None, block_k: int | None = None,
+                    interpret: bool | None = None, rope_on_load: bool = False) -> jax.Array:
     """Fused attention (Pallas) with RoPE, ALiBi and an offset-indexed bias given as arrays.
 
     Computes, per batch ``b`` and query head ``h`` (key/value head ``h // (N / N_kv)``)::
@@ -146,8 +157,9 @@ def fused_attention(q, k, v, *, q_positions, kv_positions, inv_freq=None, rope_l
     if block_mask is None:
         block_q = DEFAULT_BLOCK_Q if block_q is None else block_q
         block_k = DEFAULT_BLOCK_K if block_k is None else block_k
-    return kernel_attention(q, k, v, score_mod=mod, mask_mod=mask_mod, block_mask=block_mask,
-                            sinks=sinks, q_positions=q_pos, kv_positions=kv_pos, causal=causal,
-                            segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, scale=scale,
-                            block_q=block_q, block_k=block_k, interpret=interpret,
-                            rope_tables=tables)
+    out = kernel_attention(q, k, v, score_mod=mod, mask_mod=mask_mod, block_mask=block_mask,
+                           sinks=sinks, q_positions=q_pos, kv_positions=kv_pos, causal=causal,
+                           segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, scale=scale,
+                           block_q=block_q, block_k=block_k, interpret=interpret,
+                           rope_tables=tables)
+    return cast(jax.Array, out)  # return_lse=False: the output alone

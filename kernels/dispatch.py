@@ -21,9 +21,14 @@ from jaxpos.kernels.fused import kernel_attention
 from jaxpos.xla import GPU_BACKENDS
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
     import jax
+    from jax.typing import ArrayLike
 
     from jaxpos.call import AttentionCall
+    from jaxpos.mods import BlockMask
 
 __all__ = ["DENSE_BIAS_BUDGET_BYTES", "attention_via_kernel",
            "choose_implementation", "run_kernel", "supports_scheme"]
@@ -118,10 +123,15 @@ def choose_implementation(*, backend: str, fusable: bool, has_score_mod: bool,
     return "pallas"
 
 
-def attention_via_kernel(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, sinks=None,
-                         q_positions, kv_positions, causal=False, segment_ids=None,
-                         kv_segment_ids=None, scale=None, block_q=None, block_k=None,
-                         interpret=None):
+def attention_via_kernel(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                         score_mod: Callable[..., Any] | None = None,
+                         mask_mod: Callable[..., Any] | None = None,
+                         block_mask: BlockMask | None = None, sinks: ArrayLike | None = None,
+                         q_positions: ArrayLike, kv_positions: ArrayLike, causal: bool = False,
+                         segment_ids: ArrayLike | None = None,
+                         kv_segment_ids: ArrayLike | None = None, scale: ArrayLike | None = None,
+                         block_q: int | None = None, block_k: int | None = None,
+                         interpret: bool | None = None) -> jax.Array:
     """``jaxpos.attention(..., implementation="pallas")``: the fused Pallas kernel.
 
     Computes, per batch ``b`` and query head ``h`` (key/value head ``h // (N / N_kv)``),
@@ -165,11 +175,12 @@ def attention_via_kernel(q, k, v, *, score_mod=None, mask_mod=None, block_mask=N
         score_mod / mask_mod that returns the wrong shape or dtype.
     """
     _checks.check_qkv(q, k, v)
-    return kernel_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
-                            block_mask=block_mask, sinks=sinks, q_positions=q_positions,
-                            kv_positions=kv_positions, causal=causal, segment_ids=segment_ids,
-                            kv_segment_ids=kv_segment_ids, scale=scale, block_q=block_q,
-                            block_k=block_k, interpret=interpret)
+    out = kernel_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
+                           block_mask=block_mask, sinks=sinks, q_positions=q_positions,
+                           kv_positions=kv_positions, causal=causal, segment_ids=segment_ids,
+                           kv_segment_ids=kv_segment_ids, scale=scale, block_q=block_q,
+                           block_k=block_k, interpret=interpret)
+    return cast("jax.Array", out)  # return_lse=False: the output alone
 
 
 def run_kernel(call: AttentionCall) -> jax.Array:
