@@ -487,8 +487,7 @@ def _ring_takes(case: Case) -> bool:
 
 #: Default-run cases of the Pallas interpreter (slow on CPU): the kernel's findings and
 #: one case per family; every case runs in the slow run.
-PALLAS_DEFAULT = ("training-none", "training-alibi", "decode-none", "gqa-none",
-                  "empty_rows_causal_segments-none", "straight_through_mod-none",
+PALLAS_DEFAULT = ("training-alibi", "decode-none", "empty_rows_causal_segments-none",
                   "sinks_minus_inf_empty_rows-none", "bfloat16-none")
 
 #: Default-run cases of the Flax adapter (the rest run in the slow run).
