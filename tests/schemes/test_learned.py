@@ -151,3 +151,36 @@ def test_bad_input(argument, error, kwargs, got):
     msg = str(info.value)
     assert msg.startswith(argument + " "), msg
     assert "got" in msg and got in msg, msg
+
+
+# ------------------------------------------------------ the table exceeded under jit
+def test_learned_checked_mode_raises_under_jit():
+    from jax.experimental import checkify
+
+    table = np.arange(12, dtype=np.float32).reshape(4, 3)
+    f = checkify.checkify(jax.jit(
+        lambda t, p: learned_positions(t, p, out_of_range="checked")))
+    err, rows = f(table, jnp.array([0, 1, 5, 2]))
+    with pytest.raises(Exception, match=r"positions must lie in \[0, 4\).*from 0 to 5"):
+        err.throw()
+    # Checked by value: a packed sequence longer than the table is fine under jit.
+    packed = jnp.array([0, 1, 2, 3, 0, 1])
+    err, rows = f(table, packed)
+    err.throw()
+    np.testing.assert_array_equal(np.asarray(rows), table[np.asarray(packed)])
+    # Eagerly, concrete positions raise a ValueError as with "error".
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        learned_positions(table, np.array([0, 4]), out_of_range="checked")
+
+
+def test_learned_model_past_its_table_under_jit_poisons_only_those_rows():
+    from flax import nnx
+
+    from jaxpos import nnx as jn
+
+    model = jn.DecoderLM(32, d_model=16, num_layers=1, num_heads=2,
+                                 position="learned", max_len=8, rngs=nnx.Rngs(0))
+    logits = nnx.jit(lambda m, t, p: m(t, positions=p))(
+        model, jnp.zeros((1, 6), jnp.int32), jnp.arange(6) + 4)  # positions 4..9, rows 0..7
+    bad = np.isnan(np.asarray(logits)).any(-1)[0]
+    np.testing.assert_array_equal(bad, [False] * 4 + [True] * 2)

@@ -442,3 +442,40 @@ def test_gradient_is_inverse_rotation(layout, rng):
     inv_freq, _ = jaxpos.rope_frequencies(8, 10000.0)
     g = jax.grad(lambda x: jnp.sum(jaxpos.apply_rope(x, pos, inv_freq, layout=layout) * y))(x)
     np.testing.assert_allclose(np.asarray(g), ref_rope(y, -pos[None], inv_freq, layout), atol=3e-6)
+
+
+# --------------------------------------------- apply_rope takes rope_frequencies's pair
+def _np_rope_half_scaled(x, pos, inv_freq, factor=1.0):
+    """float64 RoPE, "half" layout (Su et al. 2024, §3.4.2; HF's rotate_half)."""
+    x = np.asarray(x, np.float64)
+    half = len(inv_freq)
+    ang = np.asarray(pos, np.float64)[:, None] * np.asarray(inv_freq, np.float64)[None]
+    cos, sin = factor * np.cos(ang)[None, :, None], factor * np.sin(ang)[None, :, None]
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]], -1)
+
+
+def test_apply_rope_accepts_the_pair_rope_frequencies_returns():
+    x = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (1, 5, 2, 8)))
+    pos = np.arange(5) + 3
+    inv_freq = 10000.0 ** (-np.arange(0, 8, 2) / 8)
+    out = jaxpos.apply_rope(x, pos, jaxpos.rope_frequencies(8))
+    np.testing.assert_allclose(np.asarray(out), _np_rope_half_scaled(x, pos, inv_freq), atol=1e-6)
+
+
+def test_apply_rope_pair_carries_its_attention_factor():
+    # YaRN (Peng et al. 2024, §3.4): attention_factor = 0.1 ln(factor) + 1 multiplies cos
+    # and sin; taken from the pair, as if passed by hand.
+    yarn = jaxpos.YaRNScaling(factor=4.0, original_max_position_embeddings=16)
+    inv_freq, factor = jaxpos.rope_frequencies(8, scaling=yarn)
+    assert factor == pytest.approx(0.1 * np.log(4.0) + 1)
+    x = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (1, 5, 2, 8)))
+    pos = np.arange(5)
+    out = jaxpos.apply_rope(x, pos, (inv_freq, factor))
+    np.testing.assert_allclose(np.asarray(out),
+                               _np_rope_half_scaled(x, pos, np.asarray(inv_freq), factor),
+                               atol=1e-6)
+    same = jaxpos.apply_rope(x, pos, (inv_freq, factor), attention_factor=1.0)
+    np.testing.assert_array_equal(np.asarray(same), np.asarray(out))
+    with pytest.raises(ValueError, match="attention_factor.*twice"):
+        jaxpos.apply_rope(x, pos, (inv_freq, factor), attention_factor=2.0)

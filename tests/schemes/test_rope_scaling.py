@@ -5,6 +5,7 @@ with Hugging Face transformers is in tests/parity/test_parity_rope_hf.py."""
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -297,3 +298,33 @@ def test_hf_rope_dict_with_only_known_keys_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rope_from_hf_config(cfg)
+
+
+# ------------------------------------------------ Hugging Face config error messages
+def test_hf_missing_fields_message_does_not_contradict_itself():
+    cfg = dict(hidden_size=64, num_attention_heads=4,
+               rope_scaling=dict(rope_type="llama3", factor=8.0, rope_theta=500000.0))
+    with pytest.raises(ValueError) as info:
+        jaxpos.rope_from_hf_config(cfg)
+    msg = str(info.value)
+    missing = eval(re.search(r"missing (\[.*?\])", msg).group(1))  # noqa: S307 (our message)
+    got = eval(re.search(r"got keys (\[.*?\])", msg).group(1))  # noqa: S307
+    assert "original_max_position_embeddings" in missing and not set(missing) & set(got), msg
+
+
+def test_hf_scaling_dict_alone_asks_for_the_whole_config():
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192, rope_theta=500000.0)
+    with pytest.raises(ValueError, match="whole model config") as info:
+        jaxpos.rope_from_hf_config(scaling)
+    assert "head width" not in str(info.value).split(":")[0]
+    # The same dict inside a whole config works, and gives Llama 3's frequencies
+    # (Meta's llama3 rule: wavelengths above 8192 / 1 divided by 8, below 8192 / 4 kept).
+    s = jaxpos.hf.hf_rope_settings(dict(hidden_size=256, num_attention_heads=2,
+                                        max_position_embeddings=131072, rope_scaling=scaling))
+    assert (s["rotary_dim"], s["base"]) == (128, 500000.0)
+    inv = np.asarray(jaxpos.rope_frequencies(128, s["base"], scaling=s["scaling"])[0])
+    base = 500000.0 ** (-np.arange(0, 128, 2) / 128)
+    wavelen = 2 * np.pi / base
+    np.testing.assert_allclose(inv[wavelen < 8192 / 4], base[wavelen < 8192 / 4], rtol=1e-6)
+    np.testing.assert_allclose(inv[wavelen > 8192], base[wavelen > 8192] / 8, rtol=1e-6)
