@@ -1,4 +1,4 @@
-"""Bad input, everywhere (issue 7, part 1).
+"""Bad input, everywhere.
 
 One table row per bad-input case: the call, the exception type it must raise, and the
 words its message must contain (the argument's name, what it got, what was expected).
@@ -596,7 +596,7 @@ CASES += [
         _x(B, N, T, T), np.zeros((1, T, T + 1), np.int32), SHAW), ValueError, ("idx", "key length 4")),
     L("check_shaw_table/even-rows", lambda: _shaw().check_shaw_table("rel_k", _x(4, H)), ValueError,
       ("rel_k", "odd number of rows", "(4, 8)")),
-    # found by a fresh-user review
+    # arguments of the wrong kind or value (an array scale, a string or infinite base, ...)
     A("attention/scale-array", ValueError, ("scale", "scalar", "(4,)"), scale=np.ones(4, np.float32)),
     L("RoPE/base-string", lambda: RoPE(rotary_dim=8, base="10000"), TypeError, ("base", "str", "'10000'")),
     L("RoPE/base-inf", lambda: RoPE(rotary_dim=8, base=float("inf")), ValueError, ("base", "inf")),
@@ -685,7 +685,7 @@ def test_bad_input_at_trace_time(case: Case):
 
 
 def test_case_count():
-    """The closing note of issue 7 counts these; keep the table from shrinking by accident."""
+    """The table keeps at least 100 cases (it cannot shrink by accident)."""
     assert len(CASES) >= 100, len(CASES)
 
 

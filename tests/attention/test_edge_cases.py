@@ -1,4 +1,4 @@
-"""Edge cases found by a fresh user's review: empty sequences, positions past int32,
+"""Edge cases: empty sequences, positions past int32,
 non-static flags, and integer tables, each with a clear outcome."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Gradients of every learnable position parameter through every implementation (issue 7,
-part 3), with ``jax.test_util.check_grads`` (reverse mode, first order): the VJP the code
+"""Gradients of every learnable position parameter through every implementation,
+with ``jax.test_util.check_grads`` (reverse mode, first order): the VJP the code
 computes against central finite differences of the forward pass.
 
 Parameters: the learned absolute table (Gehring et al. 2017), the T5 bias table (Raffel

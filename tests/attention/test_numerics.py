@@ -1,4 +1,4 @@
-"""Numerics (issue 7, part 2): low precision at long positions against float64, empty
+"""Numerics: low precision at long positions against float64, empty
 rows, very negative logits, all-padding sequences, sequence tails past the last block.
 
 References are float64 NumPy written here from the papers' formulas (RoPE: Su et al.
@@ -25,7 +25,7 @@ FUSED = ("nope", "rope", "alibi", "t5")  # what the Pallas kernel fuses; Shaw an
 def grid(names, values, default, *, skip=lambda combo: None):
     """pytest params over the product of ``values``; combos not in ``default`` are slow.
 
-    Keeps the default run inside the issue's time budget while CI (``-m slow``) still
+    Keeps the default run inside its time budget while CI (``-m slow``) still
     covers every combination."""
     import itertools
 

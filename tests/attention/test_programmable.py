@@ -306,7 +306,7 @@ def test_t5_bidirectional_with_causal_is_refused():
         jaxpos.attention(q, k, v, position=jaxpos.T5Bias(jnp.zeros((32, N))), causal=True)
 
 
-# ------------------------------------------------ a fresh-user review's silent cases
+# ------------------------------------------- cases that would otherwise fail silently
 def test_block_mask_refuses_a_mask_mod_it_would_classify_for_one_row_only():
     lens = jnp.array([10, 40])
     by_row = lambda b, h, qp, kp: kp < lens[b]

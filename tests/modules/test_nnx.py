@@ -339,7 +339,7 @@ def test_readme_decoder_example_runs_and_is_short():
     block = re.search(r"<!-- decoder-example -->\n```python\n(.*?)```", readme, re.DOTALL)
     assert block is not None, "README section 'Build a decoder in a few lines' is missing"
     code = block.group(1)
-    assert len([ln for ln in code.splitlines() if ln.strip()]) < 20  # the "under 20 lines"
+    assert len([ln for ln in code.splitlines() if ln.strip()]) < 20  # "a few lines": under 20
     scope = {}
     exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 (our own README)
     assert np.isfinite(float(scope["loss"]))

@@ -1,4 +1,4 @@
-"""Ring attention (context parallelism, :mod:`jaxpos.parallel`), issue 15.
+"""Ring attention (context parallelism, :mod:`jaxpos.parallel`).
 
 The 8-device checks run in a subprocess (``tests/parallel/_ring_worker.py``, which sets
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before importing JAX): each

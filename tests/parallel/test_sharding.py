@@ -1,4 +1,4 @@
-"""Sharding and context parallelism (issue 7, part 4), on 8 CPU devices.
+"""Sharding and context parallelism, on 8 CPU devices.
 
 The checks run in a subprocess (``tests/parallel/_sharding_worker.py``), which sets
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before importing JAX; this

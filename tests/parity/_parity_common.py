@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-TOL = 1e-4  # max abs logit difference, float32 (issue 14)
+TOL = 1e-4  # max abs logit difference, float32
 MISS = 1e-2  # a negative control must miss by more than this
 BLOCKS = {"block_q": 4, "block_k": 4}  # several query and key tiles at these lengths
 

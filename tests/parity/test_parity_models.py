@@ -42,7 +42,7 @@ bloom, gpt2, llama, t5 = (importlib.import_module(f"examples.models.{name}")
 
 pytestmark = pytest.mark.parity
 
-TOL = 1e-4  # max abs logit difference, float32 (issue 5)
+TOL = 1e-4  # max abs logit difference, float32
 VOCAB, HIDDEN, LAYERS = 128, 64, 2
 
 

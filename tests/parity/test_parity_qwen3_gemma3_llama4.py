@@ -39,7 +39,7 @@ from examples.models import common, gemma3, llama4, qwen3  # noqa: E402
 
 pytestmark = pytest.mark.parity
 
-TOL = 1e-4  # max abs logit difference, float32 (issue 14)
+TOL = 1e-4  # max abs logit difference, float32
 MISS = 1e-2  # a negative control must miss by more than this
 VOCAB, HIDDEN = 128, 64
 BLOCKS = {"block_q": 4, "block_k": 4}  # several query and key tiles at these lengths

@@ -98,7 +98,7 @@ def test_implementations_agree_forward_and_gradients(impl, kind):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_position_equals_a_hand_written_score_mod(impl):
-    """Issue 11's criterion: KERPLE through ``position=`` and written by hand as a
+    """KERPLE through ``position=`` and written by hand as a
     ``score_mod=`` capturing r1 and r2 give the same numbers, forward and gradients (in
     the clamp's range, where its straight-through gradient is the identity)."""
     q, k, v = qkv(6, T=12, N=4, H=8)

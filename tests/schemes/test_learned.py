@@ -90,7 +90,7 @@ def test_packed_positions_may_exceed_table_length():
 
 
 def test_traced_sequence_longer_than_table_raises_at_trace_time():
-    # The contract: under "error", a sequence longer than the table fails at
+    # Under "error", a sequence longer than the table fails at
     # trace time (it can only hold a position past the table or a repeat that cannot be
     # checked while tracing); "wrap" is the explicit alternative.
     table = _table(max_len=4)

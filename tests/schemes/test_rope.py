@@ -370,7 +370,7 @@ def test_rope_scheme_is_pytree_with_static_fields():
 
 
 def test_dynamic_ntk_uses_each_calls_length_no_stale_state():
-    """Issue item 3: a short call after a long one uses the unscaled base."""
+    """A short call after a long one uses the unscaled base (no state kept between calls)."""
     scaling = DynamicNTKScaling(factor=4.0, original_max_position_embeddings=64)
     r = jaxpos.RoPE(rotary_dim=8, base=10000.0, scaling=scaling)
     freqs = jax.jit(lambda s, p: s.frequencies(p, p))

@@ -1,4 +1,4 @@
-"""Property tests with hypothesis (issue 7, part 5): over shapes (Tq, Tk, N, N_kv, H),
+"""Property tests with hypothesis: over shapes (Tq, Tk, N, N_kv, H),
 block sizes, position offsets, masks, segments and schemes, every implementation agrees
 with ``"reference"``; relative schemes are translation invariant.
 
