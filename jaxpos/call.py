@@ -182,7 +182,9 @@ def _positions(q, q_positions, kv_positions, Tk: int):
     """int32 ``[B|1, Tq]``, ``[B|1, Tk]``: the given positions or :func:`decode_positions`;
     a length mismatch that looks like a ``[B, N, T, H]`` layout says so."""
     B, Tq = q.shape[:2]
-    dq_pos, dkv_pos = decode_positions(Tq, Tk)
+    # the defaults only when needed (a decode step's given positions make no arange of Tk)
+    dq_pos, dkv_pos = decode_positions(Tq, Tk) if q_positions is None or \
+        kv_positions is None else (None, None)
     try:
         q_pos = _checks.positions_2d("q_positions", dq_pos if q_positions is None else q_positions,
                                      B, Tq)

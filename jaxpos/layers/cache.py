@@ -5,6 +5,7 @@ and the scheme's ``cache_write`` (what the cache stores for the new tokens).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -14,8 +15,9 @@ import numpy as np
 from jaxpos import _checks
 from jaxpos.scheme import PositionScheme
 
-__all__ = ["KVCache", "cache_token_count", "check_cache", "init_kv_cache", "poison_rows",
-           "rotate_at_write", "update_kv_cache"]
+__all__ = ["KVCache", "StreamingKVCache", "cache_token_count", "check_cache", "init_kv_cache",
+           "init_streaming_cache", "poison_rows", "rotate_at_write", "streaming_ranks",
+           "update_kv_cache", "update_streaming_cache"]
 
 class KVCache(NamedTuple):
     """The KV cache of one attention layer (a pytree; pass it through ``jit``).
@@ -26,9 +28,14 @@ class KVCache(NamedTuple):
         from ``positions`` inside :func:`jaxpos.attention` at every step).
       v: ``[B, S, N_kv, H]`` values.
       positions: int32 ``[B, S]`` position of each filled slot.
-      length: int32 ``[B]`` number of filled slots per row; slots ``>= length`` are masked.
-      valid: bool ``[B, S]``, True for a slot holding a token, False for an empty slot or
-        one holding padding (a written ``attention_mask`` of 0): later steps mask it.
+      length: int32 ``[B]`` number of filled slots per row; slots ``>= length`` are never
+        visited (passed to :func:`jaxpos.attention` as ``kv_lengths``: a step costs the
+        filled length, not ``S``).
+      valid: int32 ``[B, S]``, 1 for a slot holding a token, 0 for an empty slot or one
+        holding padding (a written ``attention_mask`` of 0): later steps mask it (it is
+        the keys' segment ids as stored, so a step makes no pass over it).
+      tokens: int32 ``[B]`` tokens held per row (padding excluded), kept at write so a
+        step needs no count over the cache.
     """
 
     k: jax.Array
@@ -36,6 +43,7 @@ class KVCache(NamedTuple):
     positions: jax.Array
     length: jax.Array
     valid: jax.Array
+    tokens: jax.Array
 
 
 def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:
@@ -46,13 +54,13 @@ def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int, dt
     _checks.check_positive_int("max_len", max_len)
     z = jnp.zeros((batch, max_len, num_kv_heads, head_dim), dtype)
     return KVCache(z, z, jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((batch,), jnp.int32),
-                   jnp.zeros((batch, max_len), bool))
+                   jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((batch,), jnp.int32))
 
 
 def check_cache(cache, batch: int | None = None) -> KVCache:
     """``cache`` must be a :class:`KVCache` (from ``init_cache``) with ``batch`` rows when
     given. ``TypeError`` / ``ValueError`` (naming the cache's batch size) otherwise."""
-    if not isinstance(cache, KVCache):
+    if not isinstance(cache, (KVCache, StreamingKVCache)):
         raise TypeError(f"cache must be a jaxpos.nnx.KVCache (from init_cache); got "
                         f"{type(cache).__name__}.")
     B = cache.positions.shape[0]
@@ -67,7 +75,7 @@ def check_cache(cache, batch: int | None = None) -> KVCache:
 def cache_token_count(cache: KVCache) -> jax.Array:
     """int32 ``[B, 1]``: the tokens (valid slots, padding excluded) a cache holds per row,
     the position of the next token in Hugging Face's convention."""
-    return jnp.sum(cache.valid, axis=-1, keepdims=True, dtype=jnp.int32)
+    return cache.tokens[:, None]
 
 
 def update_kv_cache(cache: KVCache, k, v, positions, mask=None):
@@ -105,9 +113,10 @@ def update_kv_cache(cache: KVCache, k, v, positions, mask=None):
         cache.v.at[rows, slots].set(v.astype(cache.v.dtype), mode="drop"),
         cache.positions.at[rows, slots].set(pos, mode="drop"),
         cache.length + T,
-        cache.valid.at[rows, slots].set(mask, mode="drop"),
+        cache.valid.at[rows, slots].set(mask.astype(jnp.int32), mode="drop"),
+        cache.tokens + jnp.sum(mask, axis=-1, dtype=jnp.int32),
     )
-    return new, mask.astype(jnp.int32), new.valid.astype(jnp.int32), new.length > S
+    return new, mask.astype(jnp.int32), new.valid, new.length > S
 
 
 def poison_rows(x, overflow):
@@ -144,3 +153,121 @@ def rotate_at_write(scheme, q, k, positions):
         raise TypeError(f"scheme must be a jaxpos PositionScheme; got {type(scheme).__name__} "
                         f"{scheme!r}.")
     return scheme.cache_write(q, k, positions)
+
+
+# ------------------------------------------------------------- StreamingLLM cache
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StreamingKVCache:
+    """A StreamingLLM KV cache (Xiao et al. 2024, "Efficient Streaming Language Models with
+    Attention Sinks", §3.2): the first ``keep_first`` tokens (the attention sinks) stay, the
+    other ``S - keep_first`` slots are a ring buffer of the most recent tokens, so
+    generation runs unboundedly in a fixed ``[B, S, N_kv, H]``.
+
+    Positions are places in the cache, not in the text (§3.2): the kept tokens, in order,
+    are at ``0 .. count - 1``, so the sinks sit at ``0 .. keep_first - 1`` and the newest
+    token at the last place; keys are stored raw and RoPE rotates them at read with these
+    positions (:func:`jaxpos.rope_tables.rope_tables`), as the paper caches keys before the
+    rotation. A pytree (``keep_first`` is static).
+
+    Attributes:
+      k, v: ``[B, S, N_kv, H]`` raw keys and values.
+      positions: int32 ``[B, S]`` index in the text of the token in each slot.
+      length: int32 ``[B]`` filled slots (``min(written, S)``).
+      valid: int32 ``[B, S]`` 1 for a slot holding a token, 0 for padding or empty.
+      tokens: int32 ``[B]`` tokens written so far (padding excluded), evicted ones included.
+      written: int32 ``[B]`` slots written so far (padding included), evicted ones included.
+      keep_first: the number of sink tokens kept.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    positions: jax.Array
+    length: jax.Array
+    valid: jax.Array
+    tokens: jax.Array
+    written: jax.Array
+    keep_first: int = dataclasses.field(metadata={"static": True})
+
+
+def init_streaming_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype,
+                         keep_first: int) -> StreamingKVCache:
+    """An empty :class:`StreamingKVCache` of ``max_len`` slots keeping ``keep_first`` sinks.
+
+    Raises:
+      ValueError / TypeError: sizes that are not positive ints; ``keep_first`` not an int in
+        ``[0, max_len)`` (at least one ring slot is needed).
+    """
+    c = init_kv_cache(batch, max_len, num_kv_heads, head_dim, dtype)
+    if isinstance(keep_first, bool) or not isinstance(keep_first, (int, np.integer)):
+        raise TypeError(f"keep_first must be an int (the attention sinks kept); got "
+                        f"{type(keep_first).__name__} {keep_first!r}.")
+    if not 0 <= keep_first < max_len:
+        raise ValueError(f"keep_first must be in [0, max_len={max_len}) (the cache needs at "
+                         f"least one slot for recent tokens); got {keep_first}.")
+    return StreamingKVCache(c.k, c.v, c.positions, c.length, c.valid, c.tokens,
+                            jnp.zeros((batch,), jnp.int32), int(keep_first))
+
+
+def streaming_ranks(written, S: int, keep_first: int):
+    """Place in the cache (StreamingLLM's position) of each slot after ``written`` [B]
+    slots were written: int32 ``[B, S]``. Sinks are at their slot; the ring's oldest held
+    token is at ``keep_first``, the newest at ``min(written, S) - 1``; empty slots (only
+    before the ring wraps) keep their slot index."""
+    k, W = keep_first, S - keep_first
+    s = jnp.arange(S, dtype=jnp.int32)[None, :]
+    n = written[:, None]
+    held = jnp.minimum(jnp.maximum(n - k, 0), W)  # ring tokens held
+    oldest = k + jnp.mod(n - held - k, W)  # slot of the oldest held ring token
+    ring = k + jnp.mod(s - oldest, W)
+    return jnp.where(s < k, s, jnp.where(n - k >= W, ring, s))
+
+
+def update_streaming_cache(cache: StreamingKVCache, k, v, positions, mask=None):
+    """Write ``k, v`` ``[B, T, N_kv, H]`` into a :class:`StreamingKVCache`: token ``i`` of
+    the row's text goes to slot ``i`` while ``i < keep_first``, else to the ring slot
+    ``keep_first + (i - keep_first) mod (S - keep_first)``, overwriting the oldest recent
+    token.
+
+    Returns ``(cache, segment_ids [B, T], kv_segment_ids [B, S], q_places [B, T],
+    kv_places [B, S])``: the places in the cache (:func:`streaming_ranks`) are the
+    positions attention uses.
+
+    Raises:
+      ValueError: ``T`` larger than the ring (``S - keep_first``), or (concrete) a step of
+        several tokens that evicts tokens: each of its queries would need keys that later
+        tokens of the same step overwrite; feed such tokens one step at a time.
+    """
+    B, S = cache.positions.shape
+    T = k.shape[1]
+    kf, W = cache.keep_first, S - cache.keep_first
+    if k.shape[0] != B or k.shape[2:] != cache.k.shape[2:]:
+        raise ValueError(f"new keys {k.shape} do not fit the cache {cache.k.shape} "
+                         f"(expected [{B}, T, {cache.k.shape[2]}, {cache.k.shape[3]}]).")
+    if T > 1 and _checks.is_concrete(cache.written):
+        end = np.asarray(cache.written) + T
+        if (end > S).any():
+            raise ValueError(f"a streaming cache step of {T} tokens after "
+                             f"{np.asarray(cache.written)} written would evict tokens that "
+                             f"its own queries need (max_len={S}); write at most "
+                             f"{int(S - np.asarray(cache.written).max())} tokens at once, "
+                             f"then one token per step.")
+    idx = cache.written[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T] in the text
+    slots = jnp.where(idx < kf, idx, kf + jnp.mod(idx - kf, max(W, 1)))
+    rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+    pos = jnp.broadcast_to(positions, (B, T)).astype(jnp.int32)
+    mask = jnp.ones((B, T), bool) if mask is None else jnp.asarray(mask, bool)
+    written = cache.written + T
+    new = StreamingKVCache(
+        cache.k.at[rows, slots].set(k.astype(cache.k.dtype), mode="drop"),
+        cache.v.at[rows, slots].set(v.astype(cache.v.dtype), mode="drop"),
+        cache.positions.at[rows, slots].set(pos, mode="drop"),
+        jnp.minimum(written, S),
+        cache.valid.at[rows, slots].set(mask.astype(jnp.int32), mode="drop"),
+        cache.tokens + jnp.sum(mask, axis=-1, dtype=jnp.int32),
+        written,
+        kf,
+    )
+    kv_places = streaming_ranks(written, S, kf)
+    q_places = jnp.take_along_axis(kv_places, slots, axis=1)
+    return new, mask.astype(jnp.int32), new.valid, q_places, kv_places

@@ -21,12 +21,15 @@ from jaxpos import _checks
 from jaxpos.attention import attention
 from jaxpos.layers.cache import (
     KVCache,
+    StreamingKVCache,
     cache_token_count,
     check_cache,
     init_kv_cache,
+    init_streaming_cache,
     poison_rows,
     rotate_at_write,
     update_kv_cache,
+    update_streaming_cache,
 )
 from jaxpos.layers.functional import (
     attention_inputs,
@@ -53,6 +56,7 @@ from jaxpos.layers.options import (
     no_rope_scaling,
 )
 from jaxpos.learned import learned_positions
+from jaxpos.rope import RoPE
 from jaxpos.scheme import NoPE, PositionScheme
 
 __all__ = [
@@ -73,6 +77,20 @@ def attention_for(scheme):
     softmax attention (``replaces_softmax``: :class:`jaxpos.stick_breaking.StickBreaking`);
     both take the same keywords."""
     return scheme.attention if getattr(scheme, "replaces_softmax", False) else attention
+
+
+def reads_positions_at_once(scheme) -> bool:
+    """True for a scheme that, read from a KV cache, transforms the whole cached q/k from
+    the call's positions at once (xPos: its scales are measured from the centre of the
+    call's positions): cached decoding then fills the hidden slots' positions."""
+    return type(scheme).transform_qk is not PositionScheme.transform_qk and not \
+        rotates_on_load(scheme)
+
+
+def rotates_on_load(scheme) -> bool:
+    """True for a RoPE read from a cache of raw keys (``cache_rotation="read"``): the decode
+    step passes rope tables and the engines rotate each key block as it is loaded."""
+    return isinstance(scheme, RoPE) and scheme.cache_rotation == "read"
 
 
 def param_value(v):
@@ -150,9 +168,7 @@ class AttentionCore:
     ``causal``, ``scale``, ``implementation``, ``dtype``, ``mask_mod`` (a callable or
     None), and give ``_dims()`` -> ``(d_model, num_heads, num_kv_heads, head_dim)``,
     ``_position()`` (the position module or None) and ``_sinks()`` (the sink logits
-    ``[num_heads]``, or None for a layer without sinks); for dropout a field
-    ``dropout_rate`` and ``_is_deterministic(deterministic)`` / ``_dropout_key(rngs)``
-    (Flax's conventions of each twin)."""
+    ``[num_heads]``, or None for a layer without sinks)."""
 
     if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
         def __getattr__(self, name: str) -> Any: ...
@@ -188,15 +204,6 @@ class AttentionCore:
             return scheme
         return position_scheme(self._position(), rope_scaling, x=x, positions=positions)
 
-    def _attention_dropout(self, deterministic, rngs) -> dict:
-        """The dropout keywords of :func:`jaxpos.attention` for one call: none when the
-        layer's ``dropout_rate`` is 0 or the call is deterministic (the twins' Flax
-        conventions, ``_is_deterministic`` / ``_dropout_key``)."""
-        rate = self.dropout_rate
-        if rate == 0.0 or self._is_deterministic(deterministic):
-            return {}
-        return {"dropout_rate": rate, "dropout_rng": self._dropout_key(rngs)}
-
     def _mask_mod(self, mask_mod):
         """The call's mask_mod when given (it replaces the layer's), else the layer's."""
         if mask_mod is None:
@@ -205,8 +212,7 @@ class AttentionCore:
 
     def __call__(self, x, *, context=None, positions=None, kv_positions=None, mask=None,
                  segment_ids=None, kv_segment_ids=None, scheme=None, rope_scaling=None,
-                 implementation=None, mask_mod=None, attention_mask=None,
-                 deterministic=None, rngs=None) -> jax.Array:
+                 implementation=None, mask_mod=None, attention_mask=None) -> jax.Array:
         pad = self._padding(x, context, attention_mask)
         if pad is not None and positions is None:
             positions = positions_from_mask(pad)
@@ -222,9 +228,31 @@ class AttentionCore:
                       causal=self.causal, mask=mask, segment_ids=segment_ids,
                       kv_segment_ids=kv_segment_ids, scale=self.scale,
                       mask_mod=self._mask_mod(mask_mod), sinks=self._sinks(),
-                      implementation=implementation or self.implementation,
-                      **self._attention_dropout(deterministic, rngs))
+                      implementation=implementation or self.implementation)
         return self._out(self._gated(o, x))
+
+    def _decode_streaming(self, x, q, k, v, cache, pos, pad, scheme, implementation,
+                          mask_mod):
+        """:meth:`decode` into a :class:`StreamingKVCache`: positions are places in the
+        cache (Xiao et al. 2024, §3.2), RoPE keys stored raw and rotated at read with them
+        (rope tables: the engines rotate each key block as it is loaded)."""
+        if not isinstance(scheme, RoPE):
+            q, k, scheme = rotate_at_write(scheme, q, k, pos)
+        cache, seg, kv_seg, q_pos, kv_pos = update_streaming_cache(cache, k, v, pos, pad)
+        extra = {}
+        if isinstance(scheme, RoPE):
+            extra["rope_tables"] = scheme.read_tables(q_pos, kv_pos)
+            scheme = NoPE()
+        attend_fn = attention_for(scheme)
+        impl = implementation or self.implementation
+        if attend_fn is attention and impl != "xla":
+            extra["kv_lengths"] = cache.length
+        o = attend_fn(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), position=scheme,
+                      q_positions=q_pos, kv_positions=kv_pos, causal=self.causal,
+                      segment_ids=seg, kv_segment_ids=kv_seg, scale=self.scale,
+                      mask_mod=self._mask_mod(mask_mod), sinks=self._sinks(),
+                      implementation=impl, **extra)
+        return self._out(self._gated(o, x)), cache
 
     def _padding(self, x, context, attention_mask):
         """The call's padding mask, bool ``[B, T]`` (None without one); self-attention
@@ -238,10 +266,15 @@ class AttentionCore:
         check_attention_input("x", x, self._dims()[0])
         return check_attention_mask(attention_mask, *x.shape[:2])
 
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+    def init_cache(self, batch: int, max_len: int, dtype=None, *,
+                   keep_first: int | None = None) -> KVCache | StreamingKVCache:
         """An empty :class:`KVCache` of ``max_len`` slots for ``batch`` rows (no parameters
-        needed)."""
+        needed); with ``keep_first`` a :class:`StreamingKVCache` (StreamingLLM, Xiao et al.
+        2024, §3.2: the first ``keep_first`` tokens and the most recent ones, positions
+        within the cache; generation runs unboundedly in fixed memory)."""
         _, _, Nk, H = self._dims()
+        if keep_first is not None:
+            return init_streaming_cache(batch, max_len, Nk, H, dtype or self.dtype, keep_first)
         return init_kv_cache(batch, max_len, Nk, H, dtype or self.dtype)
 
     def decode(self, x, cache: KVCache, *, positions=None, scheme=None, rope_scaling=None,
@@ -271,19 +304,33 @@ class AttentionCore:
                                             cache_token_count(cache))
         pos = _checks.positions_2d("positions", positions, B, T)
         scheme = self._scheme(scheme, rope_scaling, x, pos)
+        if isinstance(cache, StreamingKVCache):
+            return self._decode_streaming(x, q, k, v, cache, pos, pad, scheme, implementation,
+                                          mask_mod)
         q, k, scheme = rotate_at_write(scheme, q, k, pos)
         cache, seg, kv_seg, overflow = update_kv_cache(cache, k, v, pos, pad)
-        # Empty and padding slots are hidden by the segment ids; their positions are set to
-        # a token's so that they do not widen the call's positions (xPos's centre).
-        top = visible_top(cache.positions, cache.valid)
-        kv_pos = fill_hidden_positions(cache.positions, cache.valid, top)
-        q_pos = pos if pad is None else fill_hidden_positions(pos, pad, top)
+        kv_pos, q_pos, extra = cache.positions, pos, {}
+        if reads_positions_at_once(scheme):
+            # Empty and padding slots are hidden by the segment ids; their positions are set
+            # to a token's so that they do not widen the call's positions (xPos's centre).
+            # Only a scheme that transforms the whole cache at read needs this pass.
+            top = visible_top(cache.positions, cache.valid != 0)
+            kv_pos = fill_hidden_positions(cache.positions, cache.valid != 0, top)
+            q_pos = pos if pad is None else fill_hidden_positions(pos, pad, top)
+        elif rotates_on_load(scheme):  # raw keys: RoPE rotated as each key block is loaded
+            extra = {"rope_tables": scheme.read_tables(pos, cache.positions)}
+            scheme = NoPE()
         attend_fn = attention_for(scheme)
+        impl = implementation or self.implementation
+        if attend_fn is attention and impl != "xla":
+            # the cache's fill counts bound the loop over keys (the segment ids hide the
+            # empty slots too, for "xla", which takes no lengths)
+            extra["kv_lengths"] = jnp.minimum(cache.length, cache.k.shape[1])
         o = attend_fn(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), position=scheme,
                       q_positions=q_pos, kv_positions=kv_pos, causal=self.causal,
                       segment_ids=seg, kv_segment_ids=kv_seg, scale=self.scale,
                       mask_mod=self._mask_mod(mask_mod), sinks=self._sinks(),
-                      implementation=implementation or self.implementation)
+                      implementation=impl, **extra)
         return poison_rows(self._out(self._gated(o, x)), overflow), cache
 
 
@@ -294,28 +341,14 @@ class BlockCore:
     if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
         def __getattr__(self, name: str) -> Any: ...
 
-    def _mlp(self, x, deterministic=True, rngs=None):
+    def _mlp(self, x):
         h = rms_norm(x, param_value(self.mlp_norm.scale))
-        return x + self._residual_dropout(
-            mlp(h, param_value(self.mlp_in.kernel), param_value(self.mlp_out.kernel),
-                self.dtype), deterministic, rngs)
+        return x + mlp(h, param_value(self.mlp_in.kernel), param_value(self.mlp_out.kernel),
+                       self.dtype)
 
-    def _residual_dropout(self, y, deterministic, rngs):
-        """``y`` (a residual branch) with dropout at the block's ``dropout_rate``: each
-        element zeroed with that rate, the rest scaled by ``1 / (1 - rate)`` (Srivastava et
-        al. 2014; the residual dropout of Vaswani et al. 2017, Sec. 5.4); ``y`` itself when
-        the rate is 0 or the call is deterministic."""
-        rate = self.dropout_rate
-        if rate == 0.0 or self._is_deterministic(deterministic):
-            return y
-        keep = jax.random.bernoulli(self._dropout_key(rngs), 1.0 - rate, y.shape)
-        return jnp.where(keep, y / jnp.asarray(1.0 - rate, y.dtype), 0).astype(y.dtype)
-
-    def __call__(self, x, *, deterministic=None, rngs=None, **kw) -> jax.Array:
-        a = self.attn(rms_norm(x, param_value(self.attn_norm.scale)),
-                      deterministic=deterministic, rngs=rngs, **kw)
-        x = x + self._residual_dropout(a, deterministic, rngs)
-        return self._mlp(x, deterministic, rngs)
+    def __call__(self, x, **kw) -> jax.Array:
+        x = x + self.attn(rms_norm(x, param_value(self.attn_norm.scale)), **kw)
+        return self._mlp(x)
 
     def decode(self, x, cache: KVCache, **kw):
         """As :meth:`jaxpos.nnx.MultiHeadAttention.decode`, then the MLP: ``(y, cache)``."""
@@ -349,7 +382,7 @@ class StackCore:
         return position_scheme(self.rel_position, rope_scaling, x=x, positions=pos), None
 
     def _hidden(self, tokens, positions, rope_scaling, implementation, mask=None,
-                segment_ids=None, attention_mask=None, deterministic=None, rngs=None):
+                segment_ids=None, attention_mask=None):
         _checks.check_rank("tokens", tokens, (2,), "[batch, seq] token ids")
         B, T = _checks.shape_of(tokens)
         pad = check_attention_mask(attention_mask, B, T)
@@ -362,8 +395,7 @@ class StackCore:
         impl = implementation or self.implementation
         for block in self.blocks:
             x = block(x, positions=pos, mask=mask, segment_ids=segment_ids, scheme=scheme,
-                      rope_scaling=layer_scaling, implementation=impl, attention_mask=pad,
-                      deterministic=deterministic, rngs=rngs)
+                      rope_scaling=layer_scaling, implementation=impl, attention_mask=pad)
         return rms_norm(x, param_value(self.final_norm.scale))
 
 
@@ -374,8 +406,7 @@ class DecoderCore(StackCore):
         def __getattr__(self, name: str) -> Any: ...
 
     def __call__(self, tokens, *, positions=None, rope_scaling=None, implementation=None,
-                 segment_ids=None, attention_mask=None, deterministic=None,
-                 rngs=None) -> jax.Array:
+                 segment_ids=None, attention_mask=None) -> jax.Array:
         """Causal forward pass.
 
         Args:
@@ -391,12 +422,6 @@ class DecoderCore(StackCore):
             (Hugging Face's convention; left or right padding). No token sees padding, so
             every token of a left-padded row gets the logits of its sequence run alone.
             Padding's own logits are meaningless.
-          deterministic: dropout off when True (with ``dropout_rate > 0``); default: the
-            module's ``deterministic`` (NNX: ``model.train()`` / ``model.eval()``, False at
-            construction; Linen: the field, and one of the two must be set).
-          rngs: NNX only: an :class:`flax.nnx.Rngs` (its ``dropout`` stream) or stream for
-            this call's dropout keys, default the streams the layers keep from
-            construction. Linen draws them with ``make_rng("dropout")``.
 
         Returns:
           float32 logits ``[B, T, vocab_size]``.
@@ -407,14 +432,21 @@ class DecoderCore(StackCore):
             TypeError: float tokens/positions/attention_mask.
         """
         h = self._hidden(tokens, positions, rope_scaling, implementation,
-                         segment_ids=segment_ids, attention_mask=attention_mask,
-                         deterministic=deterministic, rngs=rngs)
+                         segment_ids=segment_ids, attention_mask=attention_mask)
         return tied_logits(h, param_value(self.embed.embedding))
 
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> tuple[KVCache, ...]:
+    def init_cache(self, batch: int, max_len: int, dtype=None, *,
+                   keep_first: int | None = None) -> tuple[KVCache, ...]:
         """One empty :class:`KVCache` per layer, ``max_len`` slots for ``batch`` rows (no
-        parameters needed)."""
+        parameters needed). With ``keep_first``: a StreamingLLM cache per layer
+        (:class:`StreamingKVCache`, Xiao et al. 2024, §3.2) that keeps the first
+        ``keep_first`` tokens (attention sinks) and the ``max_len - keep_first`` most recent
+        ones, positions being places in the cache, so decoding runs unboundedly in fixed
+        memory (one token per step once full)."""
         L, Nk, H = self._cache_dims()
+        if keep_first is not None:
+            return tuple(init_streaming_cache(batch, max_len, Nk, H, dtype or self.dtype,
+                                              keep_first) for _ in range(L))
         return tuple(init_kv_cache(batch, max_len, Nk, H, dtype or self.dtype)
                      for _ in range(L))
 
@@ -468,11 +500,9 @@ class EncoderCore(StackCore):
         def __getattr__(self, name: str) -> Any: ...
 
     def __call__(self, tokens, *, positions=None, mask=None, segment_ids=None,
-                 rope_scaling=None, implementation=None, attention_mask=None,
-                 deterministic=None, rngs=None) -> jax.Array:
+                 rope_scaling=None, implementation=None, attention_mask=None) -> jax.Array:
         """Bidirectional forward pass: final-normalised hidden states ``[B, T, d_model]``
-        (``dtype``); keywords as :meth:`jaxpos.nnx.DecoderLM.__call__` (``attention_mask``,
-        ``deterministic`` and ``rngs`` included: no token sees padding) plus ``mask``."""
+        (``dtype``); keywords as :meth:`jaxpos.nnx.DecoderLM.__call__` (``attention_mask``
+        included: no token sees padding) plus ``mask``."""
         return self._hidden(tokens, positions, rope_scaling, implementation, mask=mask,
-                            segment_ids=segment_ids, attention_mask=attention_mask,
-                            deterministic=deterministic, rngs=rngs)
+                            segment_ids=segment_ids, attention_mask=attention_mask)

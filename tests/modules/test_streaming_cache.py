@@ -1,0 +1,64 @@
+"""StreamingLLM KV cache (Xiao et al. 2024, §3.2): ``init_cache(batch, max_len,
+keep_first=k)`` keeps the first ``k`` tokens and the most recent ones, positions are places
+in the cache. In a one-layer model every decode step equals a fresh full pass over the kept
+tokens (sinks, then the recent tokens in order, at positions ``0 .. n - 1``), for RoPE
+(keys raw in the cache, rotated at read), ALiBi, T5 and NoPE, past many times ``max_len``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpos.layers.cache import streaming_ranks
+from jaxpos.nnx import DecoderLM
+
+
+def _model(position):
+    return DecoderLM(40, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                     position=position, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("position", ["rope", pytest.param("alibi", marks=pytest.mark.slow),
+                                      pytest.param("t5", marks=pytest.mark.slow),
+                                      pytest.param("nope", marks=pytest.mark.slow)])
+def test_each_step_equals_a_fresh_pass_over_the_kept_tokens(position):
+    S, keep, steps = 6, 2, 12
+    m = _model(position)
+    toks = jax.random.randint(jax.random.key(3), (2, steps), 0, 40)
+    step = nnx.jit(lambda model, t, c: model.decode_step(t, c))
+    full = nnx.jit(lambda model, t: model(t))
+    cache = m.init_cache(2, S, keep_first=keep)
+    logits, cache = step(m, toks[:, :3], cache)
+    np.testing.assert_allclose(logits, m(toks[:, :3]), atol=2e-5)
+    for t in range(3, steps):
+        logits, cache = step(m, toks[:, t:t + 1], cache)
+        kept = np.concatenate([np.arange(min(keep, t + 1)),
+                               np.arange(max(keep, t + 1 - (S - keep)), t + 1)])
+        want = full(m, toks[:, kept])[:, -1:]
+        np.testing.assert_allclose(logits, want, atol=2e-5, err_msg=f"step {t}")
+    assert cache[0].k.shape[1] == S  # fixed memory
+
+
+def test_places_in_the_cache_follow_the_ring():
+    """Slots -> places after ``written`` tokens: sinks at their slot, the ring's oldest
+    token at ``keep_first``, the newest at ``S - 1`` once full (exact integers)."""
+    got = np.asarray(streaming_ranks(jnp.asarray([3, 6, 7, 9]), 6, 2))
+    np.testing.assert_array_equal(got, [[0, 1, 2, 3, 4, 5],   # not full: slot = place
+                                        [0, 1, 2, 3, 4, 5],   # tokens 2..5 in slots 2..5
+                                        [0, 1, 5, 2, 3, 4],   # token 6 overwrote slot 2
+                                        [0, 1, 3, 4, 5, 2]])  # tokens 5..8 in 3,4,5,2
+
+
+def test_bad_keep_first_and_evicting_prefill_raise():
+    m = _model("rope")
+    with pytest.raises(ValueError, match="keep_first"):
+        m.init_cache(1, 4, keep_first=4)
+    with pytest.raises(TypeError, match="keep_first"):
+        m.init_cache(1, 4, keep_first=1.0)
+    cache = m.init_cache(1, 4, keep_first=1)
+    with pytest.raises(ValueError, match="evict"):
+        m.decode_step(jnp.zeros((1, 5), jnp.int32), cache)
