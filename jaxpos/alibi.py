@@ -141,7 +141,8 @@ class ALiBi(PositionScheme):
     _children = ("slopes",)
     _static = ("bidirectional",)
 
-    def __init__(self, num_heads=None, *, slopes=None, bidirectional=False):
+    def __init__(self, num_heads: int | None = None, *, slopes: ArrayLike | None = None,
+                 bidirectional: bool = False):
         if slopes is None:
             if num_heads is None:
                 raise ValueError("ALiBi needs num_heads or slopes; got neither.")

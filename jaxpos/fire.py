@@ -33,6 +33,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos._checks import relative_offsets
@@ -173,7 +174,8 @@ class FIRE(PositionScheme):
     _children = ("w1", "b1", "w2", "b2", "c", "L_multiplier")
     _static = ("init_L", "eps")
 
-    def __init__(self, w1, b1, w2, b2, *, c=0.1, L_multiplier=1.0, init_L: float = 512.0,
+    def __init__(self, w1: ArrayLike, b1: ArrayLike, w2: ArrayLike, b2: ArrayLike, *,
+                 c: ArrayLike = 0.1, L_multiplier: ArrayLike = 1.0, init_L: float = 512.0,
                  eps: float = EPS):
         _check_mlp(w1, b1, w2, b2)
         _check_scalar("c", c, positive=False)

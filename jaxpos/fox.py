@@ -37,6 +37,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos.scheme import PositionScheme, register
@@ -154,7 +155,7 @@ class FoX(PositionScheme):
 
     _children = ("log_forget",)
 
-    def __init__(self, log_forget):
+    def __init__(self, log_forget: ArrayLike):
         _check_log_forget(log_forget)
         self._set(log_forget=jnp.asarray(log_forget, jnp.float32))
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos._checks import relative_offsets
@@ -165,7 +166,7 @@ class KERPLE(PositionScheme):
     #: The variant a subclass is registered for (None: chosen by ``kind``).
     fixed_kind: str | None = None
 
-    def __init__(self, r1, r2, *, kind: str | None = None, eps: float = EPS,
+    def __init__(self, r1: ArrayLike, r2: ArrayLike, *, kind: str | None = None, eps: float = EPS,
                  _check_range: bool = True):
         kind = self._kind(kind)
         _check_params(r1, r2, kind, require_concrete_range=_check_range)

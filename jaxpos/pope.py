@@ -37,6 +37,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos.scheme import PositionScheme, register
@@ -132,7 +133,7 @@ class PoPE(PositionScheme):
     params_per_layer = True  # each layer learns its own delta
 
     def __init__(self, head_dim: int | None = None, *, base: float = 10000.0,
-                 phase_bias=None, inv_freq=None):
+                 phase_bias: ArrayLike | None = None, inv_freq: ArrayLike | None = None):
         if inv_freq is None:
             if head_dim is None:
                 raise ValueError("PoPE needs head_dim (or inv_freq); got neither.")

@@ -41,6 +41,7 @@ NTK, YaRN, Llama 3, LongRoPE) lives in :mod:`jaxpos.rope_scaling`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -657,9 +658,11 @@ class RoPE(PositionScheme):
     _static = ("layout", "attention_factor", "scaling", "base", "rotary_dim",
                "angle_precision", "mrope_section", "mrope_interleaved", "cache_rotation")
 
-    def __init__(self, inv_freq=None, *, rotary_dim=None, base=10000.0, layout="half",
-                 scaling=None, attention_factor=None, angle_precision="high",
-                 mrope_section=None, mrope_interleaved=False, cache_rotation="write"):
+    def __init__(self, inv_freq: ArrayLike | None = None, *, rotary_dim: int | None = None,
+                 base: float = 10000.0, layout: str = "half", scaling: Any = None,
+                 attention_factor: float | None = None, angle_precision: str = "high",
+                 mrope_section: Sequence[int] | None = None, mrope_interleaved: bool = False,
+                 cache_rotation: str = "write"):
         _checks.check_choice("layout", layout, LAYOUTS)
         _checks.check_choice("cache_rotation", cache_rotation, CACHE_ROTATIONS)
         _checks.check_choice("angle_precision", angle_precision, ANGLE_PRECISIONS)

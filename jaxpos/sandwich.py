@@ -32,6 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos._checks import relative_offsets
@@ -146,8 +147,8 @@ class Sandwich(PositionScheme):
     _children = ("head_scales",)
     _static = ("d_bar", "base")
 
-    def __init__(self, num_heads: int | None = None, *, head_scales=None, d_bar: int = 128,
-                 base: float = 10000.0):
+    def __init__(self, num_heads: int | None = None, *, head_scales: ArrayLike | None = None,
+                 d_bar: int = 128, base: float = 10000.0):
         if head_scales is None:
             if num_heads is None:
                 raise ValueError("Sandwich needs num_heads or head_scales; got neither.")

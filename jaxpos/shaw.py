@@ -181,7 +181,7 @@ class Shaw(PositionScheme):
     _children = ("rel_k", "rel_v")
     _static = ("max_distance",)
 
-    def __init__(self, rel_k, rel_v=None):
+    def __init__(self, rel_k: ArrayLike, rel_v: ArrayLike | None = None):
         K = check_shaw_table("rel_k", rel_k)
         if rel_v is not None:
             _checks.check_floating("rel_v", rel_v)

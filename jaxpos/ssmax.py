@@ -34,6 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos.scheme import PositionScheme, register
@@ -90,7 +91,7 @@ class SSMax(PositionScheme):
     _children = ("s", "num_keys")
     params_per_layer = True  # one s per layer and head (Nakanishi 2025, §3)
 
-    def __init__(self, s, *, num_keys=None):
+    def __init__(self, s: ArrayLike, *, num_keys: ArrayLike | None = None):
         _checks.check_rank("s", s, (1,), "[num_heads], one scale per head")
         _checks.check_floating("s", s)
         if num_keys is not None:

@@ -270,7 +270,8 @@ class T5Bias(PositionScheme):
     _children = ("table",)
     _static = ("bidirectional", "num_buckets", "max_distance")
 
-    def __init__(self, table, *, bidirectional=True, num_buckets=None, max_distance=128):
+    def __init__(self, table: ArrayLike, *, bidirectional: bool = True,
+                 num_buckets: int | None = None, max_distance: int = 128):
         _checks.check_rank("table", table, (2,), "[num_buckets, num_heads]")
         _checks.check_floating("table", table)
         nb = _checks.shape_of(table)[0] if num_buckets is None else num_buckets

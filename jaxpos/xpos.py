@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos.rope import ANGLE_PRECISIONS, LAYOUTS, apply_rope
@@ -163,7 +164,7 @@ class XPos(PositionScheme):
 
     def __init__(self, rotary_dim: int | None = None, *, base: float = 10000.0,
                  scale_base: float = 512.0, gamma: float = 0.4, layout: str = "half",
-                 angle_precision: str = "high", inv_freq=None):
+                 angle_precision: str = "high", inv_freq: ArrayLike | None = None):
         _checks.check_choice("layout", layout, LAYOUTS)
         _checks.check_choice("angle_precision", angle_precision, ANGLE_PRECISIONS)
         if inv_freq is None:
