@@ -52,7 +52,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos.attention import attention
@@ -109,7 +111,8 @@ def mla_softmax_scale(qk_nope_head_dim: int, qk_rope_head_dim: int, *,
     return float(scale * m * m)
 
 
-def split_nope_rope(x, qk_nope_head_dim: int, qk_rope_head_dim: int):
+def split_nope_rope(x: jax.Array, qk_nope_head_dim: int,
+                    qk_rope_head_dim: int) -> tuple[jax.Array, jax.Array]:
     """Split per-head features in DeepSeek's order ``[nope | rope]`` (HF's
     ``torch.split(q, [qk_nope_head_dim, qk_rope_head_dim], dim=-1)``).
 
@@ -133,7 +136,8 @@ def split_nope_rope(x, qk_nope_head_dim: int, qk_rope_head_dim: int):
     return x[..., :dn], x[..., dn:]
 
 
-def mla_qk(q_nope, q_rope, k_nope, k_rope):
+def mla_qk(q_nope: jax.Array, q_rope: jax.Array, k_nope: jax.Array,
+           k_rope: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Queries and keys of decoupled-RoPE MLA (DeepSeek-V2 §2.1.3), rope part
     first: ``q = [q_rope | q_nope]``, ``k = [k_rope (shared, broadcast to every head) |
     k_nope]``.
@@ -188,8 +192,9 @@ def mla_qk(q_nope, q_rope, k_nope, k_rope):
     return q, k
 
 
-def mla_attention(q_nope, q_rope, k_nope, k_rope, v, *, rope: RoPE | None, scale=None,
-                  **attention_kwargs):
+def mla_attention(q_nope: jax.Array, q_rope: jax.Array, k_nope: jax.Array, k_rope: jax.Array,
+                  v: jax.Array, *, rope: RoPE | None, scale: ArrayLike | None = None,
+                  **attention_kwargs: Any) -> jax.Array:
     """Decoupled-RoPE multi-head latent attention (DeepSeek-V2 §2.1.3) on
     :func:`jaxpos.attention`.
 

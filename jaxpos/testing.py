@@ -34,14 +34,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
+
+if TYPE_CHECKING:
+    from jaxpos.scheme import PositionScheme
 
 __all__ = [
     "assert_equal_under_jit",
@@ -248,7 +252,10 @@ def assert_equal_under_vmap(
                                 custom_message="vmap(fn) differs from fn applied per example")
 
 
-def attention_scores(q, k, *, position=None, q_positions=None, kv_positions=None, scale=None):
+def attention_scores(q: jax.Array, k: jax.Array, *, position: PositionScheme | str | None = None,
+                     q_positions: ArrayLike | None = None,
+                     kv_positions: ArrayLike | None = None,
+                     scale: ArrayLike | None = None) -> jax.Array:
     """Pre-softmax scores of :func:`jaxpos.attention`: ``scale * rot(q) . rot(k) + bias``.
 
     The same code path as the ``"reference"`` implementation (the scheme's
