@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +75,10 @@ from jaxpos.layers.stack import build_stack, stack_spec
 from jaxpos.rope import apply_rope, check_rotary_dim
 from jaxpos.scheme import REGISTRY
 from jaxpos.t5 import check_bucket_args, t5_bias
+
+if TYPE_CHECKING:
+    from jaxpos.alibi import ALiBi as ALiBiScheme
+    from jaxpos.rope import RoPE as RoPEScheme
 
 __all__ = [
     "ABSOLUTE_POSITIONS",
@@ -317,7 +321,7 @@ class RotaryEmbedding(_PositionBase):
         return PositionCore.scheme(self, scaling, x=x, positions=positions)
 
     def __call__(self, x, positions, *, scaling=None) -> jax.Array:
-        s = self.scheme(scaling)
+        s = cast("RoPEScheme", self.scheme(scaling))
         pos = _checks.positions_2d("positions", positions, x.shape[0], x.shape[1])
         inv_freq, af = s.frequencies(pos, pos)
         return apply_rope(x, pos, inv_freq, layout=self.layout, attention_factor=af)
@@ -337,7 +341,7 @@ class ALiBi(_PositionBase):
         return None, None, jnp.float32
 
     def __call__(self, q_positions, kv_positions) -> jax.Array:
-        return alibi_bias(q_positions, kv_positions, self.scheme().slopes,
+        return alibi_bias(q_positions, kv_positions, cast("ALiBiScheme", self.scheme()).slopes,
                           bidirectional=self.bidirectional)
 
 

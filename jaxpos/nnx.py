@@ -73,7 +73,7 @@ its sequence run alone, in the full pass, the prefill and every later step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -117,6 +117,10 @@ from jaxpos.layers.stack import build_stack, stack_spec
 from jaxpos.rope import apply_rope, check_rotary_dim
 from jaxpos.scheme import REGISTRY
 from jaxpos.t5 import check_bucket_args, t5_bias
+
+if TYPE_CHECKING:
+    from jaxpos.alibi import ALiBi as ALiBiScheme
+    from jaxpos.rope import RoPE as RoPEScheme
 
 __all__ = [
     "ABSOLUTE_POSITIONS",
@@ -231,9 +235,9 @@ class PositionModule(PositionCore, nnx.Module):
                  param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         name = check_position_name("position", position, attention_positions())
         check_module_dims(num_heads, head_dim, d_model)
-        options = freeze_options(options)
+        frozen = freeze_options(options)
         self.position_name, self.num_heads, self.head_dim = name, num_heads, head_dim
-        self.d_model, self.causal, self.options = d_model, bool(causal), options
+        self.d_model, self.causal, self.options = d_model, bool(causal), frozen
         cls = REGISTRY[name]
         params = {}
         if has_params(cls):
@@ -242,7 +246,7 @@ class PositionModule(PositionCore, nnx.Module):
                                  f"pass rngs=nnx.Rngs(...).")
             params = init_scheme_params(name, rngs.params(), num_heads=num_heads,
                                         head_dim=head_dim, d_model=d_model, causal=self.causal,
-                                        options=options, param_dtype=param_dtype)
+                                        options=frozen, param_dtype=param_dtype)
             if param_init is not None:
                 params = {n: param_init(rngs.params(), v.shape, v.dtype)
                           for n, v in params.items()}
@@ -301,7 +305,7 @@ class RotaryEmbedding(PositionModule):
         return super().scheme(scaling, x=x, positions=positions)
 
     def __call__(self, x, positions, *, scaling=None) -> jax.Array:
-        s = self.scheme(scaling)
+        s = cast("RoPEScheme", self.scheme(scaling))
         pos = _checks.positions_2d("positions", positions, x.shape[0], x.shape[1])
         inv_freq, af = s.frequencies(pos, pos)
         return apply_rope(x, pos, inv_freq, layout=self.layout, attention_factor=af)
@@ -325,7 +329,7 @@ class ALiBi(PositionModule):
         super().__init__("alibi", num_heads=num_heads, causal=not self.bidirectional)
 
     def __call__(self, q_positions, kv_positions) -> jax.Array:
-        return alibi_bias(q_positions, kv_positions, self.scheme().slopes,
+        return alibi_bias(q_positions, kv_positions, cast("ALiBiScheme", self.scheme()).slopes,
                           bidirectional=self.bidirectional)
 
 
