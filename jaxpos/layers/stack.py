@@ -169,6 +169,7 @@ def build_stack(spec: StackSpec, make: StackMaker, *, mlp_dim, implementation, d
     if plan.absolute == "sinusoidal":
         abs_position = make.sinusoidal(D)
     elif plan.absolute == "learned":
+        assert spec.max_len is not None  # stack_plan refuses "learned" without max_len
         abs_position = make.learned(spec.max_len, D)
     per_layer = plan.per_layer or spec.layer_plans is not None
     rel_position = None if per_layer else make.position_module(
