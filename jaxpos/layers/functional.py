@@ -10,6 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos.sinusoidal import sinusoidal_pe
@@ -189,7 +190,7 @@ def check_attention_mask(attention_mask, batch: int, length: int) -> jax.Array |
     return jnp.asarray(attention_mask) != 0
 
 
-def positions_from_mask(mask, start=0) -> jax.Array:
+def positions_from_mask(mask: ArrayLike, start: ArrayLike = 0) -> jax.Array:
     """Hugging Face's positions for a padded batch: ``start + cumsum(mask) - 1`` for
     tokens (the ``i``-th token of a row at ``start + i``), :data:`PAD_POSITION` for padding
     (``GenerationMixin.prepare_inputs_for_generation``).
