@@ -52,8 +52,10 @@ def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int, dt
     sizes that are not positive ints."""
     _checks.check_positive_int("batch", batch)
     _checks.check_positive_int("max_len", max_len)
-    z = jnp.zeros((batch, max_len, num_kv_heads, head_dim), dtype)
-    return KVCache(z, z, jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((batch,), jnp.int32),
+    shape = (batch, max_len, num_kv_heads, head_dim)
+    # distinct buffers for every field, so a jitted step may donate the cache
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                   jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((batch,), jnp.int32),
                    jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((batch,), jnp.int32))
 
 

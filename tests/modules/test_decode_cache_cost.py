@@ -118,3 +118,20 @@ def test_decode_step_makes_no_pass_over_the_cache(position):
     jaxpr = jax.make_jaxpr(step)(state, _tokens(T=1), cache).jaxpr
     found = _outputs_with_axis(jaxpr, S, [])
     assert found and all(p == "scatter" for p, _ in found), found
+
+
+def test_a_fresh_cache_can_be_donated_to_a_jitted_step():
+    """init_cache gives every field its own buffer, so a step that donates the cache
+    (updated in place, as generation runs) accepts a fresh one; the result equals the
+    undonated step."""
+    m = _model("rope")
+    graph, state = nnx.split(m)
+
+    def step(state, tokens, cache):
+        return nnx.merge(graph, state).decode_step(tokens, cache)
+
+    toks = _tokens(T=3)
+    want, _ = jax.jit(step)(state, toks, m.init_cache(2, 8))
+    got, cache = jax.jit(step, donate_argnums=(2,))(state, toks, m.init_cache(2, 8))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(cache[0].length, [3, 3])
