@@ -451,6 +451,38 @@ def run_module_decode(case: Case):
     return out.reshape(B, Tq, N, H), None
 
 
+def _with_unfilled_slots(impl, extra=13, **opts):
+    """``attend`` through ``impl`` against a cache with ``extra`` unfilled slots after the
+    case's keys: k there is 1e4 and v NaN, ``kv_lengths`` = the case's ``Tk``, so any read
+    of an unfilled slot into the result (even as ``0 * NaN``) shows; key positions and
+    segment ids continue past the filled ones."""
+    def attend(q, k, v, scheme, sinks, *, q_positions=None, kv_positions=None,
+               segment_ids=None, kv_segment_ids=None, **kw):
+        B, Tq = q.shape[:2]
+        Tk = k.shape[1]
+        if q_positions is None:  # the decode convention of the filled length, not the cache's
+            q_positions = np.arange(Tq) + max(Tk - Tq, 0)
+            kv_positions = np.arange(Tk)
+        kvp = np.broadcast_to(np.asarray(kv_positions), (B, Tk))
+        kvp = np.concatenate([kvp, kvp[:, -1:] + 1 + np.arange(extra)[None].repeat(B, 0)], 1)
+        pad = (B, extra) + k.shape[2:]
+        k = jnp.concatenate([k, jnp.full(pad, 1e4, k.dtype)], axis=1)
+        v = jnp.concatenate([v, jnp.full(pad[:3] + v.shape[3:], jnp.nan, v.dtype)], axis=1)
+        if kv_segment_ids is not None:
+            seg = np.asarray(kv_segment_ids)
+            kv_segment_ids = np.concatenate([seg, seg[:, -1:].repeat(extra, 1)], 1)
+        return jaxpos.attention(q, k, v, position=scheme, sinks=sinks, implementation=impl,
+                                q_positions=q_positions, kv_positions=kvp,
+                                segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                                kv_lengths=jnp.full((B,), Tk, jnp.int32), **opts, **kw)
+    return attend
+
+
+#: Default-run cases of the kv_lengths paths (a cache with unfilled slots).
+KV_LENGTHS_DEFAULT = ("decode-none", "decode-rope", "decode-alibi", "decode-t5", "gqa-none",
+                      "training-none", "sinks_minus_inf_empty_rows-none")
+
+
 def _module_takes(case: Case) -> bool:
     # the cache hides its empty slots with segment ids, so a case with its own segments
     # is not a decode call; the queries must be the last keys' tokens
@@ -503,6 +535,10 @@ IMPLEMENTATIONS: dict[str, Path] = {
     # eager, as most users call it: under jit the positions are traced and the
     # is_causal route (arange positions) is never taken
     "xla": Path(_via("xla"), jit=False),
+    # kv_lengths: a cache with unfilled slots (k 1e4, v NaN) past the case's keys; the
+    # chunked decode path (Tq <= 16) and the tiled path (longer Tq) skip them
+    "chunked_kv_lengths": Path(_with_unfilled_slots("chunked", block_k=4),
+                               default=lambda cid: cid in KV_LENGTHS_DEFAULT),
     "module_cached_decode": Path(None, run=run_module_decode, takes=_module_takes,
                                  default=lambda cid: False),
     # Flax's attention_fn hook with dropout_rate=0 (jaxpos.flax_attention_fn)
