@@ -20,6 +20,21 @@ import jaxpos
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+# ------------------------------------------------------------- what gets installed
+def test_every_subpackage_is_listed_for_installation():
+    """A non-editable install copies only the packages pyproject.toml lists: a new
+    subpackage of jaxpos/ (or of kernels/, installed as jaxpos.kernels) must be listed."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {"jaxpos"} | {"jaxpos." + str(p.parent.relative_to(ROOT / "jaxpos")).replace("/", ".")
+                          for p in (ROOT / "jaxpos").glob("*/**/__init__.py")}
+    found |= {"jaxpos.kernels." + str(p.parent.relative_to(ROOT / "kernels")).replace("/", ".")
+              for p in (ROOT / "kernels").glob("*/**/__init__.py")} | {"jaxpos.kernels"}
+    assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
+
+
 # ------------------------------------------------------------- lazy subpackages
 def test_subpackages_are_attributes_after_a_plain_import():
     # A fresh interpreter: in this one another test may already have imported them.
