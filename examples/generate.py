@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     for prompt, row in zip(prompts, gen):
         text = bytes(np.clip(row, 0, 255).astype(np.uint8)).decode("utf-8", "replace")
         print(f"{prompt.decode()!r} -> {text!r}")
-    cache = "streaming keep_first=%d" % a.streaming if a.streaming is not None else "KV"
+    cache = f"streaming keep_first={a.streaming}" if a.streaming is not None else "KV"
     print(f"{len(prompts)} prompts x {a.new_tokens} tokens, {cache} cache of {a.max_len} "
           f"slots: {tps:.0f} tokens/s")
     return 0

@@ -84,7 +84,7 @@ from flax import nnx
 from jaxpos import _checks
 from jaxpos.alibi import alibi_bias
 from jaxpos.dropout import check_dropout_rate
-from jaxpos.layers.cache import KVCache, rotate_at_write
+from jaxpos.layers.cache import KVCache, StreamingKVCache, rotate_at_write
 from jaxpos.layers.cores import (
     AttentionCore,
     BlockCore,
@@ -136,6 +136,7 @@ __all__ = [
     "RotaryEmbedding",
     "ShawRelativePosition",
     "SinusoidalEmbedding",
+    "StreamingKVCache",
     "T5RelativeBias",
     "TransformerBlock",
     "attention_positions",

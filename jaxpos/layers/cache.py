@@ -59,7 +59,7 @@ def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int, dt
                    jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((batch,), jnp.int32))
 
 
-def check_cache(cache, batch: int | None = None) -> KVCache:
+def check_cache(cache, batch: int | None = None) -> KVCache | StreamingKVCache:
     """``cache`` must be a :class:`KVCache` (from ``init_cache``) with ``batch`` rows when
     given. ``TypeError`` / ``ValueError`` (naming the cache's batch size) otherwise."""
     if not isinstance(cache, (KVCache, StreamingKVCache)):

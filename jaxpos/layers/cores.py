@@ -239,7 +239,7 @@ class AttentionCore:
         if not isinstance(scheme, RoPE):
             q, k, scheme = rotate_at_write(scheme, q, k, pos)
         cache, seg, kv_seg, q_pos, kv_pos = update_streaming_cache(cache, k, v, pos, pad)
-        extra = {}
+        extra: dict[str, Any] = {}
         if isinstance(scheme, RoPE):
             extra["rope_tables"] = scheme.read_tables(q_pos, kv_pos)
             scheme = NoPE()
@@ -309,7 +309,8 @@ class AttentionCore:
                                           mask_mod)
         q, k, scheme = rotate_at_write(scheme, q, k, pos)
         cache, seg, kv_seg, overflow = update_kv_cache(cache, k, v, pos, pad)
-        kv_pos, q_pos, extra = cache.positions, pos, {}
+        kv_pos, q_pos = cache.positions, pos
+        extra: dict[str, Any] = {}
         if reads_positions_at_once(scheme):
             # Empty and padding slots are hidden by the segment ids; their positions are set
             # to a token's so that they do not widen the call's positions (xPos's centre).
@@ -317,7 +318,8 @@ class AttentionCore:
             top = visible_top(cache.positions, cache.valid != 0)
             kv_pos = fill_hidden_positions(cache.positions, cache.valid != 0, top)
             q_pos = pos if pad is None else fill_hidden_positions(pos, pad, top)
-        elif rotates_on_load(scheme):  # raw keys: RoPE rotated as each key block is loaded
+        elif isinstance(scheme, RoPE) and rotates_on_load(scheme):
+            # raw keys: RoPE rotated as each key block is loaded
             extra = {"rope_tables": scheme.read_tables(pos, cache.positions)}
             scheme = NoPE()
         attend_fn = attention_for(scheme)
@@ -436,7 +438,8 @@ class DecoderCore(StackCore):
         return tied_logits(h, param_value(self.embed.embedding))
 
     def init_cache(self, batch: int, max_len: int, dtype=None, *,
-                   keep_first: int | None = None) -> tuple[KVCache, ...]:
+                   keep_first: int | None = None
+                   ) -> tuple[KVCache, ...] | tuple[StreamingKVCache, ...]:
         """One empty :class:`KVCache` per layer, ``max_len`` slots for ``batch`` rows (no
         parameters needed). With ``keep_first``: a StreamingLLM cache per layer
         (:class:`StreamingKVCache`, Xiao et al. 2024, §3.2) that keeps the first
