@@ -23,23 +23,49 @@ only asserts it for the rows that see the bad key).
 Schemes (float64, from the papers):
 
 * RoPE, ``rotate_half`` layout: Su et al. 2024, §3.4.2.
-* ALiBi: Press et al. 2022, §3, ``slopes[h] * (kv_pos - q_pos)``.
-* T5: Raffel et al. 2020, §2.1 (buckets of ``tests/_attention_reference.np_t5_bucket``).
+* ALiBi: Press et al. 2022, §3, ``slopes[h] * (kv_pos - q_pos)`` (``-slopes[h] |kv_pos -
+  q_pos|`` with ``params["bidirectional"]``).
+* T5: Raffel et al. 2020, §2.1 and Mesh TensorFlow's ``_relative_position_bucket``.
+* Shaw et al. 2018, §3 (Eqs. 3-4): ``e = q.(k + a_K[r]) * scale``,
+  ``z = sum p (v + a_V[r])``, ``r = clip(kv - q, -K, K)``.
 * KERPLE (log): Chi et al. 2022, §3.2, ``-r1[h] * log(1 + r2[h] |q_pos - kv_pos|)``.
 * xPos: Sun et al. 2022, §3: RoPE whose pair ``i`` of ``q_m . k_n`` is multiplied by
   ``zeta_i ** ((m - n) / scale_base)``, ``zeta_i = (2i/d + 0.4) / 1.4``.
 * FIRE: Li et al. 2023, §3, ``MLP(log(|c (i - j)| + 1) / (log(|c max(L, i)| + 1) + eps))``.
+
+This is the one dense reference attention of the tests: ``tests/_attention_reference.py``,
+``tests/_scheme_checks.py`` and ``tests/attention/test_programmable.py`` call it with their
+own argument names (a dense ``mask``, an additive ``bias``, precomputed ``scores``).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from _attention_reference import np_t5_bucket
 
 # --------------------------------------------------------------------------- schemes
 #: Scheme names the reference knows (``tests/conformance/_conformance_cases.py`` builds
 #: the matching jaxpos objects).
-REFERENCE_SCHEMES = ("none", "rope", "alibi", "t5", "kerple", "xpos", "fire")
+REFERENCE_SCHEMES = ("none", "rope", "alibi", "t5", "kerple", "xpos", "fire", "shaw")
+
+
+def np_t5_bucket(rel, bidirectional, num_buckets=32, max_distance=128):
+    """T5's bucket of ``rel = kv_pos - q_pos`` (Raffel et al. 2020, §2.1; Mesh
+    TensorFlow's ``_relative_position_bucket``), int64."""
+    rel = np.asarray(rel, np.int64)
+    n = num_buckets
+    ret = np.zeros_like(rel)
+    if bidirectional:
+        n //= 2
+        ret += (rel > 0) * n
+        d = np.abs(rel)
+    else:
+        d = -np.minimum(rel, 0)
+    max_exact = n // 2
+    large = max_exact + np.floor(
+        np.log(np.maximum(d, 1) / max_exact) / np.log(max_distance / max_exact) * (n - max_exact)
+    ).astype(np.int64)
+    large = np.minimum(large, n - 1)
+    return ret + np.where(d < max_exact, d, large)
 
 
 def _rotate_half(x, pos, inv_freq, xp):
@@ -50,6 +76,12 @@ def _rotate_half(x, pos, inv_freq, xp):
     c, s = xp.cos(ang)[:, :, None, :], xp.sin(ang)[:, :, None, :]
     x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
     return xp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest], axis=-1)
+
+
+def _shaw_index(params, qp, kp):
+    """Shaw's table row ``clip(kv_pos - q_pos, -K, K) + K`` ``[B, Tq, Tk]``."""
+    K = (params["rel_k"].shape[0] - 1) // 2
+    return np.clip(_rel(qp, kp)[:, 0], -K, K) + K
 
 
 def _rel(qp, kp):
@@ -79,7 +111,8 @@ def scheme_scores(name: str, params: dict, q, k, qp, kp, scale, xp):
     s = xp.einsum("bqnh,bknh->bnqk", q, k) * scale
     rel = _rel(qp, kp)
     if name == "alibi":
-        s = s + params["slopes"][None, :, None, None] * rel
+        r = -np.abs(rel) if params.get("bidirectional", False) else rel
+        s = s + params["slopes"][None, :, None, None] * r
     elif name == "t5":
         bucket = np_t5_bucket(rel[:, 0], params["bidirectional"])  # [B, Tq, Tk]
         s = s + xp.moveaxis(params["table"][bucket], -1, 1)
@@ -97,6 +130,9 @@ def scheme_scores(name: str, params: dict, q, k, qp, kp, scale, xp):
         hidden = xp.maximum(x[..., None] * params["w1"] + params["b1"], 0.0)  # [B,1,Tq,Tk,W]
         bias = xp.einsum("bxqkw,wn->bnqk", hidden, params["w2"])
         s = s + bias + params["b2"][None, :, None, None]
+    elif name == "shaw":
+        idx = _shaw_index(params, qp, kp)
+        s = s + xp.einsum("bqnh,bqkh->bnqk", q * scale, params["rel_k"][idx])
     elif name not in ("none", "rope"):
         raise ValueError(f"unknown scheme {name!r}")
     return s
@@ -111,8 +147,13 @@ def _positions(pos, B, T, default):
 def contract_attention(q, k, v, *, xp=np, scheme="none", params=None, score_mod=None,
                        mask_mod=None, causal=False, q_positions=None, kv_positions=None,
                        segment_ids=None, kv_segment_ids=None, sinks=None, scale=None,
-                       stop_gradient=None):
+                       stop_gradient=None, mask=None, bias=None, scores=None):
     """float64 ``[B, Tq, N, H_v]`` of the contract (module docstring).
+
+    ``mask``: bool, broadcastable to ``[B, N, Tq, Tk]`` (True = visible), and-ed with the
+    other masks. ``bias``: float, broadcastable to ``[B, N, Tq, Tk]``, added after the
+    scheme's term. ``scores``: ``[B, N, Tq, Tk]`` used in place of ``q . k`` (scheme
+    ``"none"`` only; a transform of q and k computed by the caller), times ``scale``.
 
     ``score_mod(s, b, h, qp, kp)`` and ``mask_mod(b, h, qp, kp)`` are the reference's
     own broadcasting forms: ``s`` ``[B, N, Tq, Tk]``, ``b`` ``[B, 1, 1, 1]``, ``h``
@@ -129,7 +170,13 @@ def contract_attention(q, k, v, *, xp=np, scheme="none", params=None, score_mod=
     qp = _positions(q_positions, B, Tq, np.arange(Tq) + max(Tk - Tq, 0))
     kp = _positions(kv_positions, B, Tk, np.arange(Tk))
     scale = 1.0 / np.sqrt(H) if scale is None else scale
-    s = scheme_scores(scheme, params, q, k, qp, kp, scale, xp)
+    if scores is None:
+        s = scheme_scores(scheme, params, q, k, qp, kp, scale, xp)
+    else:
+        assert scheme == "none", "scores= replaces q.k of scheme 'none' only"
+        s = xp.asarray(scores, np.float64) * scale
+    if bias is not None:
+        s = s + xp.asarray(bias, np.float64)
     b_idx = np.arange(B)[:, None, None, None]
     h_idx = np.arange(N)[None, :, None, None]
     qp4, kp4 = qp[:, None, :, None], kp[:, None, None, :]
@@ -143,6 +190,8 @@ def contract_attention(q, k, v, *, xp=np, scheme="none", params=None, score_mod=
         vis = vis & (np.asarray(segment_ids)[:, None, :, None] == np.asarray(sk)[:, None, None, :])
     if mask_mod is not None:
         vis = vis & np.broadcast_to(np.asarray(mask_mod(b_idx, h_idx, qp4, kp4)), vis.shape)
+    if mask is not None:
+        vis = vis & np.broadcast_to(np.asarray(mask, bool), vis.shape)
     vis = xp.asarray(vis) & (s != -np.inf)  # a score_mod's -inf hides the pair
     safe = xp.where(vis, s, 0.0)
     mx = xp.max(xp.where(vis, safe, -np.inf), axis=-1, keepdims=True)
@@ -158,7 +207,10 @@ def contract_attention(q, k, v, *, xp=np, scheme="none", params=None, score_mod=
     p = xp.where(live, e / xp.where(live, den, 1.0), 0.0)
     # hidden pairs contribute nothing, not 0 * v (a NaN value reaches only its viewers)
     vv = xp.where(vis[..., None], xp.swapaxes(v, 1, 2)[:, :, None], 0.0)  # [B, N, Tq, Tk, H]
-    return xp.einsum("bnqk,bnqkh->bqnh", p, vv)
+    out = xp.einsum("bnqk,bnqkh->bqnh", p, vv)
+    if scheme == "shaw":  # Shaw's value term: sum_j p_ij a_V[r_ij]
+        out = out + xp.einsum("bnqk,bqkh->bqnh", p, params["rel_v"][_shaw_index(params, qp, kp)])
+    return out
 
 
 def visible_any(B, N, Tq, Tk, *, causal=False, q_positions=None, kv_positions=None,

@@ -1,6 +1,6 @@
 """Shared checks for the score_mod / transform_qk schemes (KERPLE, FIRE, Sandwich, xPos,
-FoX): a float64 dense attention written from the softmax-attention definition (Vaswani
-et al. 2017, §3.2.1) with an additive bias, a tile application of a scheme's score_mod,
+FoX): the float64 dense reference (``tests/_contract_reference.py``) with an additive
+bias, a tile application of a scheme's score_mod,
 and the agreement of the three implementations on forward values and gradients.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _contract_reference import contract_attention
 
 import jaxpos
 from jaxpos.mods import apply_mod, convert_mod
@@ -28,28 +29,15 @@ def qkv(seed=0, B=2, T=12, N=4, H=8, Nk=None, Tk=None):
 
 def dense64(q, k, v, bias=None, *, q_pos=None, kv_pos=None, causal=False, scale=None,
             scores=None):
-    """float64 ``softmax(scale q.k + bias) v`` per head; ``bias`` broadcastable to
-    ``[B, N, Tq, Tk]``; causal by positions (a query at p sees keys at <= p). ``scores``
-    (``[B, N, Tq, Tk]``) replaces ``q.k`` when given (a transform of q and k computed
-    by the caller)."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    B, Tq, N, H = q.shape
-    Tk = k.shape[1]
-    g = N // k.shape[2]
-    k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
-    scale = 1.0 / np.sqrt(H) if scale is None else scale
-    s = (np.einsum("bqnh,bknh->bnqk", q, k) if scores is None else np.asarray(scores)) * scale
-    if bias is not None:
-        s = s + np.asarray(bias, np.float64)
-    if causal:
-        qp = np.broadcast_to(np.arange(Tq) if q_pos is None else np.asarray(q_pos), (B, Tq))
-        kp = np.broadcast_to(np.arange(Tk) if kv_pos is None else np.asarray(kv_pos), (B, Tk))
-        vis = kp[:, None, None, :] <= qp[:, None, :, None]
-        s = np.where(vis, s, -np.inf)
-    s = s - s.max(-1, keepdims=True)
-    w = np.exp(s)
-    w /= w.sum(-1, keepdims=True)
-    return np.einsum("bnqk,bknh->bqnh", w, v)
+    """float64 ``softmax(scale q.k + bias) v`` per head: the tests' one dense reference
+    (:func:`_contract_reference.contract_attention`). ``bias`` broadcastable to
+    ``[B, N, Tq, Tk]``; causal by positions (a query at p sees keys at <= p; both
+    default to ``arange``). ``scores`` (``[B, N, Tq, Tk]``) replaces ``q.k`` when given
+    (a transform of q and k computed by the caller)."""
+    Tq, Tk = np.shape(q)[1], np.shape(k)[1]
+    return contract_attention(q, k, v, bias=bias, scores=scores, causal=causal, scale=scale,
+                              q_positions=np.arange(Tq) if q_pos is None else q_pos,
+                              kv_positions=np.arange(Tk) if kv_pos is None else kv_pos)
 
 
 def attn(impl, q, k, v, **kw):

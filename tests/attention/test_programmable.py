@@ -1,8 +1,9 @@
 """Programmable attention: score_mod, mask_mod, block masks and sinks in every implementation.
 
-The ground truth of each test is a dense float64 NumPy computation written here from the
-definitions (FlexAttention's score_mod / mask_mod semantics, Dong et al. 2024; GPT-OSS
-attention sinks), not the library's reference path.
+The ground truth of each test is the tests' dense float64 NumPy reference
+(``tests/_contract_reference.py``, written from the definitions: FlexAttention's score_mod
+/ mask_mod semantics, Dong et al. 2024; GPT-OSS attention sinks), not the library's
+reference path; each test writes its score term and mask as functions of the positions.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _contract_reference import contract_attention
 
 import jaxpos
 from jaxpos.mods import EMPTY, FULL, PARTIAL
@@ -28,31 +30,17 @@ def _qkv(seed=0, T=T, N=N, Nk=N, H=H):
 
 
 def _dense64(q, k, v, bias_fn=None, vis_fn=None, sinks=None, scale=None):
-    """float64 attention: bias_fn(b, h, i_pos, j_pos) and vis_fn(...) on position grids."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    Bq, Tq, Nq, Hq = q.shape
-    g = Nq // k.shape[2]
-    k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
-    scale = 1 / np.sqrt(Hq) if scale is None else scale
-    s = np.einsum("bqnh,bknh->bnqk", q, k) * scale
-    i = np.arange(Tq)[:, None]
-    j = np.arange(k.shape[1])[None, :]
-    out = np.zeros((Bq, Tq, Nq, v.shape[-1]))
-    for b in range(Bq):
-        for h in range(Nq):
-            sc = s[b, h] + (bias_fn(b, h, i, j) if bias_fn is not None else 0.0)
-            vis = np.broadcast_to(vis_fn(b, h, i, j), sc.shape) if vis_fn is not None else \
-                np.ones_like(sc, bool)
-            sc = np.where(vis, sc, -np.inf)
-            m = np.max(sc, axis=-1, keepdims=True)
-            if sinks is not None:
-                m = np.maximum(m, sinks[h])
-            m = np.where(np.isfinite(m), m, 0.0)
-            e = np.exp(sc - m)
-            den = e.sum(-1, keepdims=True) + (np.exp(sinks[h] - m) if sinks is not None else 0)
-            w = np.where(den > 0, e / np.where(den > 0, den, 1), 0.0)
-            out[b, :, h] = w @ v[b, :, h]
-    return out
+    """float64 attention (the tests' dense reference, ``tests/_contract_reference.py``):
+    ``bias_fn(b, h, i_pos, j_pos)`` and ``vis_fn(...)`` on position grids
+    ``i [Tq, 1]``, ``j [1, Tk]``."""
+    B, Tq, N, _ = np.shape(q)
+    Tk = np.shape(k)[1]
+    i, j = np.arange(Tq)[:, None], np.arange(Tk)[None, :]
+    grid = lambda fn: None if fn is None else np.stack([np.stack(
+        [np.broadcast_to(fn(b, h, i, j), (Tq, Tk)) for h in range(N)]) for b in range(B)])
+    return contract_attention(q, k, v, bias=grid(bias_fn), mask=grid(vis_fn), sinks=sinks,
+                              scale=scale, q_positions=np.arange(Tq),
+                              kv_positions=np.arange(Tk))
 
 
 def _attn(impl, *args, **kw):
