@@ -123,8 +123,8 @@ def choose_implementation(call: AttentionCall, requested: str | None) -> str:
             name = "pallas"  # the kernel bounds its loops by the lengths
         if name in ("xla", "pallas") and (_dense_only(call) or width_differs):
             name = "chunked"  # what the kernel / dot_product_attention cannot take
-        if name in ("xla", "pallas") and call.dropout is not None:
-            name = "chunked"  # attention dropout: reference and chunked only
+        if name == "xla" and call.dropout is not None:
+            name = "pallas"  # attention dropout: in the kernel, not in dot_product_attention
     if name in ("xla", "pallas") and not _checks.is_concrete(call.scale):
         raise TypeError(f"implementation={name!r} needs a static scale (a Python or "
                         f"concrete number: it is compiled into the kernel); got a traced "
@@ -138,13 +138,12 @@ def _check_runner(name: str, call: AttentionCall, head_dim: int) -> None:
     ``head_dim`` is q's width before it)."""
     if name not in ("pallas", "xla"):
         return
-    if call.dropout is not None:
-        what = "the fused Pallas kernel" if name == "pallas" else \
-            "implementation='xla' (jax.nn.dot_product_attention, which has no dropout)"
+    if name == "xla" and call.dropout is not None:
         raise ValueError(
-            f"{what} does not apply attention dropout (dropout_rate="
-            f"{call.dropout.rate}); use implementation='chunked' (the same keep mask, tile "
-            f"by tile) or 'reference', or implementation=None, which picks 'chunked'.")
+            f"implementation='xla' (jax.nn.dot_product_attention, which has no dropout) "
+            f"does not apply attention dropout (dropout_rate={call.dropout.rate}); use "
+            f"implementation='chunked' (the same keep mask, tile by tile), 'pallas' or "
+            f"'reference', or implementation=None, which picks the kernel (chunked on CPU).")
     if not call.scheme.fusable:
         what = "the fused Pallas kernel" if name == "pallas" else \
             "implementation='xla' (jax.nn.dot_product_attention)"
@@ -250,9 +249,10 @@ def attention(
         dropped with this rate after the softmax and the kept ones scaled by
         ``1 / (1 - rate)``; a Python float in ``[0, 1)``, default 0 (none). The keep
         mask is a counter-based hash of ``(seed, batch, head, query index, key index)``
-        (:mod:`jaxpos.dropout`): the reference and chunked paths drop the same pairs, and
-        the backward pass recomputes it. ``implementation=None`` runs ``"chunked"``;
-        ``"pallas"`` and ``"xla"`` refuse it.
+        (:mod:`jaxpos.dropout`): the reference, chunked and Pallas paths drop the same
+        pairs (the tiled paths per tile, never storing a ``[Tq, Tk]`` mask), and the
+        backward pass recomputes it. ``"xla"`` refuses it; ``implementation=None`` then
+        runs ``"pallas"`` (``"chunked"`` on CPU).
       dropout_rng: a JAX PRNG key, required when ``dropout_rate > 0``.
       broadcast_dropout: one ``[Tq, Tk]`` mask for every batch row and head (Flax's
         ``broadcast_dropout``); default False (independent per row and head).
@@ -267,7 +267,7 @@ def attention(
         contradicts ``causal``, unknown implementation, bad masks, a score_mod returning
         the wrong shape or dtype, a mask_mod not returning bool, a block mask built for
         other lengths or blocks, sinks of the wrong shape, a dropout_rate outside
-        ``[0, 1)`` or without dropout_rng, dropout with ``"pallas"`` / ``"xla"``.
+        ``[0, 1)`` or without dropout_rng, dropout with ``"xla"``.
     """
     _checks.check_choice("implementation", implementation, ALL_IMPLEMENTATIONS + (None,))
     call = validate_call(q, k, v, position=position, score_mod=score_mod, mask_mod=mask_mod,

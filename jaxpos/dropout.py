@@ -91,7 +91,8 @@ def keep_tile(seed, threshold: int, batch, head, q_index, kv_index):
     """bool keep decisions for broadcastable integer counters.
 
     Args:
-      seed: uint32 ``[2]``.
+      seed: uint32 ``[2]``, or a pair ``(s0, s1)`` of scalar words (a kernel reads them
+        one by one from scalar memory).
       threshold: ``round(rate * 2**24)`` (Python int).
       batch, head, q_index, kv_index: integer arrays broadcastable against each other
         (e.g. ``[B, 1, 1, 1]``, ``[1, N, 1, 1]``, ``[1, 1, tq, 1]``, ``[1, 1, 1, tk]``);
@@ -101,9 +102,13 @@ def keep_tile(seed, threshold: int, batch, head, q_index, kv_index):
     Returns:
       bool, the broadcast shape: True where the probability is kept.
     """
-    seed = _u32(seed)
-    row = mix32(mix32(mix32(seed[0] ^ _u32(batch)) ^ _u32(head)) ^ _u32(q_index))
-    col = mix32(seed[1] ^ _u32(kv_index))
+    if isinstance(seed, (tuple, list)):
+        s0, s1 = _u32(seed[0]), _u32(seed[1])
+    else:
+        seed = _u32(seed)
+        s0, s1 = seed[0], seed[1]
+    row = mix32(mix32(mix32(s0 ^ _u32(batch)) ^ _u32(head)) ^ _u32(q_index))
+    col = mix32(s1 ^ _u32(kv_index))
     bits = (mix32(row ^ col) >> (32 - _BITS)).astype(jnp.int32)
     return bits >= jnp.int32(threshold)
 

@@ -193,5 +193,6 @@ def run_kernel(call: AttentionCall) -> jax.Array:
                            causal=call.causal, segment_ids=call.segment_ids,
                            kv_segment_ids=call.kv_segment_ids, scale=call.scale,
                            block_q=call.block_q, block_k=call.block_k, interpret=None,
-                           kv_lengths=call.kv_lengths, rope_tables=call.rope_tables)
+                           kv_lengths=call.kv_lengths, rope_tables=call.rope_tables,
+                           dropout=call.dropout)
     return cast("jax.Array", out)  # return_lse=False: the output alone

@@ -90,6 +90,7 @@ from jaxpos._util import (
     varying_axes,
     zero_cotangent,
 )
+from jaxpos.dropout import Dropout, keep_tile
 from jaxpos.kernels import modeval
 from jaxpos.kernels import schedule as sched_lib
 from jaxpos.mods import BlockMask, convert_mod, is_additive
@@ -152,6 +153,8 @@ class _Cfg(NamedTuple):
     rope_qb: bool = False  # the query tables differ per batch row
     rope_kb: bool = False
     count_tiles: bool = False  # test hook: kernels also output their loop trip counts
+    dropout_rate: float = 0.0  # attention dropout (0: none); the seed is ints["drop_seed"]
+    dropout_broadcast: bool = False  # one [Tq, Tk] mask for every batch row and head
 
 
 # ------------------------------------------------------------------- platform layouts
@@ -428,6 +431,24 @@ def _hd(heads, hi, *idx):
     return idx if heads == 1 else (hi, *idx)
 
 
+def _dropped(cfg, r, b, h, q0, rq, k0, rk, x):
+    """``x`` (a ``[rq, rk]`` tile of probabilities or of ``dO V^T``) times the dropout
+    factor ``keep / (1 - rate)`` of query rows ``q0 + [0, rq)`` and key columns
+    ``k0 + [0, rk)`` (indices along the call's sequences), the keep decisions of
+    :func:`jaxpos.dropout.keep_tile` for batch row ``b`` and query head ``h`` (both 0 with a
+    broadcast mask): the same pairs as the reference and chunked paths. ``x`` unchanged
+    without dropout."""
+    if not cfg.dropout_rate:
+        return x
+    drop = Dropout(cfg.dropout_rate, None, cfg.dropout_broadcast)  # type: ignore[arg-type]
+    if cfg.dropout_broadcast:
+        b = h = 0
+    qi = q0 + jax.lax.broadcasted_iota(jnp.int32, (rq, 1), 0)
+    ki = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, rk), 1)
+    keep = keep_tile((r["drop_seed"][0], r["drop_seed"][1]), drop.threshold, b, h, qi, ki)
+    return jnp.where(keep, x * jnp.float32(drop.scale), 0.0)
+
+
 # ------------------------------------------------------------------------------ forward
 def _fwd_kernel(*refs, cfg, names, smod, mmod, style, plat):
     r = _names(refs, names)
@@ -472,7 +493,8 @@ def _fwd_kernel(*refs, cfg, names, smod, mmod, style, plat):
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             pr = jnp.exp(s - m_safe)
             corr = jnp.exp(m - m_safe)
-            l = l * corr + jnp.sum(pr, axis=1, keepdims=True)
+            l = l * corr + jnp.sum(pr, axis=1, keepdims=True)  # undropped normaliser
+            pr = _dropped(cfg, r, b, h, i * bq, bq, j * bk, bk, pr)
             acc = acc * corr + _dot(pr.astype(v.dtype), v, cfg, ((1,), (0,)))
             new.append((m_new, l, acc))
         return new, _count(cfg, cnt, masked)
@@ -538,7 +560,8 @@ def _dq_kernel(*refs, cfg, names, smod, mmod, style, plat):
             vis = _visible(cfg, mods, b, h, q_pos, kv_pos, q_seg, kv_seg, j, kv_lim, s.shape)
             s = jnp.where(vis, s, -jnp.inf)
         pr = jnp.exp(s - lse_safe)  # 0 where hidden
-        ds = pr * (_dot(do, v, cfg) - delta)
+        dp = _dropped(cfg, r, b, h, i * bq, bq, j * bk, bk, _dot(do, v, cfg))
+        ds = pr * (dp - delta)
         ds = _chain(cfg, mods, b, h, ds, s_raw, q_pos, kv_pos, vis).astype(dtype)
         dq = [a + _dot(ds, kk, cfg, ((1,), (0,))) for a, kk in zip(dq, k)]
         return dq, _count(cfg, cnt, masked)
@@ -587,8 +610,10 @@ def _dkv_kernel(*refs, cfg, names, smod, mmod, style, plat):
                 s = jnp.where(vis, s, -jnp.inf)
             lse = r["lse"][_hd(g, hi, rows, slice(None))]
             pr = jnp.exp(s - jnp.where(lse == -jnp.inf, 0.0, lse))
-            dv = dv + _dot(pr.astype(do.dtype), do, cfg, ((0,), (0,)))
-            ds = pr * (_dot(do, v, cfg) - r["delta"][_hd(g, hi, rows, slice(None))])
+            pz = _dropped(cfg, r, b, h, i * bq, bq, j * bk, bk, pr)
+            dv = dv + _dot(pz.astype(do.dtype), do, cfg, ((0,), (0,)))
+            dp = _dropped(cfg, r, b, h, i * bq, bq, j * bk, bk, _dot(do, v, cfg))
+            ds = pr * (dp - r["delta"][_hd(g, hi, rows, slice(None))])
             ds = _chain(cfg, mods, b, h, ds, s_raw, q_pos, kv_pos, vis).astype(dtype)
             dk = [a + _dot(ds, qq, cfg, ((0,), (0,))) for a, qq in zip(dk, q)]
             return dk, dv, _count(cfg, cnt, masked)
@@ -845,10 +870,12 @@ def _pos_inputs(cfg, ints, tabs, *, q_rows, q_map, k_rows, k_map):
     return ins
 
 
-def _tail_inputs(cfg, smod, mmod, kv_len):
+def _tail_inputs(cfg, smod, mmod, kv_len, ints):
     ins = []
     if cfg.has_kv_len:
         ins.append(_In("kv_len", kv_len, _whole(pow2=True), smem=True))
+    if cfg.dropout_rate:
+        ins.append(_In("drop_seed", ints["drop_seed"], _whole(), smem=True))
     ins += _const_inputs("smod", smod, _smem_ok(smod))
     ins += _const_inputs("mmod", mmod, _smem_ok(mmod))
     return ins
@@ -887,7 +914,7 @@ def _forward(cfg, q, k, v, ints, sched, smod, mmod, sinks, kv_len, tabs):
         counts, lists = sched.kv_counts, sched.kv_lists
         smap = lambda b, p, i: (sb(b), sh(p), i)
     ins += _sched_inputs(counts, lists, 1, smap)
-    ins += _tail_inputs(cfg, smod, mmod, kv_len)
+    ins += _tail_inputs(cfg, smod, mmod, kv_len, ints)
     if cfg.has_sinks:
         ins.append(_In("sinks", sinks, _whole(pow2=True), smem=True))
     hd = None if G == 1 else G
@@ -971,7 +998,7 @@ def _backward_kernels(cfg, q, k, v, ints, sched, smod, mmod, kv_len, tabs, lse, 
     ins += _pos_inputs(cfg, ints, tabs, q_rows=bq, q_map=lambda b, h, i: (b, i),
                        k_rows=Tk_p, k_map=lambda b, h, i: (b, 0))
     ins += _sched_inputs(sched.kv_counts, sched.kv_lists, 1, lambda b, h, i: (sb(b), sh(h), i))
-    ins += _tail_inputs(cfg, smod, mmod, kv_len)
+    ins += _tail_inputs(cfg, smod, mmod, kv_len, ints)
 
     def tok_out(name, n, W, rows, imap, seg, dtype, T):
         def make(plat):
@@ -997,7 +1024,7 @@ def _backward_kernels(cfg, q, k, v, ints, sched, smod, mmod, kv_len, tabs, lse, 
         ins += _sched_inputs(sched.q_counts, sched.q_lists, g, lambda b, h, j: (sb(b), h, j))
     else:
         ins += _sched_inputs(sched.q_counts, sched.q_lists, 1, lambda b, h, j: (sb(b), 0, j))
-    ins += _tail_inputs(cfg, smod, mmod, kv_len)
+    ins += _tail_inputs(cfg, smod, mmod, kv_len, ints)
     outs = [tok_out("dk", Nk, cfg.H, bk, lambda b, h, j: (b, j, h), segs, k.dtype, cfg.Tk),
             tok_out("dv", Nk, cfg.Hv, bk, lambda b, h, j: (b, j, h), vsegs, v.dtype, cfg.Tk)]
     if cfg.count_tiles:
@@ -1075,7 +1102,8 @@ def _mod_const_grads(cfg, q, k, v, ints, smod, mmod, lse, do, delta, kv_len, tab
     kv_pos_t = kv_pos.reshape(kv_pos.shape[0], nk, bk)
     q_pos_s = jnp.moveaxis(q_pos.reshape(q_pos.shape[0], steps, G, bq), 1, 0)
     xs = {"q": split_rows(q), "do": split_rows(do), "lse": split_rows(lse),
-          "delta": split_rows(delta), "q_pos": q_pos_s}
+          "delta": split_rows(delta), "q_pos": q_pos_s,
+          "step": jnp.arange(steps, dtype=jnp.int32)}
     if cfg.has_segments:
         xs["q_seg"] = jnp.moveaxis(ints["q_seg"][..., 0].reshape(B, steps, G, bq), 1, 0)
     lim = cfg.Tk if kv_len is None else kv_len[:, None]
@@ -1094,6 +1122,19 @@ def _mod_const_grads(cfg, q, k, v, ints, smod, mmod, lse, do, delta, kv_len, tab
                         preferred_element_type=jnp.float32)
         s_raw = to_tiles(s_raw.reshape(B, N, rows, Tk_p))
         dp = to_tiles(dp.reshape(B, N, rows, Tk_p))
+        if cfg.dropout_rate:  # the kernels' keep decisions, on [B, N, G, nk, bq, bk]
+            drop = Dropout(cfg.dropout_rate, ints["drop_seed"], cfg.dropout_broadcast)
+            qi = x["step"] * rows + (jnp.arange(G, dtype=jnp.int32)[:, None] * bq
+                                     + jnp.arange(bq, dtype=jnp.int32)[None, :])
+            ki = (jnp.arange(nk, dtype=jnp.int32)[:, None] * bk
+                  + jnp.arange(bk, dtype=jnp.int32)[None, :])
+            bi = jnp.arange(B, dtype=jnp.int32).reshape(B, 1, 1, 1, 1, 1)
+            hi = jnp.arange(N, dtype=jnp.int32).reshape(1, N, 1, 1, 1, 1)
+            if drop.broadcast:
+                bi, hi = bi * 0, hi * 0
+            keep = keep_tile(drop.seed, drop.threshold, bi, hi,
+                             qi.reshape(1, 1, G, 1, bq, 1), ki.reshape(1, 1, 1, nk, 1, bk))
+            dp = jnp.where(keep, dp * jnp.float32(drop.scale), 0.0)
         lse_t = x["lse"].reshape(B, N, G, 1, bq, 1)
         delta_t = x["delta"].reshape(B, N, G, 1, bq, 1)
         qp = x["q_pos"]  # [Bq, G, bq]
@@ -1216,7 +1257,7 @@ def _check_kv_lengths(kv_lengths, B, Tk):
 def _prepare(q, k, v, *, q_positions, kv_positions, score_mod=None, mask_mod=None,
              block_mask=None, sinks=None, causal=False, segment_ids=None, kv_segment_ids=None,
              scale=None, block_q=None, block_k=None, mode="auto", count_tiles=False,
-             kv_lengths=None, rope_tables=None, kv_splits=None):
+             kv_lengths=None, rope_tables=None, kv_splits=None, dropout=None):
     """Validate and classify: ``(cfg, q, k, v, ints, sched, smod, mmod, sinks, kv_len,
     tabs)``; q, k, v keep the caller's ``[B, T, N, H]`` layout (no copies); positions,
     segments and tables (``O(T)``) are padded to whole tiles."""
@@ -1265,6 +1306,11 @@ def _prepare(q, k, v, *, q_positions, kv_positions, score_mod=None, mask_mod=Non
     qp = pad_axis(q_pos, 1, Tq_p, mode="edge")
     kp = pad_axis(kv_pos, 1, Tk_p, mode="edge")
     ints = {"q_pos": qp[:, :, None], "kv_pos": kp[:, None, :]}
+    if dropout is not None:
+        if not isinstance(dropout, Dropout):
+            raise TypeError(f"dropout must be a jaxpos.dropout.Dropout or None; got "
+                            f"{type(dropout).__name__}.")
+        ints["drop_seed"] = jnp.asarray(dropout.seed).astype(jnp.uint32).reshape(2)
     seg_q = seg_kv = None
     if segment_ids is not None:
         sq = _checks.positions_2d("segment_ids", segment_ids, B, Tq)
@@ -1296,7 +1342,9 @@ def _prepare(q, k, v, *, q_positions, kv_positions, score_mod=None, mask_mod=Non
                precise=q.dtype == jnp.float32, mode=mode, heads=heads, splits=splits,
                has_kv_len=kv_len is not None, rope_half=half,
                rope_qb=tabs is not None and tabs[0].shape[0] > 1,
-               rope_kb=tabs is not None and tabs[2].shape[0] > 1, count_tiles=count_tiles)
+               rope_kb=tabs is not None and tabs[2].shape[0] > 1, count_tiles=count_tiles,
+               dropout_rate=0.0 if dropout is None else float(dropout.rate),
+               dropout_broadcast=dropout is not None and bool(dropout.broadcast))
     return cfg, q, k, v, ints, sched, smod, mmod, sinks, kv_len, tabs
 
 
@@ -1304,7 +1352,7 @@ def kernel_attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None,
                      q_positions, kv_positions, causal=False, segment_ids=None,
                      kv_segment_ids=None, scale=None, block_q=None, block_k=None,
                      interpret=None, kv_lengths=None, rope_tables=None, kv_splits=None,
-                     return_lse=False):
+                     return_lse=False, dropout=None):
     """The fused kernel (see :func:`jaxpos.kernels.attention_via_kernel` for the contract
     of the shared arguments).
 
@@ -1316,6 +1364,14 @@ def kernel_attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None,
         rotates them as they are loaded (``"half"`` layout), forward and backward.
       kv_splits: key splits of the forward (flash decoding), or None: split a call with a
         single query tile until about :data:`SPLIT_PROGRAMS` programs run.
+      dropout: a :class:`jaxpos.dropout.Dropout` (rate, uint32 ``[2]`` seed, broadcast) or
+        None: attention dropout (FlashAttention, Dao et al. 2022, Alg. 2): each tile's
+        probabilities are multiplied by ``keep / (1 - rate)`` after the (undropped)
+        normaliser is updated, the keep decisions computed in the tile from the seed and the
+        tile's query / key indices (:func:`jaxpos.dropout.keep_tile`, the reference and
+        chunked paths' mask, bit for bit; no ``[Tq, Tk]`` mask is stored); the backward
+        kernels recompute them. Key splits are compatible (a split's tiles keep their
+        global key indices).
       return_lse: also return the log-sum-exp of each query row's scores (the sinks
         included), float32 ``[B, N, Tq]``, ``-inf`` for a row with no visible key;
         differentiable.
@@ -1328,7 +1384,7 @@ def kernel_attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None,
         q_positions=q_positions, kv_positions=kv_positions, causal=causal,
         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, scale=scale, block_q=block_q,
         block_k=block_k, mode=resolve_mode(interpret), kv_lengths=kv_lengths,
-        rope_tables=rope_tables, kv_splits=kv_splits)
+        rope_tables=rope_tables, kv_splits=kv_splits, dropout=dropout)
     # (custom_vjp through functools.partial hides the return type from type checkers)
     out, lse = cast("tuple[jax.Array, jax.Array]",
                     _core(cfg, q, k, v, ints, sched, smod, mmod, sinks, kv_len, tabs))

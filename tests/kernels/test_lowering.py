@@ -198,3 +198,47 @@ def test_export_layout_decode_and_rope_on_load(platform, Tq, Tk, H, rope, kv_len
     grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
     assert _kernel_calls(_export(f, args, platform), platform) == 1
     assert _kernel_calls(_export(grad, args, platform), platform) == 3
+
+
+# ------------------------------------------------------------------ attention dropout
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("shape", ["train", "decode"])
+def test_export_dropout_forward_and_backward(platform, shape):
+    """Attention dropout: the seed is a uint32 [2] kernel input (TPU scalar memory) and
+    each of the three kernels hashes its tile's indices (uint32 multiplies, shifts and
+    xors, jaxpos.dropout.keep_tile); the captured-array gradient pass recomputes the mask
+    in XLA. Training shape: GQA, causal, padding, a score_mod with a captured array;
+    decode shape: grouped heads, key splits, per-row lengths, RoPE tables on load."""
+    from jaxpos.dropout import Dropout
+    from jaxpos.kernels import fused
+
+    sds = jax.ShapeDtypeStruct
+    if shape == "train":
+        def f(q, k, v, seed, slopes):
+            mod = lambda s, b, h, qp, kp: s + slopes[h] * (kp - qp).astype(jnp.float32)
+            return fused.kernel_attention(
+                q, k, v, q_positions=jnp.arange(T), kv_positions=jnp.arange(T), causal=True,
+                score_mod=mod, interpret=False, dropout=Dropout(0.1, seed, False))
+
+        args = (sds((B, T, N, H), jnp.bfloat16), sds((B, T, NKV, H), jnp.bfloat16),
+                sds((B, T, NKV, H), jnp.bfloat16), sds((2,), jnp.uint32),
+                sds((N,), jnp.float32))
+        argnums = (0, 1, 2, 4)
+    else:
+        Tq, Tk = 1, 1000
+
+        def f(q, k, v, seed, lens, qc, qs, kc, ks):
+            return fused.kernel_attention(
+                q, k, v, q_positions=jnp.arange(Tq) + Tk - Tq, kv_positions=jnp.arange(Tk),
+                causal=True, interpret=False, kv_lengths=lens,
+                rope_tables=fused.RopeTables(qc, qs, kc, ks),
+                dropout=Dropout(0.1, seed, True))
+
+        args = (sds((2, Tq, 8, H), jnp.bfloat16), sds((2, Tk, 2, H), jnp.bfloat16),
+                sds((2, Tk, 2, H), jnp.bfloat16), sds((2,), jnp.uint32), sds((2,), jnp.int32),
+                sds((1, Tq, H // 2), jnp.float32), sds((1, Tq, H // 2), jnp.float32),
+                sds((2, Tk, H // 2), jnp.float32), sds((2, Tk, H // 2), jnp.float32))
+        argnums = (0, 1, 2)
+    grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=argnums)
+    assert _kernel_calls(_export(f, args, platform), platform) == 1
+    assert _kernel_calls(_export(grad, args, platform), platform) == 3
