@@ -73,11 +73,13 @@ its sequence run alone, in the full pass, the prefill and every later step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import ArrayLike, DTypeLike
 
 # Importing a scheme module registers its schemes; ``import jaxpos`` loads the built-in
 # ones.
@@ -172,7 +174,7 @@ class SinusoidalEmbedding(SinusoidalCore, nnx.Module):
     """
 
     def __init__(self, d_model: int, *, base: float = 10000.0, layout: str = "interleaved",
-                 dtype=jnp.float32):
+                 dtype: DTypeLike = jnp.float32):
         self.d_model = _checks.check_positive_int("d_model", d_model)
         _checks.check_choice("layout", layout, ("interleaved", "concat"))
         self.base, self.layout, self.dtype = float(base), layout, dtype
@@ -194,7 +196,8 @@ class LearnedPositionalEmbedding(LearnedCore, nnx.Module):
     """
 
     def __init__(self, max_len: int, d_model: int, *, out_of_range: str = "error",
-                 embedding_init=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 embedding_init: Callable[..., Any] | None = None,
+                 param_dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs):
         max_len = _checks.check_positive_int("max_len", max_len)
         d_model = _checks.check_positive_int("d_model", d_model)
         _checks.check_choice("out_of_range", out_of_range, ("error", "wrap", "clip"))
@@ -232,8 +235,9 @@ class PositionModule(PositionCore, nnx.Module):
 
     def __init__(self, position: str, *, num_heads: int | None = None,
                  head_dim: int | None = None, d_model: int | None = None,
-                 causal: bool = False, options: dict | None = None, param_init=None,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+                 causal: bool = False, options: dict | None = None,
+                 param_init: Callable[..., Any] | None = None,
+                 param_dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs | None = None):
         name = check_position_name("position", position, attention_positions())
         check_module_dims(num_heads, head_dim, d_model)
         frozen = freeze_options(options)
@@ -265,7 +269,7 @@ class PositionModule(PositionCore, nnx.Module):
     def _scheme_params(self):
         return {n: getattr(self, n)[...] for n in self.param_names}
 
-    def _validate(self, dtype):
+    def _validate(self, dtype: DTypeLike):
         x = None if self.d_model is None else jnp.zeros((1, 1, self.d_model), dtype)
         scheme = self.scheme(x=x, positions=jnp.zeros((1, 1), jnp.int32))
         check_options_read(self.position_name, self.options, self._scheme_params(),
@@ -292,7 +296,7 @@ class RotaryEmbedding(PositionModule):
     """
 
     def __init__(self, rotary_dim: int, *, base: float = 10000.0, layout: str = "half",
-                 scaling=None):
+                 scaling: Any = None):
         rotary_dim = check_rotary_dim(rotary_dim)
         _checks.check_choice("layout", layout, ("half", "interleaved"))
         base = _checks.check_positive_float("base", base)
@@ -301,11 +305,12 @@ class RotaryEmbedding(PositionModule):
             "rotary_dim": rotary_dim, "rope_base": base, "rope_layout": layout,
             "rope_scaling": scaling})
 
-    def scheme(self, scaling=None, *, x=None, positions=None):
+    def scheme(self, scaling: Any = None, *, x: jax.Array | None = None,
+               positions: ArrayLike | None = None):
         """The RoPE scheme, with ``scaling`` (this call) or the module's default."""
         return super().scheme(scaling, x=x, positions=positions)
 
-    def __call__(self, x, positions, *, scaling=None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: ArrayLike, *, scaling: Any = None) -> jax.Array:
         s = cast("RoPEScheme", self.scheme(scaling))
         pos = _checks.positions_2d("positions", positions, x.shape[0], x.shape[1])
         inv_freq, af = s.frequencies(pos, pos)
@@ -329,7 +334,7 @@ class ALiBi(PositionModule):
         self.bidirectional = bool(bidirectional)
         super().__init__("alibi", num_heads=num_heads, causal=not self.bidirectional)
 
-    def __call__(self, q_positions, kv_positions) -> jax.Array:
+    def __call__(self, q_positions: ArrayLike, kv_positions: ArrayLike) -> jax.Array:
         return alibi_bias(q_positions, kv_positions, cast("ALiBiScheme", self.scheme()).slopes,
                           bidirectional=self.bidirectional)
 
@@ -354,8 +359,9 @@ class T5RelativeBias(PositionModule):
     """
 
     def __init__(self, num_heads: int, *, num_buckets: int = 32, max_distance: int = 128,
-                 bidirectional: bool = True, d_model: int | None = None, embedding_init=None,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 bidirectional: bool = True, d_model: int | None = None,
+                 embedding_init: Callable[..., Any] | None = None,
+                 param_dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs):
         num_heads = _checks.check_positive_int("num_heads", num_heads)
         check_bucket_args(num_buckets, max_distance, bidirectional)
         self.num_buckets, self.max_distance = num_buckets, max_distance
@@ -365,7 +371,7 @@ class T5RelativeBias(PositionModule):
                          options={"num_buckets": num_buckets, "max_distance": max_distance},
                          param_init=embedding_init, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, q_positions, kv_positions) -> jax.Array:
+    def __call__(self, q_positions: ArrayLike, kv_positions: ArrayLike) -> jax.Array:
         return t5_bias(q_positions, kv_positions, self.table[...], bidirectional=self.bidirectional,
                        num_buckets=self.num_buckets, max_distance=self.max_distance)
 
@@ -387,7 +393,8 @@ class ShawRelativePosition(PositionModule):
     """
 
     def __init__(self, head_dim: int, *, max_distance: int = 16, values: bool = True,
-                 embedding_init=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 embedding_init: Callable[..., Any] | None = None,
+                 param_dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs):
         head_dim = _checks.check_positive_int("head_dim", head_dim)
         K = _checks.check_positive_int("max_distance", max_distance)
         self.max_distance = K
@@ -399,7 +406,7 @@ class ShawRelativePosition(PositionModule):
 
 
 def make_position_module(position, *, num_heads, head_dim, d_model, causal, options,
-                         param_dtype, rngs):
+                         param_dtype: DTypeLike, rngs):
     """The attention-position module of a layer: a :class:`PositionModule` for a name
     (``"nope"`` included), a module passed in as it is (shared by reference), None for
     None."""
@@ -523,8 +530,10 @@ class MultiHeadAttention(_NnxDropout, AttentionCore, nnx.Module):
                  scheme_options: dict | None = None, scale: float | None = None,
                  implementation: str | None = None, use_bias: bool = False,
                  output_gate: bool = False,
-                 sinks: bool = False, mask_mod=None, dropout_rate: float = 0.0,
-                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 sinks: bool = False, mask_mod: Callable[..., Any] | None = None,
+                 dropout_rate: float = 0.0,
+                 dtype: DTypeLike = jnp.float32, param_dtype: DTypeLike = jnp.float32,
+                 rngs: nnx.Rngs):
         d_model, num_heads, num_kv_heads, head_dim = attention_dims(d_model, num_heads,
                                                                     num_kv_heads, head_dim)
         self.dropout_rate = check_dropout_rate("dropout_rate", dropout_rate)
@@ -584,9 +593,10 @@ class TransformerBlock(_NnxDropout, BlockCore, nnx.Module):
                  rope_base: float = 10000.0, num_buckets: int = 32,
                  max_distance: int | None = None, scheme_options: dict | None = None,
                  scale: float | None = None, implementation: str | None = None,
-                 sinks: bool = False, mask_mod=None, dropout_rate: float = 0.0,
-                 attention_dropout_rate: float | None = None, dtype=jnp.float32,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 sinks: bool = False, mask_mod: Callable[..., Any] | None = None,
+                 dropout_rate: float = 0.0,
+                 attention_dropout_rate: float | None = None, dtype: DTypeLike = jnp.float32,
+                 param_dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs):
         d_model = _checks.check_positive_int("d_model", d_model)
         self.dropout_rate = check_dropout_rate("dropout_rate", dropout_rate)
         attn_rate = self.dropout_rate if attention_dropout_rate is None else \
@@ -609,7 +619,7 @@ class TransformerBlock(_NnxDropout, BlockCore, nnx.Module):
 class _NnxMaker:
     """The NNX constructors of a stack's submodules (:func:`jaxpos.layers.stack.build_stack`)."""
 
-    def __init__(self, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
         self.dtype, self.param_dtype, self.rngs = dtype, param_dtype, rngs
 
     def embed(self, vocab_size, d_model):
@@ -647,10 +657,11 @@ class _Stack(nnx.Module):
                  max_len: int | None = None, rope_base: float = 10000.0,
                  t5_num_buckets: int = 32, t5_max_distance: int = 128,
                  shaw_max_distance: int = 16, scheme_options: dict | None = None,
-                 implementation: str | None = None, sinks: bool = False, mask_mod=None,
+                 implementation: str | None = None, sinks: bool = False, mask_mod: Callable[...,
+                 Any] | None = None,
                  layer_mask_mods=None, layer_positions=None, dropout_rate: float = 0.0,
-                 attention_dropout_rate: float | None = None, dtype=jnp.float32,
-                 param_dtype=jnp.float32,
+                 attention_dropout_rate: float | None = None, dtype: DTypeLike = jnp.float32,
+                 param_dtype: DTypeLike = jnp.float32,
                  rngs: nnx.Rngs):
         spec = stack_spec(vocab_size, d_model=d_model, num_layers=num_layers,
                           num_heads=num_heads, num_kv_heads=num_kv_heads, max_len=max_len,
