@@ -58,11 +58,12 @@ its own (alternating sliding-window and full layers).
 KV-cache decoding: ``cache = model.init_cache(batch, max_len)`` then
 ``logits, cache = model.decode_step(tokens, cache, positions=...)`` with any number of
 new tokens per step. A cache (:class:`KVCache`) holds what the scheme's
-:meth:`~jaxpos.PositionScheme.cache_write` stores (raw keys for every built-in scheme but
-RoPE with a length-dependent scaling), their positions, a per-row fill count and which
+:meth:`~jaxpos.PositionScheme.cache_write` stores (RoPE keys rotated once, when written;
+raw keys for the other built-in schemes), their positions, a per-row fill count and which
 slots hold tokens (``valid``), so rows may sit at different offsets and positions are
-just integers: RoPE rotates cached keys from their stored positions, and ALiBi / T5 /
-Shaw read offsets from them.
+just integers: ALiBi / T5 / Shaw read offsets from them. A step costs the filled length
+(the fill counts bound the attention); ``init_cache(batch, max_len, keep_first=k)`` gives
+a StreamingLLM cache (:class:`StreamingKVCache`).
 
 Padding: ``model(tokens, attention_mask=...)`` and ``decode_step(tokens, cache,
 attention_mask=...)`` take Hugging Face's mask (``[B, T]``, 1 = token, 0 = padding);

@@ -23,9 +23,10 @@ class KVCache(NamedTuple):
     """The KV cache of one attention layer (a pytree; pass it through ``jit``).
 
     Attributes:
-      k: ``[B, S, N_kv, H]`` keys as the scheme's ``cache_write`` stores them (raw for
-        every built-in scheme but RoPE with a length-dependent scaling: RoPE is applied
-        from ``positions`` inside :func:`jaxpos.attention` at every step).
+      k: ``[B, S, N_kv, H]`` keys as the scheme's ``cache_write`` stores them: RoPE keys
+        rotated once, when written (raw with ``cache_rotation="read"``, rotated on load
+        at every step); raw for the other built-in schemes, applied inside
+        :func:`jaxpos.attention` from ``positions``.
       v: ``[B, S, N_kv, H]`` values.
       positions: int32 ``[B, S]`` position of each filled slot.
       length: int32 ``[B]`` number of filled slots per row; slots ``>= length`` are never
@@ -130,14 +131,17 @@ def rotate_at_write(scheme, q, k, positions):
     """``scheme.cache_write(q, k, positions)`` (:meth:`jaxpos.PositionScheme.cache_write`):
     what a KV cache stores for the new tokens and the scheme that reads it.
 
-    For RoPE with a length-dependent scaling (dynamic NTK, LongRoPE) that rotates ``q``
-    and ``k`` here, with the frequencies of this call (``max(positions) + 1``), and
-    returns :class:`jaxpos.NoPE` for the attention call, so each cached key keeps the
-    rotation of the call that wrote it: Hugging Face's decoding (its cache holds rotated
-    keys; ``dynamic_rope_update``), which jaxpos's Llama port matches step by step. The
-    built-in schemes otherwise return the inputs and themselves, applied inside attention
-    (and inside the fused kernel) from the cached positions. Dynamic NTK: bloc97 2023 /
-    HF ``_compute_dynamic_ntk_parameters``; LongRoPE: Ding et al. 2024, §3.
+    For RoPE that rotates ``q`` and ``k`` here, with the frequencies of this call (fixed,
+    or from ``max(positions) + 1`` for a length-dependent scaling), and returns
+    :class:`jaxpos.NoPE` for the attention call: a decode step rotates the new tokens only,
+    and with dynamic NTK / LongRoPE each cached key keeps the rotation of the call that
+    wrote it: Hugging Face's decoding (its cache holds rotated keys;
+    ``dynamic_rope_update``), which jaxpos's Llama port matches step by step. With
+    ``RoPE(cache_rotation="read")`` the keys stay raw and the scheme is returned (the
+    modules rotate every cached key on load with the current frequencies). The other
+    built-in schemes return the inputs and themselves, applied inside attention (and
+    inside the fused kernel) from the cached positions. Dynamic NTK: bloc97 2023 / HF
+    ``_compute_dynamic_ntk_parameters``; LongRoPE: Ding et al. 2024, §3.
 
     Args:
       scheme: a :class:`jaxpos.PositionScheme`.

@@ -289,9 +289,12 @@ class AttentionCore:
         mask_mod (or the call's ``mask_mod``) and sinks apply as in the full pass: the
         mask_mod sees the global positions of the new tokens and of the cached keys, so a
         sliding window keeps its width at every step. The scheme's
-        :meth:`~jaxpos.PositionScheme.cache_write` decides what the cache stores (raw keys,
-        the scheme applied inside attention from the cached positions, except RoPE with a
-        length-dependent scaling: see :func:`rotate_at_write`). Returns ``(y [B, T, D],
+        :meth:`~jaxpos.PositionScheme.cache_write` decides what the cache stores (RoPE keys
+        rotated once, at write; raw keys for the schemes applied inside attention from the
+        cached positions; see :func:`rotate_at_write`). The cache's fill counts bound the
+        attention (``kv_lengths``), so a step costs the filled length, not ``max_len``; a
+        :class:`StreamingKVCache` (``init_cache(..., keep_first=k)``) attends at places in
+        the cache, RoPE rotated on load. Returns ``(y [B, T, D],
         cache)``. Raises ``ValueError`` when concrete fill counts would overflow the cache;
         traced overflow gives NaN for the rows concerned.
         """
@@ -466,9 +469,12 @@ class DecoderCore(StackCore):
         at 1), Hugging Face's positions; give them to put rows at other offsets. Returns
         ``(logits float32 [B, T, vocab_size], cache)``. Decoding a sequence token by token
         gives the logits of the full forward pass with the same positions, except with a
-        length-dependent ``rope_scaling`` (dynamic NTK, LongRoPE): cached keys keep the
-        rotation of the call that wrote them, as in Hugging Face's decoding
-        (:func:`jaxpos.nnx.rotate_at_write`). Raises as :meth:`__call__`, and
+        length-dependent ``rope_scaling`` (dynamic NTK, LongRoPE) by default: cached keys
+        keep the rotation of the call that wrote them, as in Hugging Face's decoding
+        (:func:`jaxpos.nnx.rotate_at_write`); with the scheme option
+        ``rope_cache_rotation="read"`` every cached key is rotated with the current
+        length's frequencies and each step equals the full pass at that length. A step
+        costs the filled length, not ``max_len``. Raises as :meth:`__call__`, and
         ``ValueError`` on concrete cache overflow (traced overflow gives NaN rows) and for
         tokens whose batch size is not the cache's.
         """
