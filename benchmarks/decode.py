@@ -174,7 +174,7 @@ def table(med, lengths, big, repeats, steps, compile_s, wall_s, stat="median") -
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     p.add_argument("--max-len", type=int, default=32768, dest="big",
                    help="the large cache filled to the first length")

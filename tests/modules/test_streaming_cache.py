@@ -58,7 +58,7 @@ def test_bad_keep_first_and_evicting_prefill_raise():
     with pytest.raises(ValueError, match="keep_first"):
         m.init_cache(1, 4, keep_first=4)
     with pytest.raises(TypeError, match="keep_first"):
-        m.init_cache(1, 4, keep_first=1.0)
+        m.init_cache(1, 4, keep_first=1.0)  # pyright: ignore[reportArgumentType]
     cache = m.init_cache(1, 4, keep_first=1)
     with pytest.raises(ValueError, match="evict"):
         m.decode_step(jnp.zeros((1, 5), jnp.int32), cache)
