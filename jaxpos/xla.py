@@ -12,10 +12,13 @@ one extra key.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos.mods import apply_mod, convert_mod, is_additive, reads_input
@@ -65,9 +68,14 @@ def adds_a_term(conv) -> bool:
     return id(jaxpr.outvars[0]) in plus
 
 
-def attention_via_xla(q, k, v, *, score_mod=None, mask_mod=None, q_positions, kv_positions,
-                      causal=False, segment_ids=None, kv_segment_ids=None, scale=None,
-                      sinks=None, implementation=None):
+def attention_via_xla(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                      score_mod: Callable[..., Any] | None = None,
+                      mask_mod: Callable[..., Any] | None = None, q_positions: ArrayLike,
+                      kv_positions: ArrayLike, causal: bool = False,
+                      segment_ids: ArrayLike | None = None,
+                      kv_segment_ids: ArrayLike | None = None, scale: Any = None,
+                      sinks: jax.Array | None = None,
+                      implementation: str | None = None) -> jax.Array:
     """``jax.nn.dot_product_attention`` (cuDNN's fused attention on NVIDIA GPUs) on
     already-transformed ``q``, ``k``, with jaxpos's semantics.
 
