@@ -147,13 +147,17 @@ def _positions(pos, B, T, default):
 def contract_attention(q, k, v, *, xp=np, scheme="none", params=None, score_mod=None,
                        mask_mod=None, causal=False, q_positions=None, kv_positions=None,
                        segment_ids=None, kv_segment_ids=None, sinks=None, scale=None,
-                       stop_gradient=None, mask=None, bias=None, scores=None):
+                       stop_gradient=None, mask=None, bias=None, scores=None,
+                       dtype=np.float64, finite_values=False):
     """float64 ``[B, Tq, N, H_v]`` of the contract (module docstring).
 
     ``mask``: bool, broadcastable to ``[B, N, Tq, Tk]`` (True = visible), and-ed with the
     other masks. ``bias``: float, broadcastable to ``[B, N, Tq, Tk]``, added after the
     scheme's term. ``scores``: ``[B, N, Tq, Tk]`` used in place of ``q . k`` (scheme
     ``"none"`` only; a transform of q and k computed by the caller), times ``scale``.
+    ``dtype``: the computation's dtype (float64; ``tests/_kernel_dense.py`` runs the same
+    code in float32 under ``jax.jit``). ``finite_values``: the caller promises finite
+    ``v``, so the output is ``p @ v`` (no ``[B, N, Tq, Tk, H]`` masked copy of the values).
 
     ``score_mod(s, b, h, qp, kp)`` and ``mask_mod(b, h, qp, kp)`` are the reference's
     own broadcasting forms: ``s`` ``[B, N, Tq, Tk]``, ``b`` ``[B, 1, 1, 1]``, ``h``
@@ -162,7 +166,7 @@ def contract_attention(q, k, v, *, xp=np, scheme="none", params=None, score_mod=
     """
     params = params or {}
     stop_gradient = stop_gradient or (lambda x: x)
-    q, k, v = (xp.asarray(x, np.float64) for x in (q, k, v))
+    q, k, v = (xp.asarray(x, dtype) for x in (q, k, v))
     B, Tq, N, H = q.shape
     Tk, Nk = k.shape[1], k.shape[2]
     k = xp.repeat(k, N // Nk, axis=2)
@@ -174,9 +178,9 @@ def contract_attention(q, k, v, *, xp=np, scheme="none", params=None, score_mod=
         s = scheme_scores(scheme, params, q, k, qp, kp, scale, xp)
     else:
         assert scheme == "none", "scores= replaces q.k of scheme 'none' only"
-        s = xp.asarray(scores, np.float64) * scale
+        s = xp.asarray(scores, dtype) * scale
     if bias is not None:
-        s = s + xp.asarray(bias, np.float64)
+        s = s + xp.asarray(bias, dtype)
     b_idx = np.arange(B)[:, None, None, None]
     h_idx = np.arange(N)[None, :, None, None]
     qp4, kp4 = qp[:, None, :, None], kp[:, None, None, :]
@@ -190,13 +194,13 @@ def contract_attention(q, k, v, *, xp=np, scheme="none", params=None, score_mod=
         vis = vis & (np.asarray(segment_ids)[:, None, :, None] == np.asarray(sk)[:, None, None, :])
     if mask_mod is not None:
         vis = vis & np.broadcast_to(np.asarray(mask_mod(b_idx, h_idx, qp4, kp4)), vis.shape)
-    if mask is not None:
-        vis = vis & np.broadcast_to(np.asarray(mask, bool), vis.shape)
     vis = xp.asarray(vis) & (s != -np.inf)  # a score_mod's -inf hides the pair
+    if mask is not None:
+        vis = vis & xp.broadcast_to(xp.asarray(mask, bool), vis.shape)
     safe = xp.where(vis, s, 0.0)
     mx = xp.max(xp.where(vis, safe, -np.inf), axis=-1, keepdims=True)
     if sinks is not None:
-        sk4 = xp.asarray(sinks, np.float64)[None, :, None, None]
+        sk4 = xp.asarray(sinks, dtype)[None, :, None, None]
         mx = xp.maximum(mx, sk4)
     mx = stop_gradient(xp.where(xp.isfinite(mx), mx, 0.0))
     e = xp.where(vis, xp.exp(safe - mx), 0.0)
@@ -205,9 +209,11 @@ def contract_attention(q, k, v, *, xp=np, scheme="none", params=None, score_mod=
         den = den + xp.exp(sk4 - mx)
     live = den > 0
     p = xp.where(live, e / xp.where(live, den, 1.0), 0.0)
-    # hidden pairs contribute nothing, not 0 * v (a NaN value reaches only its viewers)
-    vv = xp.where(vis[..., None], xp.swapaxes(v, 1, 2)[:, :, None], 0.0)  # [B, N, Tq, Tk, H]
-    out = xp.einsum("bnqk,bnqkh->bqnh", p, vv)
+    if finite_values:
+        out = xp.einsum("bnqk,bknh->bqnh", p, v)
+    else:  # hidden pairs contribute nothing, not 0 * v (a NaN value reaches only its viewers)
+        vv = xp.where(vis[..., None], xp.swapaxes(v, 1, 2)[:, :, None], 0.0)  # [B,N,Tq,Tk,H]
+        out = xp.einsum("bnqk,bnqkh->bqnh", p, vv)
     if scheme == "shaw":  # Shaw's value term: sum_j p_ij a_V[r_ij]
         out = out + xp.einsum("bnqk,bqkh->bqnh", p, params["rel_v"][_shaw_index(params, qp, kp)])
     return out

@@ -1,7 +1,8 @@
 """The fused Pallas kernel (jaxpos.kernels) in interpret mode, against dense references.
 
-References: ``tests/_kernel_dense.py`` (plain-JAX dense attention written from the
-definitions, float32 at HIGHEST precision) for score_mods, mask_mods and sinks, and
+References: ``tests/_kernel_dense.py`` (the tests' dense reference,
+``tests/_contract_reference.py``, run in float32 at HIGHEST precision with jax.numpy)
+for score_mods, mask_mods and sinks, and
 ``jaxpos.attention(..., implementation="reference")`` for the built-in schemes.
 
 Every kernel output starts as NaN (``POISON_OUTPUTS``), so an element the kernel does not
