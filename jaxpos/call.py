@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos.dropout import check_dropout
@@ -303,12 +305,19 @@ def _check_mods(scheme: PositionScheme, score_mod, mask_mod):
     return all_score_mods
 
 
-def validate_call(q, k, v, *, position=None, score_mod=None, mask_mod=None,
-                  block_mask: BlockMask | None = None, sinks=None, q_positions=None,
-                  kv_positions=None, causal: bool = False, mask=None, segment_ids=None,
-                  kv_segment_ids=None, scale=None, block_q: int | None = None,
-                  block_k: int | None = None, sharded: bool = False, kv_lengths=None,
-                  rope_tables=None, dropout_rate=0.0, dropout_rng=None,
+def validate_call(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+                  position: PositionScheme | str | None = None,
+                  score_mod: Callable[..., Any] | None = None,
+                  mask_mod: Callable[..., Any] | None = None,
+                  block_mask: BlockMask | None = None, sinks: ArrayLike | None = None,
+                  q_positions: ArrayLike | None = None, kv_positions: ArrayLike | None = None,
+                  causal: bool = False, mask: ArrayLike | None = None,
+                  segment_ids: ArrayLike | None = None,
+                  kv_segment_ids: ArrayLike | None = None, scale: ArrayLike | None = None,
+                  block_q: int | None = None, block_k: int | None = None,
+                  sharded: bool = False, kv_lengths: ArrayLike | None = None,
+                  rope_tables: Any = None, dropout_rate: float = 0.0,
+                  dropout_rng: jax.Array | None = None,
                   broadcast_dropout: bool = False) -> AttentionCall:
     """Check every argument of an attention call once and return its record.
 
@@ -326,7 +335,7 @@ def validate_call(q, k, v, *, position=None, score_mod=None, mask_mod=None,
         argument, what it got and what was expected.
     """
     check_attention_inputs(q, k, v)
-    (B, Tq, N, H), Tk = q.shape, k.shape[1]
+    (B, Tq, N, H), Tk = _checks.shape_of(q), _checks.shape_of(k)[1]
     causal = _check_causal(causal)
     scheme = _check_scheme(position, q, v, causal)
     if sharded:

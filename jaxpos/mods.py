@@ -206,7 +206,7 @@ def convert_mod(fn: Callable, kind: str, tq: int, tk: int) -> ConvertedMod:
     return ConvertedMod(closed.jaxpr, closed.consts, kind, _mod_name(fn))
 
 
-def offset_score_mod(offset_bias, radius: int):
+def offset_score_mod(offset_bias: jax.Array, radius: int) -> Callable[..., jax.Array]:
     """``score + offset_bias[head, clip(kv_pos - q_pos, -R, R) + R]`` as a score_mod: a
     bias that depends on the clipped offset only, gathered from a per-head vector
     ``offset_bias`` float ``[N, 2R + 1]`` (captured, differentiable; ``R = radius``). T5's
@@ -250,7 +250,8 @@ class MaskCombination:
     op: str
     mask_mods: tuple
 
-    def __call__(self, batch, head, q_pos, kv_pos):
+    def __call__(self, batch: jax.Array, head: jax.Array, q_pos: jax.Array,
+                 kv_pos: jax.Array) -> jax.Array:
         out = None
         for m in self.mask_mods:
             r = m(batch, head, q_pos, kv_pos)
@@ -390,7 +391,8 @@ class BlockMask:
         return float(np.mean(np.asarray(self.kinds) == EMPTY))
 
     def check(self, B: int, N: int, Tq: int, Tk: int, block_q: int | None, block_k: int | None,
-              q_positions=None, kv_positions=None):
+              q_positions: ArrayLike | None = None,
+              kv_positions: ArrayLike | None = None) -> None:
         """Raise ``ValueError`` unless the mask was built for these lengths, blocks and (when
         both are concrete) positions. Under ``jit`` positions are traced and cannot be
         compared: building the mask from the call's own positions is then the caller's
@@ -492,7 +494,7 @@ def is_additive(conv: ConvertedMod | None) -> bool:
     return jaxpr.outvars[0] is jaxpr.invars[1]
 
 
-def combine_kinds(kinds_a, kinds_b, op: str = "and") -> jax.Array:
+def combine_kinds(kinds_a: jax.Array, kinds_b: jax.Array, op: str = "and") -> jax.Array:
     """Tile kinds of a conjunction (``"and"``: EMPTY if either is, FULL if both are) or a
     disjunction (``"or"``: FULL if either is, EMPTY if both are) of two masks, else
     PARTIAL; int32, broadcasting. Conservative: a PARTIAL tile may be empty or full (its
@@ -621,7 +623,8 @@ class SlidingWindowMask:
         window = _checks.check_positive_int("sliding_window", self.window)
         object.__setattr__(self, "window", window)
 
-    def __call__(self, batch, head, q_pos, kv_pos):
+    def __call__(self, batch: jax.Array, head: jax.Array, q_pos: jax.Array,
+                 kv_pos: jax.Array) -> jax.Array:
         return q_pos - kv_pos < self.window
 
 
@@ -650,7 +653,8 @@ class ChunkedAttentionMask:
         object.__setattr__(self, "chunk_size",
                            _checks.check_positive_int("attention_chunk_size", self.chunk_size))
 
-    def __call__(self, batch, head, q_pos, kv_pos):
+    def __call__(self, batch: jax.Array, head: jax.Array, q_pos: jax.Array,
+                 kv_pos: jax.Array) -> jax.Array:
         return q_pos // self.chunk_size == kv_pos // self.chunk_size
 
 
@@ -674,5 +678,6 @@ class PrefixLMMask:
         object.__setattr__(self, "prefix_len", _checks.check_nonneg_int("prefix_len",
                                                                          self.prefix_len))
 
-    def __call__(self, batch, head, q_pos, kv_pos):
+    def __call__(self, batch: jax.Array, head: jax.Array, q_pos: jax.Array,
+                 kv_pos: jax.Array) -> jax.Array:
         return (kv_pos < self.prefix_len) | (kv_pos <= q_pos)
