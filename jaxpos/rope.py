@@ -196,7 +196,8 @@ def _reduced_angles(pos, inv_freq):
     return reduced + (plain - jax.lax.stop_gradient(plain))
 
 
-def rope_angles(positions, inv_freq, *, angle_precision: str = "high") -> jax.Array:
+def rope_angles(positions: ArrayLike, inv_freq: ArrayLike, *,
+                angle_precision: str = "high") -> jax.Array:
     """RoPE angles ``positions[..., None] * inv_freq`` in radians, float32.
 
     A small pure function (elementwise float32/int32 operations only), usable inside
@@ -297,7 +298,8 @@ def _apply_rope(x, pos, inv_freq, attention_factor, *, layout, angle_precision):
     return rotate(x, jnp.cos(ang), jnp.sin(ang), layout=layout, attention_factor=attention_factor)
 
 
-def apply_rope_angles(x, angles, *, layout: str = "half", attention_factor=1.0):
+def apply_rope_angles(x: jax.Array, angles: jax.Array, *, layout: str = "half",
+                      attention_factor: ArrayLike = 1.0):
     """Rotate ``x`` ``[B, T, N, H]`` by precomputed float ``angles`` ``[B|1, T, half]``
     (M-RoPE, axial RoPE, or angles a caller built). Same conventions as :func:`apply_rope`.
 
@@ -322,7 +324,8 @@ def _apply_angles(x, ang, attention_factor, *, layout):
     return rotate(x, jnp.cos(ang), jnp.sin(ang), layout=layout, attention_factor=attention_factor)
 
 
-def rotate(x, cos, sin, *, layout: str, attention_factor=1.0):
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, *, layout: str,
+           attention_factor: ArrayLike = 1.0):
     """Rotate ``x`` ``[B, T, N, H]`` by ``cos``/``sin`` ``[B|1, T, half]`` (float32).
 
     Per pair ``(x1, x2)``: ``(x1 c - x2 s, x2 c + x1 s)``, the order of HF's
@@ -426,7 +429,7 @@ def _check_sections(mrope_section, half: int):
     return sec
 
 
-def mrope_frequency_axes(mrope_section, half: int, *,
+def mrope_frequency_axes(mrope_section: Sequence[int], half: int, *,
                          mrope_interleaved: bool = False) -> np.ndarray:
     """Which position row (0 temporal, 1 height, 2 width) drives each of the ``half``
     M-RoPE frequencies.
@@ -471,7 +474,8 @@ def mrope_frequency_axes(mrope_section, half: int, *,
     return axes
 
 
-def mrope_angles(positions, inv_freq, *, mrope_section, angle_precision: str = "high",
+def mrope_angles(positions: ArrayLike, inv_freq: ArrayLike, *, mrope_section: Sequence[int],
+                 angle_precision: str = "high",
                  mrope_interleaved: bool = False):
     """Multimodal RoPE angles of Qwen2-VL (Wang et al. 2024, "Qwen2-VL: Enhancing
     Vision-Language Model's Perception of the World at Any Resolution", §2, M-RoPE).
@@ -519,8 +523,9 @@ def _mrope_angles(pos, inv_freq, *, axes, angle_precision):
     return jnp.where(which == 0, ang[0], jnp.where(which == 1, ang[1], ang[2]))
 
 
-def apply_mrope(x, positions, inv_freq, *, mrope_section, layout: str = "half",
-                attention_factor=1.0, angle_precision: str = "high",
+def apply_mrope(x: jax.Array, positions: ArrayLike, inv_freq: ArrayLike, *,
+                mrope_section: Sequence[int], layout: str = "half",
+                attention_factor: ArrayLike = 1.0, angle_precision: str = "high",
                 mrope_interleaved: bool = False):
     """Rotate ``x`` ``[B, T, N, H]`` with M-RoPE (:func:`mrope_angles`; Qwen2-VL §2).
 
@@ -559,7 +564,8 @@ def axial_rope_frequencies(head_dim: int, base: float = 10000.0) -> jax.Array:
     return jnp.asarray(default_inv_freq(h // 2, base))
 
 
-def axial_rope_angles(positions_hw, inv_freq, *, angle_precision: str = "high"):
+def axial_rope_angles(positions_hw: ArrayLike, inv_freq: ArrayLike, *,
+                      angle_precision: str = "high"):
     """2-D axial RoPE angles for image patches (Heo et al. 2024, §3, RoPE-Axial): the first half of
     the pairs rotate with the row (height) index, the second half with the column (width)
     index, ``angles = [h * inv_freq, w * inv_freq]``. Rotating with ``layout="half"``
@@ -592,7 +598,8 @@ def _axial_angles(pos, inv_freq, *, angle_precision):
     return jnp.concatenate([ang[:, :, 0], ang[:, :, 1]], axis=-1)
 
 
-def apply_axial_rope(x, positions_hw, inv_freq, *, layout: str = "half", angle_precision="high"):
+def apply_axial_rope(x: jax.Array, positions_hw: ArrayLike, inv_freq: ArrayLike, *,
+                     layout: str = "half", angle_precision: str = "high"):
     """Rotate patch queries/keys ``x`` ``[B, T, N, H]`` with 2-D axial RoPE
     (:func:`axial_rope_angles`; Heo et al. 2024, §3). ``4 * len(inv_freq)`` features rotate.
 
@@ -701,7 +708,7 @@ class RoPE(PositionScheme):
     def check(self, num_heads: int, head_dim: int) -> None:
         check_rotary_dim(self.rotary_dim, head_dim)
 
-    def frequencies(self, q_positions, kv_positions):
+    def frequencies(self, q_positions: ArrayLike, kv_positions: ArrayLike):
         """``(inv_freq, attention_factor)`` for this call.
 
         Dynamic NTK and LongRoPE use ``seq_len = max(q_positions, kv_positions) + 1`` of
@@ -716,7 +723,7 @@ class RoPE(PositionScheme):
                                                           self.scaling, seq_len)
         return inv_freq, self.attention_factor
 
-    def rotate(self, x, positions, *, inv_freq=None):
+    def rotate(self, x: jax.Array, positions: ArrayLike, *, inv_freq: ArrayLike | None = None):
         """Rotate ``x`` ``[B, T, N, H]`` at ``positions`` (``[T]`` or ``[B, T]``; with
         ``mrope_section`` also M-RoPE's ``[3, B, T]``), with this call's frequencies (or
         ``inv_freq`` if given). Returns ``x``'s shape and dtype.
@@ -730,6 +737,7 @@ class RoPE(PositionScheme):
         else:
             af = self.attention_factor
         if m_rope:
+            assert self.mrope_section is not None  # (m_rope)
             return apply_mrope(x, positions, inv_freq, mrope_section=self.mrope_section,
                                mrope_interleaved=self.mrope_interleaved,
                                layout=self.layout, attention_factor=af,
@@ -760,7 +768,7 @@ class RoPE(PositionScheme):
                    scaling=options.get("rope_scaling"),
                    cache_rotation=options.get("rope_cache_rotation") or "write")
 
-    def cache_write(self, q, k, positions):
+    def cache_write(self, q: jax.Array, k: jax.Array, positions: ArrayLike):
         """What a KV cache stores: ``(q, k, scheme_for_reading)``.
 
         ``cache_rotation="write"`` (default): ``q`` and ``k`` are rotated now, with this
@@ -777,7 +785,8 @@ class RoPE(PositionScheme):
         return (self.rotate(q, positions, inv_freq=inv_freq),
                 self.rotate(k, positions, inv_freq=inv_freq), NoPE())
 
-    def read_tables(self, q_positions, kv_positions, seq_len=None):
+    def read_tables(self, q_positions: ArrayLike, kv_positions: ArrayLike,
+                    seq_len: ArrayLike | None = None):
         """:class:`jaxpos.rope_tables.RopeTables` rotating unrotated q and k on load, for a
         cache read with this scheme (``cache_rotation="read"``, or a StreamingLLM cache whose
         key positions are its slots; Xiao et al. 2024, §3.2).
