@@ -45,7 +45,8 @@ __all__ = ["FIRE", "fire_bias", "fire_normalized_distance"]
 EPS = 1e-6
 
 
-def fire_normalized_distance(q_pos, kv_pos, c, threshold, eps: float = EPS):
+def fire_normalized_distance(q_pos: ArrayLike, kv_pos: ArrayLike, c: ArrayLike,
+                             threshold: ArrayLike, eps: float = EPS):
     """``log(|c (i - j)| + 1) / (log(|c max(threshold, i)| + 1) + eps)``, float32.
 
     ``q_pos`` (``i``) and ``kv_pos`` (``j``) are integer arrays that broadcast against
@@ -98,7 +99,9 @@ def _check_scalar(name: str, x, *, positive: bool) -> None:
                              + f"; got {v}.")
 
 
-def fire_bias(q_positions, kv_positions, w1, b1, w2, b2, *, c, L, eps: float = EPS) -> jax.Array:
+def fire_bias(q_positions: ArrayLike, kv_positions: ArrayLike, w1: ArrayLike, b1: ArrayLike,
+              w2: ArrayLike, b2: ArrayLike, *, c: ArrayLike, L: ArrayLike,
+              eps: float = EPS) -> jax.Array:
     """The FIRE bias ``MLP(psi(i - j) / psi(max(L, i)))`` per head (Li et al. 2023, §3).
 
     ``i`` is the query position, ``j`` the key position, ``psi(x) = log(|c x| + 1)``,
@@ -187,7 +190,7 @@ class FIRE(PositionScheme):
                   L_multiplier=f32(L_multiplier), init_L=init_L, eps=eps)
 
     @classmethod
-    def init(cls, num_heads: int, *, key, mlp_width: int = 32, init_c: float = 0.1,
+    def init(cls, num_heads: int, *, key: jax.Array, mlp_width: int = 32, init_c: float = 0.1,
              init_L: float = 512.0, eps: float = EPS) -> FIRE:
         """Random MLP weights with PyTorch's ``nn.Linear`` default (the authors' code
         builds the MLP from ``nn.Linear``): weights and biases ``~ U(-1/sqrt(fan_in),

@@ -31,7 +31,7 @@ __all__ = ["Shaw", "check_shaw_table", "shaw_attention", "shaw_clipped_index", "
            "shaw_values"]
 
 
-def check_shaw_table(name: str, table, head_dim: int | None = None) -> int:
+def check_shaw_table(name: str, table: ArrayLike, head_dim: int | None = None) -> int:
     """Validate a ``[2K + 1, H]`` Shaw table and return ``K`` (the clipping distance).
 
     Raises:
@@ -53,7 +53,8 @@ def check_shaw_table(name: str, table, head_dim: int | None = None) -> int:
     return (rows - 1) // 2
 
 
-def shaw_clipped_index(q_positions, kv_positions, max_distance: int) -> jax.Array:
+def shaw_clipped_index(q_positions: ArrayLike, kv_positions: ArrayLike,
+                       max_distance: int) -> jax.Array:
     """Row index ``clip(kv - q, -K, K) + K`` into a ``[2K + 1, H]`` table (Shaw et al. 2018, §3.2).
 
     Args:
@@ -85,7 +86,7 @@ def _check_shaw_operands(xname, x, idx, tname, table, width):
                          f"{tname} {np.shape(table)}, q {np.shape(x)}.")
 
 
-def shaw_logits(q, idx, rel_k) -> jax.Array:
+def shaw_logits(q: jax.Array, idx: jax.Array, rel_k: jax.Array) -> jax.Array:
     """Relative key term ``q_m . a_K[r]`` in the efficient form (Shaw et al. 2018, §3.3).
 
     Args:
@@ -106,7 +107,7 @@ def shaw_logits(q, idx, rel_k) -> jax.Array:
     return jnp.take_along_axis(qa, ix, axis=-1)
 
 
-def shaw_values(p, idx, rel_v) -> jax.Array:
+def shaw_values(p: jax.Array, idx: jax.Array, rel_v: jax.Array) -> jax.Array:
     """Relative value term ``sum_n p_mn a_V[r_mn]`` -> float32 ``[B, N, Tq, H]`` (§3.1, §3.3).
 
     ``p``: weights ``[B, N, Tq, Tk]`` (need not be normalised: the term is linear in p).
@@ -217,11 +218,11 @@ class Shaw(PositionScheme):
     def check(self, num_heads: int, head_dim: int) -> None:
         check_shaw_table("rel_k", self.rel_k, head_dim)
 
-    def content_bias(self, qs, q_positions, kv_positions):
+    def content_bias(self, qs: jax.Array, q_positions: ArrayLike, kv_positions: ArrayLike):
         idx = shaw_clipped_index(q_positions, kv_positions, self.max_distance)
         return shaw_logits(qs, idx, self.rel_k)
 
-    def value_term(self, p, q_positions, kv_positions):
+    def value_term(self, p: jax.Array, q_positions: ArrayLike, kv_positions: ArrayLike):
         if self.rel_v is None:
             return None
         idx = shaw_clipped_index(q_positions, kv_positions, self.max_distance)
