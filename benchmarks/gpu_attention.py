@@ -62,9 +62,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxpos.kernels import attention_via_xla, choose_implementation, fused
 
 import jaxpos
+from jaxpos.kernels import attention_via_xla, choose_implementation, fused
 
 VARIANTS = ("none", "alibi", "t5", "rope", "rope+alibi")
 T0 = time.time()

@@ -48,8 +48,8 @@ from flax import nnx
 
 import jaxpos
 import jaxpos.hf
-from jaxpos import _checks
 from examples.models import common
+from jaxpos import _checks
 
 __all__ = ["GptOssConfig", "GptOssForCausalLM", "from_hf", "param_mapping", "rope_from_config"]
 

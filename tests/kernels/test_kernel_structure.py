@@ -28,6 +28,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.extend import core as jex
+
 from jaxpos.kernels import attention_via_kernel, fused, fused_attention
 from jaxpos.kernels import schedule as sched_lib
 

@@ -124,7 +124,7 @@ def test_rope_from_hf_config_reads_qwen3_vl():
 def test_rope_scheme_rotates_interleaved_mrope():
     """``rope_from_hf_config(qwen3_vl).rotate(x, positions [3, B, T])`` equals HF; text
     positions rotate as plain RoPE either way."""
-    
+
     cfg = _qwen3_vl_text_config((6, 5, 5), 32)
     scheme = jaxpos.hf.rope_from_hf_config(cfg, angle_precision="float32")
     rs = np.random.RandomState(1)

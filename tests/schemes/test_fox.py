@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.test_util import check_grads
 from _scheme_checks import IMPLS, assert_impl_agrees, attn, qkv, tile_bias
+from jax.test_util import check_grads
 
 import jaxpos
 from jaxpos.fox import FoX, forget_gate, fox_bias, fox_cumulative

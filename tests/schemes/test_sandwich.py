@@ -11,9 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _scheme_checks import IMPLS, assert_impl_agrees, attn, dense64, qkv, shifted_outputs, tile_bias
 from jax.test_util import check_grads
-from _scheme_checks import IMPLS, assert_impl_agrees, attn, dense64, qkv, shifted_outputs, \
-    tile_bias
 
 import jaxpos
 from jaxpos.sandwich import Sandwich, sandwich_bias, sandwich_head_scales, sandwich_inv_freq

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.test_util import check_grads
 from _scheme_checks import IMPLS, assert_impl_agrees, attn, dense64, qkv, shifted_outputs
+from jax.test_util import check_grads
 
 import jaxpos
 from jaxpos.rope import interleaved_to_half
