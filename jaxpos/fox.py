@@ -23,7 +23,9 @@ requires ``causal=True``.
 Positions index the sequence of gates: ``c`` is gathered at the query and key
 positions, so every position must lie in ``[0, T)`` (``T = log_forget.shape[1]``),
 ``i`` and ``j`` being the token indices of the sequence the gates were computed for.
-Concrete out-of-range positions raise ``ValueError``; traced ones are clamped into range
+Concrete positions out of range, or not strictly rising along a row (packed segments whose
+positions restart would read other tokens' gates: pack with ``arange`` positions and
+``segment_ids`` instead), raise ``ValueError``; traced ones are clamped into range
 (a jnp gather), so keep them in range under ``jit``. A KV cache must keep the gates of
 every cached token (give the scheme ``log_forget`` covering the whole cached sequence).
 
@@ -96,6 +98,21 @@ def _check_positions_in_range(name: str, positions, T: int) -> None:
             raise ValueError(f"{name} must lie in [0, T) = [0, {T}) to index the forget gates "
                              f"(log_forget has T = {T} tokens); got values from {a.min()} to "
                              f"{a.max()}.")
+
+
+def _check_positions_increasing(name: str, positions) -> None:
+    """Concrete positions must rise strictly along each row: every query or key is a
+    distinct token whose gate is read at its position, so a repeat (packed segments whose
+    positions restart) would read another token's gates."""
+    if _checks.is_concrete(positions):
+        a = np.asarray(positions)
+        if a.ndim and a.shape[-1] > 1 and np.any(np.diff(a, axis=-1) <= 0):
+            raise ValueError(
+                f"FoX reads its forget gates at the token positions, so {name} must rise "
+                f"strictly along each row (token indices into log_forget); got "
+                f"{a.tolist()}. For packed sequences pass arange positions with segment_ids "
+                f"(the bias c_i - c_j only sums the gates between two tokens of a segment, "
+                f"so each segment gets the answer it would get alone).")
 
 
 def fox_bias(log_forget, q_positions, kv_positions) -> jax.Array:
@@ -223,18 +240,21 @@ class FoX(PositionScheme):
     def transform_qk(self, q: jax.Array, k: jax.Array, q_positions: jax.Array,
                      kv_positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Unchanged ``q`` and ``k``; checks that the gates fit the call: batch 1 or ``B``,
-        and concrete positions inside ``[0, T)``.
+        and concrete positions inside ``[0, T)`` and strictly rising along each row (pack
+        sequences with arange positions and ``segment_ids``, not restarting positions).
 
         Raises:
-          ValueError: a batch mismatch; concrete positions out of range.
+          ValueError: a batch mismatch; concrete positions out of range or not strictly
+            rising.
         """
         Bg, T, _ = _checks.shape_of(self.log_forget)
         B = _checks.shape_of(q)[0]
         if Bg not in (1, B):
             raise ValueError(f"FoX log_forget has batch {Bg}; the attention call has batch {B} "
                              f"(log_forget must be [1 or {B}, T, N]).")
-        _check_positions_in_range("q_positions", q_positions, T)
-        _check_positions_in_range("kv_positions", kv_positions, T)
+        for name, p in (("q_positions", q_positions), ("kv_positions", kv_positions)):
+            _check_positions_in_range(name, p, T)
+            _check_positions_increasing(name, p)
         return q, k
 
     @property

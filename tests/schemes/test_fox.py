@@ -196,3 +196,23 @@ def test_scheme_bias_through_score_mod_is_the_log_of_the_gate_product():
     visible = kv[None, :] <= q[:, None]
     want = np.log(np.where(visible, np_decay(lf, q, kv), 1.0))
     np.testing.assert_allclose(np.where(visible, d, 0), np.where(visible, want, 0), atol=2e-5)
+
+
+def test_packed_segments_use_arange_positions_and_restarting_positions_raise():
+    # Packing two sequences in one row: with arange positions and segment_ids each segment
+    # gets the output it gets alone (c_i - c_j sums only the gates between two tokens of
+    # a segment); positions restarting per segment would read the first segment's gates
+    # for the second, so concrete non-rising positions are refused.
+    q, k, v = qkv(B=1, T=8, N=2, H=H)
+    lf = gates(3, B=1, T=8, N=2)
+    seg = jnp.asarray([[1, 1, 1, 1, 2, 2, 2, 2]])
+    packed = jaxpos.attention(q, k, v, position=FoX(lf), causal=True, segment_ids=seg,
+                              kv_segment_ids=seg)
+    for s in (slice(0, 4), slice(4, 8)):
+        alone = jaxpos.attention(q[:, s], k[:, s], v[:, s], position=FoX(lf[:, s]),
+                                 causal=True)
+        np.testing.assert_allclose(packed[:, s], alone, rtol=1e-5, atol=1e-6)
+    restart = jnp.asarray([[0, 1, 2, 3, 0, 1, 2, 3]])
+    with pytest.raises(ValueError, match=r"q_positions must rise strictly.*segment_ids"):
+        jaxpos.attention(q, k, v, position=FoX(lf), causal=True, q_positions=restart,
+                         kv_positions=restart, segment_ids=seg, kv_segment_ids=seg)
