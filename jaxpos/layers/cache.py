@@ -236,8 +236,10 @@ def update_streaming_cache(cache: StreamingKVCache, k, v, positions, mask=None):
     token.
 
     Returns ``(cache, segment_ids [B, T], kv_segment_ids [B, S], q_places [B, T],
-    kv_places [B, S])``: the places in the cache (:func:`streaming_ranks`) are the
-    positions attention uses.
+    kv_places [B, S], evicting [B])``: the places in the cache (:func:`streaming_ranks`)
+    are the positions attention uses; ``evicting`` (bool) marks rows whose step of several
+    tokens evicts keys its own queries need: concrete ones raise, traced ones cannot, so
+    the caller poisons those rows with NaN (:func:`poison_rows`), as for KV-cache overflow.
 
     Raises:
       ValueError: ``T`` larger than the ring (``S - keep_first``), or (concrete) a step of
@@ -276,4 +278,5 @@ def update_streaming_cache(cache: StreamingKVCache, k, v, positions, mask=None):
     )
     kv_places = streaming_ranks(written, S, kf)
     q_places = jnp.take_along_axis(kv_places, slots, axis=1)
-    return new, mask.astype(jnp.int32), new.valid, q_places, kv_places
+    evicting = (written > S) if T > 1 else jnp.zeros((B,), bool)
+    return new, mask.astype(jnp.int32), new.valid, q_places, kv_places, evicting

@@ -238,7 +238,8 @@ class AttentionCore:
         (rope tables: the engines rotate each key block as it is loaded)."""
         if not isinstance(scheme, RoPE):
             q, k, scheme = rotate_at_write(scheme, q, k, pos)
-        cache, seg, kv_seg, q_pos, kv_pos = update_streaming_cache(cache, k, v, pos, pad)
+        cache, seg, kv_seg, q_pos, kv_pos, evicting = update_streaming_cache(cache, k, v, pos,
+                                                                             pad)
         extra: dict[str, Any] = {}
         if isinstance(scheme, RoPE):
             extra["rope_tables"] = scheme.read_tables(q_pos, kv_pos)
@@ -252,7 +253,7 @@ class AttentionCore:
                       segment_ids=seg, kv_segment_ids=kv_seg, scale=self.scale,
                       mask_mod=self._mask_mod(mask_mod), sinks=self._sinks(),
                       implementation=impl, **extra)
-        return self._out(self._gated(o, x)), cache
+        return poison_rows(self._out(self._gated(o, x)), evicting), cache
 
     def _padding(self, x, context, attention_mask):
         """The call's padding mask, bool ``[B, T]`` (None without one); self-attention

@@ -62,3 +62,21 @@ def test_bad_keep_first_and_evicting_prefill_raise():
     cache = m.init_cache(1, 4, keep_first=1)
     with pytest.raises(ValueError, match="evict"):
         m.decode_step(jnp.zeros((1, 5), jnp.int32), cache)
+
+
+def test_evicting_step_under_jit_gives_nan_logits():
+    # Traced fill counts cannot raise: a step of several tokens that evicts keys its own
+    # queries need gives NaN logits (as KV-cache overflow does); a one-token step that
+    # evicts (the ring at work) stays finite and equals the eager step.
+    m = _model("rope")
+    step = nnx.jit(lambda m, t, c: m.decode_step(t, c))
+    _, cache = step(m, jnp.asarray([[1, 2, 3]]), m.init_cache(1, 4, keep_first=1))
+    logits, _ = step(m, jnp.asarray([[4, 5]]), cache)
+    assert np.isnan(np.asarray(logits)).all()
+    _, cache = step(m, jnp.asarray([[4]]), cache)
+    logits, _ = step(m, jnp.asarray([[5]]), cache)
+    _, eager = m.decode_step(jnp.asarray([[4]]), m.decode_step(jnp.asarray([[1, 2, 3]]),
+                                                               m.init_cache(1, 4, keep_first=1))[1])
+    assert np.isfinite(np.asarray(logits)).all()
+    np.testing.assert_allclose(logits, m.decode_step(jnp.asarray([[5]]), eager)[0],
+                               rtol=1e-5, atol=1e-5)
