@@ -116,6 +116,17 @@ class TemperatureTunedNoPE(PositionScheme):
         a, f = _check_temperature_args(attn_scale, floor_scale)
         self._set(attn_scale=a, floor_scale=f)
 
+    @classmethod
+    def from_params(cls, params: dict, *, options: dict, **_) -> PositionScheme:
+        """No parameters; ``scheme_options={"attn_scale": ..., "floor_scale": ...}``
+        (Llama 4's 0.1 and 8192 when unset).
+
+        Raises:
+          TypeError / ValueError: bad ``attn_scale`` / ``floor_scale`` (named).
+        """
+        a, f = options.get("attn_scale"), options.get("floor_scale")
+        return cls(0.1 if a is None else a, 8192.0 if f is None else f)
+
     def transform_qk(self, q: jax.Array, k: jax.Array, q_positions: jax.Array,
                      kv_positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``q`` ``[B, Tq, N, H]`` times the temperature at ``q_positions`` (int32

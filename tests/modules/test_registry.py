@@ -287,3 +287,21 @@ def test_unknown_scheme_options_are_refused_when_the_model_is_built():
     with pytest.raises(ValueError, match=r"scheme_options \['num_bucket'\] are not options of T5"):
         DecoderLM(64, position="t5", scheme_options={"num_bucket": 8}, **kw)
     DecoderLM(64, position="rope", scheme_options={"rope_layout": "interleaved"}, **kw)
+
+
+def test_nope_temperature_builds_from_scheme_options_and_scales_queries():
+    # The Llama 4 temperature 1 + attn_scale * log1p(floor((p + 1) / floor_scale)) from
+    # scheme_options: the layer equals the same weights called with the scheme built by
+    # hand, and differs from plain NoPE once the temperature departs from 1 (p >= 1 here).
+    from jaxpos.irope import TemperatureTunedNoPE
+    from jaxpos.scheme import NoPE
+    layer = jn.MultiHeadAttention(16, 2, position="nope_temperature",
+                                  scheme_options={"attn_scale": 0.5, "floor_scale": 2.0},
+                                  rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.PRNGKey(1), (1, 6, 16))
+    by_hand = layer(x, scheme=TemperatureTunedNoPE(0.5, 2.0))
+    np.testing.assert_allclose(layer(x), by_hand, rtol=1e-6, atol=1e-6)
+    assert np.abs(np.asarray(layer(x, scheme=NoPE()) - by_hand)).max() > 1e-3
+    with pytest.raises(ValueError, match="floor_scale"):
+        jn.MultiHeadAttention(16, 2, position="nope_temperature",
+                              scheme_options={"floor_scale": 0.0}, rngs=nnx.Rngs(0))(x)
