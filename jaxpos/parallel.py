@@ -467,7 +467,8 @@ def ring_attention(
         (replicated; gradient summed over the devices).
       implementation: ``"chunked"`` (default: each (local queries, passing block) pair is
         computed in ``block_q x block_k`` tiles) or ``"reference"`` (one tile per pair).
-        ``"pallas"`` is not supported here (the kernel does not return its log-sum-exp).
+        ``"pallas"`` is not supported here yet (the fused kernel can return its
+        log-sum-exp, ``return_lse=True``, but the ring does not use the kernel per block).
       block_q, block_k: chunked tile sizes (default 256, capped at the local lengths).
         For a zigzag layout, tiles that divide ``T / (2P)`` let hidden tiles be skipped.
 
@@ -487,8 +488,9 @@ def ring_attention(
         implementation = "chunked"
     if implementation == "pallas":
         raise ValueError(
-            "implementation='pallas' is not supported by ring_attention: the ring merges each "
-            "block's output by its log-sum-exp, which jaxpos.kernels does not return; use "
+            "implementation='pallas' is not supported by ring_attention yet: the ring merges "
+            "each block's output by its log-sum-exp and runs its blocks on the chunked path "
+            "(the fused kernel's return_lse=True is not yet used by the ring); use "
             "implementation='chunked' (the default) or 'reference'.")
     _checks.check_choice("implementation", implementation, RING_IMPLEMENTATIONS)
     call = validate_call(q, k, v, position=position, score_mod=score_mod, mask_mod=mask_mod,
