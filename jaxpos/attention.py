@@ -23,7 +23,7 @@ the user's own ``score_mod`` and ``mask_mod``. Nothing here names a scheme.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 from jax.typing import ArrayLike
@@ -176,7 +176,7 @@ def attention(
     k: ArrayLike,
     v: ArrayLike,
     *,
-    position: PositionScheme | str | None = None,
+    position: PositionScheme | Literal["none", "nope"] | None = None,
     score_mod: Callable[..., Any] | None = None,
     mask_mod: Callable[..., Any] | None = None,
     block_mask: BlockMask | None = None,

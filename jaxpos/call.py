@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -306,7 +306,7 @@ def _check_mods(scheme: PositionScheme, score_mod, mask_mod):
 
 
 def validate_call(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
-                  position: PositionScheme | str | None = None,
+                  position: PositionScheme | Literal["none", "nope"] | None = None,
                   score_mod: Callable[..., Any] | None = None,
                   mask_mod: Callable[..., Any] | None = None,
                   block_mask: BlockMask | None = None, sinks: ArrayLike | None = None,

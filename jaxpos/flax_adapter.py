@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -170,7 +171,7 @@ def _precision_name(precision) -> str | None:
 
 
 def flax_attention_fn(
-    position: PositionScheme | str | None = None,
+    position: PositionScheme | Literal["none", "nope"] | None = None,
     *,
     implementation: str | None = None,
     score_mod: Callable | None = None,

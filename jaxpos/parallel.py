@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -411,7 +411,7 @@ def ring_attention(
     v: jax.Array,
     *,
     axis_name: str,
-    position: PositionScheme | str | None = None,
+    position: PositionScheme | Literal["none", "nope"] | None = None,
     score_mod: Callable[..., Any] | None = None,
     mask_mod: Callable[..., Any] | None = None,
     q_positions: ArrayLike,

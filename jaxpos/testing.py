@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import chex
 import jax
@@ -252,7 +252,8 @@ def assert_equal_under_vmap(
                                 custom_message="vmap(fn) differs from fn applied per example")
 
 
-def attention_scores(q: jax.Array, k: jax.Array, *, position: PositionScheme | str | None = None,
+def attention_scores(q: jax.Array, k: jax.Array, *,
+                     position: PositionScheme | Literal["none", "nope"] | None = None,
                      q_positions: ArrayLike | None = None,
                      kv_positions: ArrayLike | None = None,
                      scale: ArrayLike | None = None) -> jax.Array:
