@@ -20,7 +20,10 @@ What the returned function does with Flax's arguments:
   every implementation, the Pallas kernel included.
 * ``bias``: broadcastable to ``[batch..., N, Tq, Tk]``, added to the scaled scores after
   the scheme's own term (a score_mod reading the array; gradients reach it).
-* ``is_causal``: ``causal=True`` (Flax's lower-triangular mask when ``Tq == Tk``).
+* ``is_causal``: ``causal=True`` (Flax's lower-triangular mask when ``Tq == Tk``). An
+  ``SSMax`` without ``num_keys`` also runs causal (``n = q_pos + 1`` keys) when a concrete
+  ``mask`` hides every later key (``make_causal_mask``, a ``decode=True`` step); with a
+  traced mask it cannot tell, so pass ``is_causal=True`` or ``num_keys``.
 * ``dropout_rate``, ``dropout_rng``, ``broadcast_dropout``, ``deterministic``: attention
   dropout (:mod:`jaxpos.dropout`) when ``not deterministic and dropout_rate > 0``. The
   keep mask has Flax's distribution, not its bits.
@@ -59,6 +62,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpos import _checks
 from jaxpos.attention import ALL_IMPLEMENTATIONS, attention
@@ -149,6 +153,22 @@ def _decode_q_positions(mask4, B: int, Tk: int):
     vis = jnp.any(mask4[:, :, 0, :], axis=1)  # [B|1, Tk]
     last = Tk - 1 - jnp.argmax(vis[:, ::-1], axis=-1)
     return last.astype(jnp.int32)[:, None]
+
+
+def _mask_makes_causal(scheme, mask4, q_positions, Tk: int) -> bool:
+    """True for :class:`SSMax` without ``num_keys`` when ``mask4`` is concrete and hides
+    every key after its query (Flax's ``make_causal_mask``; a ``decode=True`` step's
+    cache mask): the call is then causal (``causal=True`` hides nothing more) and SSMax
+    counts ``n = q_pos + 1`` keys (Nakanishi 2025, §3). Traced masks cannot be read."""
+    from jaxpos.ssmax import SSMax
+
+    if (not isinstance(scheme, SSMax) or scheme.num_keys is not None or mask4 is None
+            or not (_checks.is_concrete(mask4) and _checks.is_concrete(q_positions))):
+        return False
+    qp = np.asarray(q_positions)  # [Tq] (a full pass) or [B|1, 1] (a decode step)
+    kv = np.arange(Tk)
+    later = (kv > qp[:, None]) if qp.ndim == 1 else (kv > qp[:, :, None])[:, :, None, :]
+    return not np.any(np.asarray(mask4) & later)
 
 
 def _precision_name(precision) -> str | None:
@@ -263,6 +283,7 @@ def flax_attention_fn(
         q_positions = _decode_q_positions(mask4, B, Tk) if decode else \
             jnp.arange(Tq, dtype=jnp.int32)
         array_mask, array_bias = _array_mods(mask4, bias4, decode)
+        causal = bool(is_causal) or _mask_makes_causal(scheme, mask4, q_positions, Tk)
         dropping = not deterministic and dropout_rate > 0.0
 
         def run():
@@ -270,7 +291,7 @@ def flax_attention_fn(
                              score_mod=_then_mods(array_bias, user_score_mod),
                              mask_mod=_and_mods(array_mask, user_mask_mod),
                              q_positions=q_positions, kv_positions=jnp.arange(Tk, dtype=jnp.int32),
-                             causal=bool(is_causal), scale=scale, implementation=implementation,
+                             causal=causal, scale=scale, implementation=implementation,
                              block_q=block_q, block_k=block_k,
                              dropout_rate=dropout_rate if dropping else 0.0,
                              dropout_rng=dropout_rng if dropping else None,

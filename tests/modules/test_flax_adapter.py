@@ -308,3 +308,31 @@ def test_nnx_and_linen_modules_train_with_dropout_and_evaluate_without():
                                 rngs={"dropout": jax.random.key(2)})
     evaluated = linen_layer.apply(params, x, x, mask=mask, deterministic=True)
     assert float(jnp.max(jnp.abs(trained - evaluated))) > 1e-2
+
+
+def _np_ssmax(q, k, v, s, q_pos):
+    """Causal SSMax (Nakanishi 2025, §3) in float64: scores ``q.k / sqrt(H) * s_h *
+    log(q_pos + 1)``, keys at ``arange(Tk)`` after the query hidden. ``[B, Tq, N, H]``."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    sc = np.einsum("bqnh,bknh->bnqk", q, k) / np.sqrt(q.shape[-1])
+    sc = sc * np.asarray(s, np.float64)[None, :, None, None] * np.log(q_pos + 1.0)[:, None]
+    sc = np.where(np.arange(k.shape[1])[None, :] > q_pos[:, None], -np.inf, sc)
+    w = np.exp(sc - sc.max(-1, keepdims=True))
+    return np.einsum("bnqk,bknh->bqnh", w / w.sum(-1, keepdims=True), v)
+
+
+def test_ssmax_under_flax_causal_mask_counts_q_pos_plus_one_keys():
+    # Flax's make_causal_mask (no is_causal) and a decode=True step's cache mask are
+    # causal, so SSMax counts n = q_pos + 1 keys instead of asking for num_keys.
+    s = jnp.asarray([0.5, 1.5])
+    fn = jaxpos.flax_attention_fn(jaxpos.SSMax(s))
+    ks = jax.random.split(jax.random.PRNGKey(0), 3)
+    q, k, v = (jax.random.normal(kk, (2, 6, 2, 4)) for kk in ks)
+    out = fn(q, k, v, mask=nnx.make_causal_mask(jnp.ones((2, 6))))
+    np.testing.assert_allclose(out, _np_ssmax(q, k, v, s, np.arange(6)), rtol=1e-5,
+                               atol=1e-5)
+    # one query at cache index 3 over a cache of 6 slots (Flax: arange(6) <= 3)
+    mask = (jnp.arange(6) <= 3)[None, None, None, :]
+    out = fn(q[:, 3:4], k, v, mask=mask)
+    np.testing.assert_allclose(out, _np_ssmax(q[:, 3:4], k, v, s, np.array([3])),
+                               rtol=1e-5, atol=1e-5)
