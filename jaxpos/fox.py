@@ -23,7 +23,7 @@ requires ``causal=True``.
 Positions index the sequence of gates: ``c`` is gathered at the query and key
 positions, so every position must lie in ``[0, T)`` (``T = log_forget.shape[1]``),
 ``i`` and ``j`` being the token indices of the sequence the gates were computed for.
-Concrete positions out of range, or not strictly rising along a row (packed segments whose
+Concrete positions out of range, or decreasing along a row (packed segments whose
 positions restart would read other tokens' gates: pack with ``arange`` positions and
 ``segment_ids`` instead), raise ``ValueError``; traced ones are clamped into range
 (a jnp gather), so keep them in range under ``jit``. A KV cache must keep the gates of
@@ -101,15 +101,17 @@ def _check_positions_in_range(name: str, positions, T: int) -> None:
 
 
 def _check_positions_increasing(name: str, positions) -> None:
-    """Concrete positions must rise strictly along each row: every query or key is a
-    distinct token whose gate is read at its position, so a repeat (packed segments whose
-    positions restart) would read another token's gates."""
+    """Concrete positions must not decrease along each row, the row's largest position
+    aside: the gates are read at the positions, so positions that restart (packed
+    segments) would read another token's gates. The modules give hidden padding the row's
+    largest visible position (``fill_hidden_positions``), which this rule lets pass."""
     if _checks.is_concrete(positions):
         a = np.asarray(positions)
-        if a.ndim and a.shape[-1] > 1 and np.any(np.diff(a, axis=-1) <= 0):
+        rows = a.reshape((-1, a.shape[-1])) if a.ndim else a.reshape((1, 1))
+        if any(np.any(np.diff(r[r != r.max()]) < 0) for r in rows):
             raise ValueError(
-                f"FoX reads its forget gates at the token positions, so {name} must rise "
-                f"strictly along each row (token indices into log_forget); got "
+                f"FoX reads its forget gates at the token positions, so {name} must not "
+                f"decrease along a row (token indices into log_forget); got "
                 f"{a.tolist()}. For packed sequences pass arange positions with segment_ids "
                 f"(the bias c_i - c_j only sums the gates between two tokens of a segment, "
                 f"so each segment gets the answer it would get alone).")
@@ -240,12 +242,11 @@ class FoX(PositionScheme):
     def transform_qk(self, q: jax.Array, k: jax.Array, q_positions: jax.Array,
                      kv_positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Unchanged ``q`` and ``k``; checks that the gates fit the call: batch 1 or ``B``,
-        and concrete positions inside ``[0, T)`` and strictly rising along each row (pack
+        and concrete positions inside ``[0, T)`` and never decreasing along a row (pack
         sequences with arange positions and ``segment_ids``, not restarting positions).
 
         Raises:
-          ValueError: a batch mismatch; concrete positions out of range or not strictly
-            rising.
+          ValueError: a batch mismatch; concrete positions out of range or decreasing.
         """
         Bg, T, _ = _checks.shape_of(self.log_forget)
         B = _checks.shape_of(q)[0]
