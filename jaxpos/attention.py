@@ -239,8 +239,9 @@ def attention(
         multiple.
       kv_lengths: integer ``[B]`` or None: keys at index ``>= kv_lengths[b]`` are invisible
         to row ``b`` (a KV cache's fill counts); the chunked and Pallas paths never visit
-        them, so a decode step costs the filled length (``docs/decoding.md``). Not taken
-        by ``"xla"``.
+        them, so a decode step costs the filled length (``docs/decoding.md``); the
+        reference path masks them on its full grid, so a NaN left there can reach the
+        rows (the NaN rule, ``docs/attention.md``). Not taken by ``"xla"``.
       rope_tables: a :class:`jaxpos.rope_tables.RopeTables` or None: q and k are passed
         unrotated and rotated with these cos/sin tables of their positions, by the Pallas
         kernel and the chunked decode path as they are loaded (``docs/decoding.md``); use
