@@ -560,7 +560,7 @@ def aggregate_seeds(per_seed: list[dict], eval_lens) -> tuple[dict, dict, dict]:
 
 def summarize_row(base: str, per_seed: list[dict], eval_lens) -> dict:
     """A row of ``results["schemes"]``: :func:`aggregate_seeds` of ``per_seed`` as
-    ``bits_per_byte`` (the mean), ``std`` and ``status``, the seeds' mean of the timing
+    ``bits_per_byte`` (the mean), ``std`` and ``status``, the mean over seeds of the timing
     statistics, and every seed's own entry under ``per_seed``."""
     mean, std, status = aggregate_seeds(per_seed, eval_lens)
     row = {"bits_per_byte": mean, "std": std, "status": status, "trained_as": base,
