@@ -5,6 +5,10 @@
   depend on the backend. On CPU this changes nothing.
 * Hypothesis without a per-example deadline: the first example of a test pays
   JAX's compilation time, which is not a property of the code under test.
+* The default run's time budget: the test cases listed in ``tests/slow_cases.txt`` (the
+  slowest of a measured run, see that file) get the ``slow`` marker, so ``pytest`` skips
+  them and ``pytest -m slow`` runs them; one fast case of each parametrised test stays in
+  the default run.
 * Hypothesis derandomized (a seed fixed per test) and without an example database,
   so every CI run draws the same examples and a red build is reproducible, never a
   dice roll. To explore new examples locally: ``HYPOTHESIS_PROFILE=explore pytest``.
@@ -13,6 +17,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 
 import jax
 import numpy as np
@@ -35,3 +40,18 @@ except ImportError:  # hypothesis is a test extra; tests that need it import it 
 def rng() -> np.random.Generator:
     """A NumPy generator with a fixed seed, fresh for every test."""
     return np.random.default_rng(0)
+
+
+_SLOW_CASES = pathlib.Path(__file__).with_name("slow_cases.txt")
+
+
+@pytest.hookimpl(tryfirst=True)  # before the -m 'not slow' deselection
+def pytest_collection_modifyitems(config, items):
+    """Marks the cases listed in ``tests/slow_cases.txt`` ``slow``."""
+    if not _SLOW_CASES.is_file():
+        return
+    names = {line.split()[0] for line in _SLOW_CASES.read_text().splitlines()
+             if line.strip() and not line.startswith("#")}
+    for item in items:
+        if item.nodeid in names:
+            item.add_marker(pytest.mark.slow)
