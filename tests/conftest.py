@@ -9,6 +9,9 @@
   slowest of a measured run, see that file) get the ``slow`` marker, so ``pytest`` skips
   them and ``pytest -m slow`` runs them; one fast case of each parametrised test stays in
   the default run.
+* JAX's caches (compiled executables, traces) are cleared after each test module: on
+  a subset of six modules this halved the peak memory (2.9 -> 1.5 GB) for 16% more CPU
+  time (recompiling what the next module shares).
 * Hypothesis derandomized (a seed fixed per test) and without an example database,
   so every CI run draws the same examples and a red build is reproducible, never a
   dice roll. To explore new examples locally: ``HYPOTHESIS_PROFILE=explore pytest``.
@@ -34,6 +37,12 @@ try:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "jaxpos"))
 except ImportError:  # hypothesis is a test extra; tests that need it import it themselves
     pass
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _clear_jax_caches_after_each_module():
+    yield
+    jax.clear_caches()
 
 
 @pytest.fixture
