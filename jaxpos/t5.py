@@ -177,7 +177,8 @@ def check_t5_table(table, num_buckets) -> None:
     if shape[0] != num_buckets:
         raise ValueError(
             f"table must have shape [num_buckets, N] = [{num_buckets}, num_heads] "
-            f"(num_buckets={num_buckets}); got shape {shape}.{transposed_hint(shape, num_buckets=num_buckets)}"
+            f"(num_buckets={num_buckets}); got shape {shape}."
+            f"{transposed_hint(shape, num_buckets=num_buckets)}"
         )
 
 
