@@ -182,6 +182,8 @@ def run_case(case: Case, mesh, axis="seq", batch_axis=None, ndev=NDEV):
         params["sinks"] = jnp.asarray(r.normal(size=(N,)), jnp.float32)
     if case.segments:
         seg, pos = packed()
+        if case.scheme == "fox":  # FoX reads its gates at token indices: pack with arange
+            pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     elif case.batch_positions:
         seg, pos = None, jnp.asarray(np.arange(T)[None] + 5 * np.arange(B)[:, None], jnp.int32)
     else:
