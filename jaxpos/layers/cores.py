@@ -168,7 +168,9 @@ class AttentionCore:
     ``causal``, ``scale``, ``implementation``, ``dtype``, ``mask_mod`` (a callable or
     None), and give ``_dims()`` -> ``(d_model, num_heads, num_kv_heads, head_dim)``,
     ``_position()`` (the position module or None) and ``_sinks()`` (the sink logits
-    ``[num_heads]``, or None for a layer without sinks)."""
+    ``[num_heads]``, or None for a layer without sinks); for dropout a field
+    ``dropout_rate`` and ``_is_deterministic(deterministic)`` / ``_dropout_key(rngs)``
+    (Flax's conventions of each twin)."""
 
     if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
         def __getattr__(self, name: str) -> Any: ...
@@ -204,6 +206,15 @@ class AttentionCore:
             return scheme
         return position_scheme(self._position(), rope_scaling, x=x, positions=positions)
 
+    def _attention_dropout(self, deterministic, rngs) -> dict:
+        """The dropout keywords of :func:`jaxpos.attention` for one call: none when the
+        layer's ``dropout_rate`` is 0 or the call is deterministic (the twins' Flax
+        conventions, ``_is_deterministic`` / ``_dropout_key``)."""
+        rate = self.dropout_rate
+        if rate == 0.0 or self._is_deterministic(deterministic):
+            return {}
+        return {"dropout_rate": rate, "dropout_rng": self._dropout_key(rngs)}
+
     def _mask_mod(self, mask_mod):
         """The call's mask_mod when given (it replaces the layer's), else the layer's."""
         if mask_mod is None:
@@ -212,7 +223,8 @@ class AttentionCore:
 
     def __call__(self, x, *, context=None, positions=None, kv_positions=None, mask=None,
                  segment_ids=None, kv_segment_ids=None, scheme=None, rope_scaling=None,
-                 implementation=None, mask_mod=None, attention_mask=None) -> jax.Array:
+                 implementation=None, mask_mod=None, attention_mask=None,
+                 deterministic=None, rngs=None) -> jax.Array:
         pad = self._padding(x, context, attention_mask)
         if pad is not None and positions is None:
             positions = positions_from_mask(pad)
@@ -228,7 +240,8 @@ class AttentionCore:
                       causal=self.causal, mask=mask, segment_ids=segment_ids,
                       kv_segment_ids=kv_segment_ids, scale=self.scale,
                       mask_mod=self._mask_mod(mask_mod), sinks=self._sinks(),
-                      implementation=implementation or self.implementation)
+                      implementation=implementation or self.implementation,
+                      **self._attention_dropout(deterministic, rngs))
         return self._out(self._gated(o, x))
 
     def _decode_streaming(self, x, q, k, v, cache, pos, pad, scheme, implementation,
@@ -347,14 +360,28 @@ class BlockCore:
     if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
         def __getattr__(self, name: str) -> Any: ...
 
-    def _mlp(self, x):
+    def _mlp(self, x, deterministic=True, rngs=None):
         h = rms_norm(x, param_value(self.mlp_norm.scale))
-        return x + mlp(h, param_value(self.mlp_in.kernel), param_value(self.mlp_out.kernel),
-                       self.dtype)
+        return x + self._residual_dropout(
+            mlp(h, param_value(self.mlp_in.kernel), param_value(self.mlp_out.kernel),
+                self.dtype), deterministic, rngs)
 
-    def __call__(self, x, **kw) -> jax.Array:
-        x = x + self.attn(rms_norm(x, param_value(self.attn_norm.scale)), **kw)
-        return self._mlp(x)
+    def _residual_dropout(self, y, deterministic, rngs):
+        """``y`` (a residual branch) with dropout at the block's ``dropout_rate``: each
+        element zeroed with that rate, the rest scaled by ``1 / (1 - rate)`` (Srivastava et
+        al. 2014; the residual dropout of Vaswani et al. 2017, Sec. 5.4); ``y`` itself when
+        the rate is 0 or the call is deterministic."""
+        rate = self.dropout_rate
+        if rate == 0.0 or self._is_deterministic(deterministic):
+            return y
+        keep = jax.random.bernoulli(self._dropout_key(rngs), 1.0 - rate, y.shape)
+        return jnp.where(keep, y / jnp.asarray(1.0 - rate, y.dtype), 0).astype(y.dtype)
+
+    def __call__(self, x, *, deterministic=None, rngs=None, **kw) -> jax.Array:
+        a = self.attn(rms_norm(x, param_value(self.attn_norm.scale)),
+                      deterministic=deterministic, rngs=rngs, **kw)
+        x = x + self._residual_dropout(a, deterministic, rngs)
+        return self._mlp(x, deterministic, rngs)
 
     def decode(self, x, cache: KVCache, **kw):
         """As :meth:`jaxpos.nnx.MultiHeadAttention.decode`, then the MLP: ``(y, cache)``."""
@@ -388,7 +415,7 @@ class StackCore:
         return position_scheme(self.rel_position, rope_scaling, x=x, positions=pos), None
 
     def _hidden(self, tokens, positions, rope_scaling, implementation, mask=None,
-                segment_ids=None, attention_mask=None):
+                segment_ids=None, attention_mask=None, deterministic=None, rngs=None):
         _checks.check_rank("tokens", tokens, (2,), "[batch, seq] token ids")
         B, T = _checks.shape_of(tokens)
         pad = check_attention_mask(attention_mask, B, T)
@@ -401,7 +428,8 @@ class StackCore:
         impl = implementation or self.implementation
         for block in self.blocks:
             x = block(x, positions=pos, mask=mask, segment_ids=segment_ids, scheme=scheme,
-                      rope_scaling=layer_scaling, implementation=impl, attention_mask=pad)
+                      rope_scaling=layer_scaling, implementation=impl, attention_mask=pad,
+                      deterministic=deterministic, rngs=rngs)
         return rms_norm(x, param_value(self.final_norm.scale))
 
 
@@ -412,7 +440,8 @@ class DecoderCore(StackCore):
         def __getattr__(self, name: str) -> Any: ...
 
     def __call__(self, tokens, *, positions=None, rope_scaling=None, implementation=None,
-                 segment_ids=None, attention_mask=None) -> jax.Array:
+                 segment_ids=None, attention_mask=None, deterministic=None,
+                 rngs=None) -> jax.Array:
         """Causal forward pass.
 
         Args:
@@ -428,6 +457,12 @@ class DecoderCore(StackCore):
             (Hugging Face's convention; left or right padding). No token sees padding, so
             every token of a left-padded row gets the logits of its sequence run alone.
             Padding's own logits are meaningless.
+          deterministic: dropout off when True (with ``dropout_rate > 0``); default: the
+            module's ``deterministic`` (NNX: ``model.train()`` / ``model.eval()``, False at
+            construction; Linen: the field, and one of the two must be set).
+          rngs: NNX only: an :class:`flax.nnx.Rngs` (its ``dropout`` stream) or stream for
+            this call's dropout keys, default the streams the layers keep from
+            construction. Linen draws them with ``make_rng("dropout")``.
 
         Returns:
           float32 logits ``[B, T, vocab_size]``.
@@ -438,7 +473,8 @@ class DecoderCore(StackCore):
             TypeError: float tokens/positions/attention_mask.
         """
         h = self._hidden(tokens, positions, rope_scaling, implementation,
-                         segment_ids=segment_ids, attention_mask=attention_mask)
+                         segment_ids=segment_ids, attention_mask=attention_mask,
+                         deterministic=deterministic, rngs=rngs)
         return tied_logits(h, param_value(self.embed.embedding))
 
     def init_cache(self, batch: int, max_len: int, dtype=None, *,
@@ -510,9 +546,11 @@ class EncoderCore(StackCore):
         def __getattr__(self, name: str) -> Any: ...
 
     def __call__(self, tokens, *, positions=None, mask=None, segment_ids=None,
-                 rope_scaling=None, implementation=None, attention_mask=None) -> jax.Array:
+                 rope_scaling=None, implementation=None, attention_mask=None,
+                 deterministic=None, rngs=None) -> jax.Array:
         """Bidirectional forward pass: final-normalised hidden states ``[B, T, d_model]``
-        (``dtype``); keywords as :meth:`jaxpos.nnx.DecoderLM.__call__` (``attention_mask``
-        included: no token sees padding) plus ``mask``."""
+        (``dtype``); keywords as :meth:`jaxpos.nnx.DecoderLM.__call__` (``attention_mask``,
+        ``deterministic`` and ``rngs`` included: no token sees padding) plus ``mask``."""
         return self._hidden(tokens, positions, rope_scaling, implementation, mask=mask,
-                            segment_ids=segment_ids, attention_mask=attention_mask)
+                            segment_ids=segment_ids, attention_mask=attention_mask,
+                            deterministic=deterministic, rngs=rngs)
