@@ -360,7 +360,7 @@ class BlockCore:
     if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
         def __getattr__(self, name: str) -> Any: ...
 
-    def _mlp(self, x, deterministic=True, rngs=None):
+    def _mlp(self, x, deterministic: bool | None = True, rngs=None):
         h = rms_norm(x, param_value(self.mlp_norm.scale))
         return x + self._residual_dropout(
             mlp(h, param_value(self.mlp_in.kernel), param_value(self.mlp_out.kernel),
