@@ -183,7 +183,7 @@ def _pos(B, T, start=0):
     return _t(np.broadcast_to(np.arange(T) + start, (B, T)))
 
 
-#: name -> scheme -> Case. The call shapes of the issue; every one runs with every
+#: name -> scheme -> Case. The call shapes of the contract; every one runs with every
 #: scheme of :data:`SCHEME_SHAPES` (the others with "none" only, to keep the run small).
 CALL_SHAPES: dict[str, Callable[[str], Case]] = {
     "training": lambda s: Case(scheme=s),
@@ -365,7 +365,7 @@ def tolerance(case: Case) -> float:
     rounding of the softmax weights / output to the dtype (``eps / 2`` each) and float32
     accumulation; 8 ulps of the dtype covers both with margin, and a wrong bias of even
     one bf16 ulp of a score (0.0078 at |s| ~ 1) exceeds it only when it moves weights
-    by more than that, as the issue's 0.64 does."""
+    by more than that, as a bf16-rounded bias at positions near 1000 does (0.64)."""
     eps = float(jnp.finfo(jnp.dtype(case.dtype)).eps)
     return 8 * eps if case.dtype != "float32" else 2e-5
 
