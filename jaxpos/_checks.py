@@ -197,3 +197,21 @@ def check_qkv(q: Any, k: Any, v: Any) -> None:
     if N % Nk:
         raise ValueError(f"query heads ({N}) must be a multiple of key/value heads ({Nk}); "
                          f"got q {(B, Tq, N, H)}, k {(Bk, Tk, Nk, Hk)}.")
+
+
+def check_kv_lengths(kv_lengths, B: int, Tk: int) -> jax.Array:
+    """``kv_lengths`` (integer ``[B]`` fill lengths: keys at index ``>= kv_lengths[b]`` are
+    invisible to row ``b``) as int32 clipped to ``[0, Tk]``.
+
+    Raises:
+        ValueError: not rank 1, or not ``B`` long.
+        TypeError: not an integer dtype.
+    """
+    check_rank("kv_lengths", kv_lengths, (1,), "[batch]")
+    if not jnp.issubdtype(dtype_of(kv_lengths), jnp.integer):
+        raise TypeError(f"kv_lengths must be integer [batch] (keys at index >= kv_lengths[b] "
+                        f"are invisible); got dtype {dtype_of(kv_lengths)}.")
+    if shape_of(kv_lengths)[0] != B:
+        raise ValueError(f"kv_lengths must have shape [{B}] (one fill length per batch row); "
+                         f"got {shape_of(kv_lengths)}.")
+    return jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, Tk)

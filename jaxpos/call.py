@@ -354,7 +354,7 @@ def validate_call(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
     sinks = _check_sinks(sinks, N)
     scale = _check_scale(scale, H)
     all_score_mods = _check_mods(scheme, score_mod, mask_mod)
-    kv_lengths = _check_kv_lengths(kv_lengths, B, Tk)
+    kv_lengths = None if kv_lengths is None else _checks.check_kv_lengths(kv_lengths, B, Tk)
     rope_tables = _check_rope_tables(rope_tables, scheme, B, Tq, Tk, H)
     dropout = check_dropout(dropout_rate, dropout_rng, broadcast_dropout)
     return AttentionCall(q=q, k=k, v=v, scheme=scheme, score_mod=all_score_mods,
@@ -363,19 +363,6 @@ def validate_call(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
                          kv_segment_ids=seg_kv, mask=mask4, causal=causal, scale=scale,
                          block_q=block_q, block_k=block_k, kv_lengths=kv_lengths,
                          rope_tables=rope_tables, dropout=dropout)
-
-
-def _check_kv_lengths(kv_lengths, B: int, Tk: int):
-    if kv_lengths is None:
-        return None
-    _checks.check_rank("kv_lengths", kv_lengths, (1,), "[batch]")
-    if not jnp.issubdtype(_checks.dtype_of(kv_lengths), jnp.integer):
-        raise TypeError(f"kv_lengths must be integer [batch] (keys at index >= kv_lengths[b] "
-                        f"are invisible); got dtype {_checks.dtype_of(kv_lengths)}.")
-    if _checks.shape_of(kv_lengths)[0] != B:
-        raise ValueError(f"kv_lengths must have shape [{B}] (one fill length per batch row); "
-                         f"got {_checks.shape_of(kv_lengths)}.")
-    return jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, Tk)
 
 
 def _check_rope_tables(tabs, scheme: PositionScheme, B: int, Tq: int, Tk: int, H: int):

@@ -1243,17 +1243,6 @@ def resolve_mode(interpret):
     return "interpret" if interpret else "compiled"
 
 
-def _check_kv_lengths(kv_lengths, B, Tk):
-    _checks.check_rank("kv_lengths", kv_lengths, (1,), "[batch]")
-    if not jnp.issubdtype(_checks.dtype_of(kv_lengths), jnp.integer):
-        raise TypeError(f"kv_lengths must be integer [batch] (keys at index >= kv_lengths[b] "
-                        f"are invisible); got dtype {_checks.dtype_of(kv_lengths)}.")
-    if _checks.shape_of(kv_lengths)[0] != B:
-        raise ValueError(f"kv_lengths must have shape [{B}] (one length per batch row); got "
-                         f"{_checks.shape_of(kv_lengths)}.")
-    return jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, Tk)
-
-
 def _prepare(q, k, v, *, q_positions, kv_positions, score_mod=None, mask_mod=None,
              block_mask=None, sinks=None, causal=False, segment_ids=None, kv_segment_ids=None,
              scale=None, block_q=None, block_k=None, mode="auto", count_tiles=False,
@@ -1297,7 +1286,7 @@ def _prepare(q, k, v, *, q_positions, kv_positions, score_mod=None, mask_mod=Non
             raise ValueError(f"sinks must have shape [{N}] (one logit per query head); got "
                              f"{_checks.shape_of(sinks)}.")
         sinks = jnp.asarray(sinks, jnp.float32)
-    kv_len = None if kv_lengths is None else _check_kv_lengths(kv_lengths, B, Tk)
+    kv_len = None if kv_lengths is None else _checks.check_kv_lengths(kv_lengths, B, Tk)
     tabs, half = None, 0
     if rope_tables is not None:
         tabs, half = check_rope_tables(rope_tables, B, Tq, Tk, H)
