@@ -41,8 +41,8 @@ from flax import nnx
 
 from jaxpos.layers.cache import KVCache
 from jaxpos.nnx import MultiHeadAttention
-from jaxpos.rope import apply_rope
-from jaxpos.rope_scaling import DynamicNTKScaling, default_inv_freq
+from jaxpos.schemes.rope import apply_rope
+from jaxpos.schemes.rope.scaling import DynamicNTKScaling, default_inv_freq
 
 D, N, NK, H, B = 256, 8, 2, 32, 1
 SCHEMES = {

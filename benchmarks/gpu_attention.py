@@ -18,7 +18,7 @@ Bounded by ``--deadline`` (default 300 s, everything included). In order:
 
    * ``jaxpos.pallas``: the fused kernel, variants none, alibi, t5, rope, rope+alibi (RoPE
      applied to q and k before the kernel, as ``jaxpos.attention`` does);
-   * ``jaxpos.xla``: ``attention_via_xla`` (cuDNN; the score term as a dense bias built
+   * ``jaxpos.core.xla``: ``attention_via_xla`` (cuDNN; the score term as a dense bias built
      from the slopes / table inside the call);
    * ``jaxpos.default``: ``jaxpos.attention(implementation=None)`` (what the dispatch rule
      picks; the pick is printed);
@@ -260,7 +260,7 @@ def torch_cells(args, variant, T, N, H, p, q, k, v):
     if dev is None:
         return {}
     rope, bias = schemes(variant, p)
-    if rope is not None:  # torch rows take q, k already rotated (as jaxpos.xla does)
+    if rope is not None:  # torch rows take q, k already rotated (as jaxpos.core.xla does)
         q, k = rotate(q, k, rope, T)
 
     def tt(x):
@@ -338,7 +338,7 @@ def _cells(args, T, B, N, H, bq, bk, q, k, v, p):
         pick = choose_implementation(backend=backend, fusable=True,
                                      has_score_mod=bias_scheme is not None, has_mask_mod=False,
                                      Tq=T, Tk=T, num_heads=N, batch=B)
-        jax_cell(1, variant, "jaxpos.xla", xla_fn(variant, T), (p,))
+        jax_cell(1, variant, "jaxpos.core.xla", xla_fn(variant, T), (p,))
         jax_cell(1, variant, f"jaxpos.default({pick})", jaxpos_fn(variant, None, T, bq, bk),
                  (p,))
         dense = dense_bias(variant, p, T, jnp.bfloat16) if variant != "none" else None

@@ -93,7 +93,8 @@ BASE_SCHEMES = ("nope", "sinusoidal", "learned", "rope", "alibi", "t5", "shaw")
 # run 0 .. T-1 along a row) and any scheme registered later, whose packed form is untested.
 PACKED = ("nope", "sinusoidal", "rope", "alibi", "t5", "shaw", "kerple_log", "kerple_power",
           "fire", "sandwich", "xpos")
-# RoPE evaluated with a context-extension scaling at lengths beyond training (jaxpos.rope_scaling).
+# RoPE evaluated with a context-extension scaling at lengths beyond training
+# (jaxpos.schemes.rope.scaling).
 ROPE_VARIANTS = ("rope+yarn", "rope+ntk", "rope+pi")
 DEFAULT_SCHEMES = BASE_SCHEMES + ("rope+yarn",)
 # The committed study (docs/study.md): KERPLE is its logarithmic variant (Chi et al. 2022
@@ -259,8 +260,7 @@ def rope_scaling_for(name: str, train_len: int, eval_len: int):
     """
     if "+" not in name or eval_len <= train_len:
         return None
-    from jaxpos import rope_scaling
-
+    from jaxpos.schemes.rope import scaling as rope_scaling
     factor = eval_len / train_len
     kind = name.split("+", 1)[1]
     if kind == "yarn":
@@ -276,7 +276,7 @@ def rope_scaling_for(name: str, train_len: int, eval_len: int):
 
 def rope_scaling_available() -> bool:
     try:
-        from jaxpos import rope_scaling  # noqa: F401
+        from jaxpos.schemes.rope import scaling as rope_scaling  # noqa: F401
     except ImportError:
         return False
     return True
@@ -842,7 +842,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"comma-separated rows: any position jaxpos.nnx.DecoderLM takes (the "
                         f"registered schemes, e.g. kerple_log, fire, fox), or a RoPE variant "
                         f"{','.join(ROPE_VARIANTS)} (the trained RoPE model evaluated with "
-                        f"jaxpos.rope_scaling); default {','.join(DEFAULT_SCHEMES)}")
+                        f"jaxpos.schemes.rope.scaling); default {','.join(DEFAULT_SCHEMES)}")
     p.add_argument("--seeds", type=int, default=None,
                    help="seeds per row (--seed, --seed + 1, ...: initialisation and batches); "
                         "the table shows mean ± std; default 1 (3 for --preset study)")
@@ -920,7 +920,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                 p.error(f"--schemes: unknown variant {s!r}; the RoPE variants are "
                         f"{ROPE_VARIANTS}")
             if not has_scaling:
-                p.error(f"--schemes: {s!r} needs jaxpos.rope_scaling, which is not installed")
+                p.error(f"--schemes: {s!r} needs jaxpos.schemes.rope.scaling, "
+                        "which is not installed")
         elif s not in known:
             if not from_preset:
                 p.error(f"--schemes: unknown scheme {s!r}; this jaxpos builds {known} and the "

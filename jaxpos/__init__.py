@@ -1,24 +1,29 @@
 """jaxpos: every positional-encoding scheme for JAX/Flax transformers, one attention core.
 
-One module per scheme, each with its pure functions and its scheme object
-(:mod:`jaxpos.sinusoidal`, :mod:`jaxpos.learned`, :mod:`jaxpos.rope` and
-:mod:`jaxpos.rope_scaling`, :mod:`jaxpos.alibi`, :mod:`jaxpos.t5`, :mod:`jaxpos.shaw`,
-:mod:`jaxpos.kerple`, :mod:`jaxpos.fire`, :mod:`jaxpos.sandwich`, :mod:`jaxpos.xpos`,
-:mod:`jaxpos.fox`, :mod:`jaxpos.irope`); the protocol they follow (:mod:`jaxpos.scheme`);
-programmable attention (:mod:`jaxpos.mods`: score_mod, mask_mod, block masks) and
-:func:`jaxpos.attention`; Flax modules in :mod:`jaxpos.nnx` and :mod:`jaxpos.linen`;
-ring attention in :mod:`jaxpos.parallel`. Importing :mod:`jaxpos` registers every scheme.
+The package is built in rooms by role:
+
+* :mod:`jaxpos.schemes`: one module per scheme, each with its pure functions and its
+  scheme object (RoPE and its context extensions in :mod:`jaxpos.schemes.rope`), and the
+  protocol they follow (:mod:`jaxpos.schemes.base`);
+* :mod:`jaxpos.mods`: programmable attention (score_mod, mask_mod, block masks);
+* :mod:`jaxpos.core`: :func:`jaxpos.attention`, its call record and its engines;
+* :mod:`jaxpos.kernels`: the fused Pallas kernel;
+* :mod:`jaxpos.nnx` and :mod:`jaxpos.linen`: the Flax modules (shared code in
+  :mod:`jaxpos.layers`);
+* :mod:`jaxpos.parallel`: context parallelism (ring attention);
+* :mod:`jaxpos.interop`: Flax's ``attention_fn`` adapter and Hugging Face config readers.
+
+Importing :mod:`jaxpos` registers every scheme.
 """
 
-from jaxpos.alibi import ALiBi, alibi_bias, alibi_slopes
-from jaxpos.attention import ALL_IMPLEMENTATIONS, IMPLEMENTATIONS, attention, default_implementation
-from jaxpos.fire import FIRE
-from jaxpos.flax_adapter import flax_attention_fn
-from jaxpos.fox import FoX
-from jaxpos.hf import rope_from_hf_config
-from jaxpos.irope import TemperatureTunedNoPE
-from jaxpos.kerple import KERPLE, KERPLELog, KERPLEPower
-from jaxpos.learned import learned_positions
+from jaxpos.core.entry import (
+    ALL_IMPLEMENTATIONS,
+    IMPLEMENTATIONS,
+    attention,
+    default_implementation,
+)
+from jaxpos.interop.flax import flax_attention_fn
+from jaxpos.interop.hf import rope_from_hf_config
 from jaxpos.mods import (
     BlockMask,
     ChunkedAttentionMask,
@@ -28,10 +33,23 @@ from jaxpos.mods import (
     create_block_mask,
     or_masks,
 )
-from jaxpos.pope import PoPE
-from jaxpos.rnope import rnope_swa_layers
-from jaxpos.rope import RoPE, apply_rope, half_to_interleaved, interleaved_to_half, rope_frequencies
-from jaxpos.rope_scaling import (
+from jaxpos.schemes.alibi import ALiBi, alibi_bias, alibi_slopes
+from jaxpos.schemes.base import REGISTRY, NoPE, PositionScheme, as_scheme, get_scheme
+from jaxpos.schemes.fire import FIRE
+from jaxpos.schemes.fox import FoX
+from jaxpos.schemes.irope import TemperatureTunedNoPE
+from jaxpos.schemes.kerple import KERPLE, KERPLELog, KERPLEPower
+from jaxpos.schemes.learned import learned_positions
+from jaxpos.schemes.pope import PoPE
+from jaxpos.schemes.rnope import rnope_swa_layers
+from jaxpos.schemes.rope import (
+    RoPE,
+    apply_rope,
+    half_to_interleaved,
+    interleaved_to_half,
+    rope_frequencies,
+)
+from jaxpos.schemes.rope.scaling import (
     DynamicNTKScaling,
     LinearScaling,
     Llama3Scaling,
@@ -39,14 +57,13 @@ from jaxpos.rope_scaling import (
     ProportionalScaling,
     YaRNScaling,
 )
-from jaxpos.sandwich import Sandwich
-from jaxpos.scheme import REGISTRY, NoPE, PositionScheme, as_scheme, get_scheme
-from jaxpos.shaw import Shaw, shaw_attention
-from jaxpos.sinusoidal import relative_head_W, shift_matrix, sinusoidal_pe
-from jaxpos.ssmax import SSMax
-from jaxpos.stick_breaking import stick_breaking_attention
-from jaxpos.t5 import T5Bias, relative_bias_attention, t5_bias, t5_bucket
-from jaxpos.xpos import XPos
+from jaxpos.schemes.sandwich import Sandwich
+from jaxpos.schemes.shaw import Shaw, shaw_attention
+from jaxpos.schemes.sinusoidal import relative_head_W, shift_matrix, sinusoidal_pe
+from jaxpos.schemes.ssmax import SSMax
+from jaxpos.schemes.stick_breaking import stick_breaking_attention
+from jaxpos.schemes.t5 import T5Bias, relative_bias_attention, t5_bias, t5_bucket
+from jaxpos.schemes.xpos import XPos
 
 __version__ = "0.1.0"
 
@@ -110,7 +127,7 @@ __all__ = [
 # Subpackages imported on first use, so that ``import jaxpos`` stays light (no Flax, no
 # Pallas) while ``jaxpos.nnx.DecoderLM`` and ``jaxpos.linen.params_from_nnx`` work after
 # a plain ``import jaxpos`` (PEP 562, module ``__getattr__``).
-_LAZY_SUBMODULES = ("irope", "kernels", "linen", "mla", "mods", "nnx", "parallel", "testing")
+_LAZY_SUBMODULES = ("kernels", "linen", "nnx", "parallel", "testing")
 
 
 def __getattr__(name: str):

@@ -41,8 +41,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from jaxpos import _checks
-from jaxpos.alibi import alibi_bias
-from jaxpos.dropout import check_dropout_rate
+from jaxpos.core.dropout import check_dropout_rate
 from jaxpos.layers.cache import KVCache
 from jaxpos.layers.cores import (
     AttentionCore,
@@ -72,13 +71,14 @@ from jaxpos.layers.options import (
     stack_positions,
 )
 from jaxpos.layers.stack import build_stack, stack_spec
-from jaxpos.rope import apply_rope, check_rotary_dim
-from jaxpos.scheme import REGISTRY
-from jaxpos.t5 import check_bucket_args, t5_bias
+from jaxpos.schemes.alibi import alibi_bias
+from jaxpos.schemes.base import REGISTRY
+from jaxpos.schemes.rope import apply_rope, check_rotary_dim
+from jaxpos.schemes.t5 import check_bucket_args, t5_bias
 
 if TYPE_CHECKING:
-    from jaxpos.alibi import ALiBi as ALiBiScheme
-    from jaxpos.rope import RoPE as RoPEScheme
+    from jaxpos.schemes.alibi import ALiBi as ALiBiScheme
+    from jaxpos.schemes.rope import RoPE as RoPEScheme
 
 __all__ = [
     "ABSOLUTE_POSITIONS",

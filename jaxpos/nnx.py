@@ -2,7 +2,7 @@
 small decoder / encoder stacks.
 
 Every attention-position scheme reaches the modules through the scheme registry
-(:data:`jaxpos.REGISTRY`, :mod:`jaxpos.scheme`): a name such as ``"rope"``, ``"t5"`` or
+(:data:`jaxpos.REGISTRY`, :mod:`jaxpos.schemes.base`): a name such as ``"rope"``, ``"t5"`` or
 ``"kerple_log"`` selects a scheme class, whose ``init_params`` gives the learned
 parameters that :class:`PositionModule` holds (as :class:`flax.nnx.Param` attributes)
 and whose ``from_params`` builds the scheme object that :func:`jaxpos.attention` takes,
@@ -85,8 +85,7 @@ from jax.typing import ArrayLike, DTypeLike
 # Importing a scheme module registers its schemes; ``import jaxpos`` loads the built-in
 # ones.
 from jaxpos import _checks
-from jaxpos.alibi import alibi_bias
-from jaxpos.dropout import check_dropout_rate
+from jaxpos.core.dropout import check_dropout_rate
 from jaxpos.layers.cache import KVCache, StreamingKVCache, rotate_at_write
 from jaxpos.layers.cores import (
     AttentionCore,
@@ -117,13 +116,14 @@ from jaxpos.layers.options import (
     stack_positions,
 )
 from jaxpos.layers.stack import build_stack, stack_spec
-from jaxpos.rope import apply_rope, check_rotary_dim
-from jaxpos.scheme import REGISTRY
-from jaxpos.t5 import check_bucket_args, t5_bias
+from jaxpos.schemes.alibi import alibi_bias
+from jaxpos.schemes.base import REGISTRY
+from jaxpos.schemes.rope import apply_rope, check_rotary_dim
+from jaxpos.schemes.t5 import check_bucket_args, t5_bias
 
 if TYPE_CHECKING:
-    from jaxpos.alibi import ALiBi as ALiBiScheme
-    from jaxpos.rope import RoPE as RoPEScheme
+    from jaxpos.schemes.alibi import ALiBi as ALiBiScheme
+    from jaxpos.schemes.rope import RoPE as RoPEScheme
 
 __all__ = [
     "ABSOLUTE_POSITIONS",
@@ -289,7 +289,7 @@ class RotaryEmbedding(PositionModule):
       rotary_dim: rotated features per head (even); the rest pass through.
       base: ``rope_theta``.
       layout: ``"half"`` (Llama/NeoX) or ``"interleaved"`` (GPT-J/RoFormer).
-      scaling: default context-extension dataclass (:mod:`jaxpos.rope_scaling`) or None.
+      scaling: default context-extension dataclass (:mod:`jaxpos.schemes.rope.scaling`) or None.
 
     ``scheme(scaling=...)`` returns the :class:`jaxpos.RoPE` scheme for attention; calling
     the module rotates one tensor: ``x [B, T, N, H]``, ``positions [T] | [B, T]`` -> ``x``'s
@@ -723,7 +723,7 @@ class DecoderLM(DecoderCore, _Stack):
       layer_positions: a list or tuple of ``num_layers`` attention position names, one
         scheme per layer (each layer then owns its scheme's parameters); ``position``
         must be ``"nope"`` (or absolute). E.g. the RNoPE-SWA layout of Yang et al. 2025:
-        :func:`jaxpos.rnope.rnope_swa_layers` gives ``position``, ``layer_positions``
+        :func:`jaxpos.schemes.rnope.rnope_swa_layers` gives ``position``, ``layer_positions``
         and ``layer_mask_mods``.
       dropout_rate: residual dropout in every block and, unless
         ``attention_dropout_rate`` is given, attention dropout (:class:`TransformerBlock`);

@@ -45,7 +45,7 @@ from jax.typing import ArrayLike
 from jaxpos import _checks
 
 if TYPE_CHECKING:
-    from jaxpos.scheme import PositionScheme
+    from jaxpos.schemes.base import PositionScheme
 
 __all__ = [
     "assert_equal_under_jit",
@@ -274,9 +274,9 @@ def attention_scores(q: jax.Array, k: jax.Array, *,
       ValueError / TypeError: as :func:`jaxpos.attention` for bad shapes, dtypes or
         positions.
     """
-    from jaxpos.call import check_attention_inputs, decode_positions
-    from jaxpos.reference import make_terms, tile_scores
-    from jaxpos.scheme import as_scheme
+    from jaxpos.core.call import check_attention_inputs, decode_positions
+    from jaxpos.core.reference import make_terms, tile_scores
+    from jaxpos.schemes.base import as_scheme
 
     check_attention_inputs(q, k, k)
     (B, Tq, N, H), (Tk, Nk) = q.shape, k.shape[1:3]

@@ -4,7 +4,7 @@
   (``jaxpos.attention(..., implementation="pallas")``): score_mod / mask_mod traced inside
   the kernel, block-sparse tile skipping, attention sinks; forward and backward.
 * :func:`attention_via_xla`: ``jax.nn.dot_product_attention`` (cuDNN on NVIDIA GPUs) with
-  jaxpos's semantics (``implementation="xla"``); lives in :mod:`jaxpos.xla`, re-exported.
+  jaxpos's semantics (``implementation="xla"``); lives in :mod:`jaxpos.core.xla`, re-exported.
 * :func:`choose_implementation`: the dispatch rule behind ``implementation=None``.
 * :func:`fused_attention`: the kernel with RoPE / ALiBi / an offset bias given as arrays.
 * :func:`supports_scheme`: the scheme protocol's ``fusable``.
@@ -12,6 +12,7 @@
 ``docs/kernel.md`` describes the design and the measurements behind the dispatch rule.
 """
 
+from jaxpos.core.xla import attention_via_xla
 from jaxpos.kernels.convenience import alibi_score_mod, fused_attention, offset_bias_score_mod
 from jaxpos.kernels.dispatch import (
     DENSE_BIAS_BUDGET_BYTES,
@@ -20,7 +21,6 @@ from jaxpos.kernels.dispatch import (
     supports_scheme,
 )
 from jaxpos.kernels.fused import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
-from jaxpos.xla import attention_via_xla
 
 __all__ = [
     "DEFAULT_BLOCK_K",

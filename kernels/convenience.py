@@ -11,11 +11,11 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxpos import _checks
-from jaxpos.alibi import alibi_score_mod
 from jaxpos.kernels.fused import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, kernel_attention, resolve_mode
 from jaxpos.mods import BlockMask, compose_score_mods, offset_score_mod
-from jaxpos.rope import ANGLE_PRECISIONS, LAYOUTS, apply_rope
-from jaxpos.rope_tables import rope_tables
+from jaxpos.schemes.alibi import alibi_score_mod
+from jaxpos.schemes.rope import ANGLE_PRECISIONS, LAYOUTS, apply_rope
+from jaxpos.schemes.rope.tables import rope_tables
 
 __all__ = ["alibi_score_mod", "fused_attention", "offset_bias_score_mod"]
 
@@ -80,7 +80,7 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: Ar
       inv_freq: float ``[rotary_dim // 2]`` radians per position, or None (no RoPE).
       rope_layout: ``"half"`` (Llama/NeoX) or ``"interleaved"`` (GPT-J/Meta).
       attention_factor: multiplies cos and sin (YaRN / LongRoPE).
-      angle_precision: ``"high"`` or ``"float32"`` (see :func:`jaxpos.rope.rope_angles`).
+      angle_precision: ``"high"`` or ``"float32"`` (see :func:`jaxpos.schemes.rope.rope_angles`).
       alibi_slopes: float ``[N]`` or None; differentiable.
       alibi_bidirectional: use ``-slopes * |kv_pos - q_pos|`` (encoders).
       offset_bias: float ``[N, 2R + 1]`` or None; differentiable.
@@ -132,7 +132,8 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: Ar
             if rope_layout != "half":
                 raise ValueError(f"rope_on_load rotates the 'half' layout only; got "
                                  f"rope_layout={rope_layout!r} (rotate before the kernel, or "
-                                 f"permute the features with jaxpos.rope.interleaved_to_half).")
+                                 f"permute the features with "
+                                 f"jaxpos.schemes.rope.interleaved_to_half).")
             tables = rope_tables(q_pos, kv_pos, inv_freq, attention_factor=attention_factor,
                                  angle_precision=angle_precision)
         else:

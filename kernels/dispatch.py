@@ -1,5 +1,5 @@
 """The kernel's adapter (``implementation="pallas"``) and the rule that picks an
-implementation per backend (the ``"xla"`` engine lives in :mod:`jaxpos.xla`).
+implementation per backend (the ``"xla"`` engine lives in :mod:`jaxpos.core.xla`).
 
 * :func:`attention_via_kernel`: ``jaxpos.attention(..., implementation="pallas")``, the
   fused Pallas kernel (:mod:`jaxpos.kernels.fused`) on already-transformed q and k.
@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, cast
 
 from jaxpos import _checks
+from jaxpos.core.xla import GPU_BACKENDS
 from jaxpos.kernels.fused import kernel_attention
-from jaxpos.xla import GPU_BACKENDS
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -27,13 +27,13 @@ if TYPE_CHECKING:
     import jax
     from jax.typing import ArrayLike
 
-    from jaxpos.call import AttentionCall
+    from jaxpos.core.call import AttentionCall
     from jaxpos.mods import BlockMask
 
 __all__ = ["DENSE_BIAS_BUDGET_BYTES", "attention_via_kernel",
            "choose_implementation", "run_kernel", "supports_scheme"]
 
-#: Largest dense bias (or mask) :func:`jaxpos.xla.attention_via_xla` may materialise when
+#: Largest dense bias (or mask) :func:`jaxpos.core.xla.attention_via_xla` may materialise when
 #: :func:`choose_implementation` picks it over the kernel: ``B * N * Tq * Tk * 4`` bytes.
 #: 1 GiB per attention call (e.g. B=1, N=16, T=4096); see ``docs/kernel.md``.
 DENSE_BIAS_BUDGET_BYTES = 1 << 30
@@ -47,7 +47,7 @@ def supports_scheme(scheme) -> bool:
       TypeError: ``scheme`` is not a position scheme (pass a string or ``None`` through
         :func:`jaxpos.as_scheme` first).
     """
-    from jaxpos.scheme import PositionScheme
+    from jaxpos.schemes.base import PositionScheme
 
     if not isinstance(scheme, PositionScheme) or not hasattr(scheme, "fusable"):
         raise TypeError(f"scheme must be a jaxpos PositionScheme (NoPE(), RoPE(...), "
@@ -73,7 +73,7 @@ def choose_implementation(*, backend: str, fusable: bool, has_score_mod: bool,
       (171 / 172);
     * NVIDIA GPU with a score term (a score_mod, the scheme's included) -> ``"pallas"``:
       the kernel applies it in float32 tile by tile. cuDNN is not used for a bias
-      (:func:`jaxpos.xla.cudnn_allowed`): it takes the bias in the inputs' dtype, which
+      (:func:`jaxpos.core.xla.cudnn_allowed`): it takes the bias in the inputs' dtype, which
       rounds the term (BLOOM's ``slopes[h] * kv_pos`` was 0.64 off in bfloat16), and its
       bias gradient is wrong for batch > 1 (https://github.com/jax-ml/jax/issues/30593);
       the 284 / 197 TFLOP/s once measured for ALiBi through cuDNN came from that path;
@@ -185,7 +185,8 @@ def attention_via_kernel(q: jax.Array, k: jax.Array, v: jax.Array, *,
 
 def run_kernel(call: AttentionCall) -> jax.Array:
     """The ``"pallas"`` runner of :func:`jaxpos.attention`: the fused kernel on a validated,
-    transformed call (:func:`jaxpos.call.validate_call`, :func:`jaxpos.call.transform_call`;
+    transformed call (:func:`jaxpos.core.call.validate_call`,
+    :func:`jaxpos.core.call.transform_call`;
     q, k and v are not checked again here). ``[B, Tq, N, H_v]`` in q's dtype."""
     out = kernel_attention(call.q, call.k, call.v, score_mod=call.score_mod,
                            mask_mod=call.mask_mod, block_mask=call.block_mask, sinks=call.sinks,

@@ -90,11 +90,11 @@ from jaxpos._util import (
     varying_axes,
     zero_cotangent,
 )
-from jaxpos.dropout import Dropout, keep_tile
+from jaxpos.core.dropout import Dropout, keep_tile
 from jaxpos.kernels import modeval
 from jaxpos.kernels import schedule as sched_lib
 from jaxpos.mods import BlockMask, convert_mod, is_additive
-from jaxpos.rope_tables import RopeTables, check_rope_tables, rope_tables
+from jaxpos.schemes.rope.tables import RopeTables, check_rope_tables, rope_tables
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "RopeTables", "kernel_attention",
            "rope_tables"]
@@ -435,7 +435,7 @@ def _dropped(cfg, r, b, h, q0, rq, k0, rk, x):
     """``x`` (a ``[rq, rk]`` tile of probabilities or of ``dO V^T``) times the dropout
     factor ``keep / (1 - rate)`` of query rows ``q0 + [0, rq)`` and key columns
     ``k0 + [0, rk)`` (indices along the call's sequences), the keep decisions of
-    :func:`jaxpos.dropout.keep_tile` for batch row ``b`` and query head ``h`` (both 0 with a
+    :func:`jaxpos.core.dropout.keep_tile` for batch row ``b`` and query head ``h`` (both 0 with a
     broadcast mask): the same pairs as the reference and chunked paths. ``x`` unchanged
     without dropout."""
     if not cfg.dropout_rate:
@@ -1084,7 +1084,7 @@ def _mod_const_grads(cfg, q, k, v, ints, smod, mmod, lse, do, delta, kv_len, tab
     Nk = N // g
     Tq_p, Tk_p = nq * bq, nk * bk
     if cfg.rope_half:
-        from jaxpos.rope import rotate
+        from jaxpos.schemes.rope import rotate
 
         q = rotate(q, tabs[0][:, :cfg.Tq], tabs[1][:, :cfg.Tq], layout="half")
         k = rotate(k, tabs[2][:, :cfg.Tk], tabs[3][:, :cfg.Tk], layout="half")
@@ -1297,7 +1297,7 @@ def _prepare(q, k, v, *, q_positions, kv_positions, score_mod=None, mask_mod=Non
     ints = {"q_pos": qp[:, :, None], "kv_pos": kp[:, None, :]}
     if dropout is not None:
         if not isinstance(dropout, Dropout):
-            raise TypeError(f"dropout must be a jaxpos.dropout.Dropout or None; got "
+            raise TypeError(f"dropout must be a jaxpos.core.dropout.Dropout or None; got "
                             f"{type(dropout).__name__}.")
         ints["drop_seed"] = jnp.asarray(dropout.seed).astype(jnp.uint32).reshape(2)
     seg_q = seg_kv = None
@@ -1353,11 +1353,11 @@ def kernel_attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None,
         rotates them as they are loaded (``"half"`` layout), forward and backward.
       kv_splits: key splits of the forward (flash decoding), or None: split a call with a
         single query tile until about :data:`SPLIT_PROGRAMS` programs run.
-      dropout: a :class:`jaxpos.dropout.Dropout` (rate, uint32 ``[2]`` seed, broadcast) or
+      dropout: a :class:`jaxpos.core.dropout.Dropout` (rate, uint32 ``[2]`` seed, broadcast) or
         None: attention dropout (FlashAttention, Dao et al. 2022, Alg. 2): each tile's
         probabilities are multiplied by ``keep / (1 - rate)`` after the (undropped)
         normaliser is updated, the keep decisions computed in the tile from the seed and the
-        tile's query / key indices (:func:`jaxpos.dropout.keep_tile`, the reference and
+        tile's query / key indices (:func:`jaxpos.core.dropout.keep_tile`, the reference and
         chunked paths' mask, bit for bit; no ``[Tq, Tk]`` mask is stored); the backward
         kernels recompute them. Key splits are compatible (a split's tiles keep their
         global key indices).

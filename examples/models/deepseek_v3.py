@@ -10,11 +10,11 @@ Architecture (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", §2.1; HF
   position and ``qk_rope_head_dim`` rotary ones; keys and values from a latent
   ``c^KV = RMSNorm(W^{DKV} h)`` of ``kv_lora_rank`` features up-projected per head
   (``kv_b_proj`` -> ``[k_nope | v]``, ``v_head_dim`` wide), plus **one** rotary key head
-  ``k^R = W^{KR} h`` shared by all heads (decoupled RoPE). :mod:`jaxpos.mla` assembles
+  ``k^R = W^{KR} h`` shared by all heads (decoupled RoPE). :mod:`jaxpos.schemes.mla` assembles
   ``[rope | nope]`` queries and keys and :func:`jaxpos.attention` rotates the rope part
   (interleaved layout, YaRN) at each token's position;
 * softmax scale ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5 * mscale**2`` with YaRN's
-  ``mscale_all_dim`` (:func:`jaxpos.mla.mla_softmax_scale`);
+  ``mscale_all_dim`` (:func:`jaxpos.schemes.mla.mla_softmax_scale`);
 * the first ``first_k_dense_replace`` layers have a SwiGLU MLP, the rest a mixture of
   experts (§2.1.2 "DeepSeekMoE": sigmoid affinities, a bias added for the choice only,
   ``n_group`` groups of experts of which ``topk_group`` are kept by the sum of their two
@@ -49,7 +49,8 @@ from flax import nnx
 import jaxpos
 import jaxpos.hf
 from examples.models import common
-from jaxpos import _checks, mla
+from jaxpos import _checks
+from jaxpos.schemes import mla
 
 __all__ = ["DeepseekV3Config", "DeepseekV3ForCausalLM", "from_hf", "param_mapping",
            "rope_from_config", "softmax_scale"]
@@ -201,7 +202,7 @@ def rope_from_config(config: DeepseekV3Config, *, angle_precision: str = "float3
 
 def softmax_scale(config: DeepseekV3Config) -> float:
     """``qk_head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` under YaRN
-    (:func:`jaxpos.mla.mla_softmax_scale`; HF's ``yarn_apply_mscale``)."""
+    (:func:`jaxpos.schemes.mla.mla_softmax_scale`; HF's ``yarn_apply_mscale``)."""
     return mla.mla_softmax_scale(config.qk_nope_head_dim, config.qk_rope_head_dim,
                                  rope_parameters=dict(config.rope_parameters))
 

@@ -128,7 +128,8 @@ def position_schemes(config: Gemma3Config, *, angle_precision: str = "float32") 
     Raises:
       ValueError: an unknown ``rope_type`` or layer type.
     """
-    return jaxpos.hf.rope_per_layer_from_hf_config(config.hf_dict, angle_precision=angle_precision)
+    return jaxpos.hf.rope_per_layer_from_hf_config(config.hf_dict,
+                                                           angle_precision=angle_precision)
 
 
 def softcap(cap: float):

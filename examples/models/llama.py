@@ -94,7 +94,8 @@ class LlamaConfig:
 
 
 def rope_from_config(config: LlamaConfig, *, angle_precision: str = "float32") -> jaxpos.RoPE:
-    """The :class:`jaxpos.RoPE` scheme of ``config``, read by :func:`jaxpos.hf.rope_from_hf_config`
+    """The :class:`jaxpos.RoPE` scheme of ``config``, read by
+    :func:`jaxpos.hf.rope_from_hf_config`
     (any HF ``rope_type``: default, linear, dynamic, yarn, llama3, longrope).
 
     Llama 3 scaling (Dubey et al. 2024, §3.3; HF ``_compute_llama3_parameters``) keeps

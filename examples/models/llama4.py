@@ -11,7 +11,8 @@ Architecture (Meta AI 2025, "The Llama 4 herd", and the reference code
   (:class:`examples.models.common.ChunkedAttentionMask`, a ``mask_mod``; a
   :class:`jaxpos.BlockMask` on tiled implementations so off-chunk tiles are skipped);
   the per-layer schemes come from :func:`jaxpos.hf.rope_per_layer_from_hf_config`;
-* **attention temperature tuning** on NoPE layers (:class:`jaxpos.irope.TemperatureTunedNoPE`):
+* **attention temperature tuning** on NoPE layers
+  (:class:`jaxpos.schemes.irope.TemperatureTunedNoPE`):
   ``q *= 1 + attn_scale * log(floor((pos + 1) / floor_scale) + 1)``, where HF (and Meta's
   code) take ``pos`` from the cache slot index, not from the position ids; this port does
   the same, so NoPE layers receive slot indices as positions (they use positions only for
@@ -46,7 +47,7 @@ import jaxpos
 import jaxpos.hf
 import jaxpos.nnx
 from examples.models import common
-from jaxpos.irope import TemperatureTunedNoPE, no_rope_layers
+from jaxpos.schemes.irope import TemperatureTunedNoPE, no_rope_layers
 
 __all__ = ["Llama4Config", "Llama4ForCausalLM", "from_hf", "position_schemes"]
 
@@ -128,14 +129,15 @@ class Llama4Config:
 
 def position_schemes(config: Llama4Config, *, angle_precision: str = "float32") -> list:
     """Per layer: :class:`jaxpos.RoPE` (interleaved layout, the config's scaling) on RoPE
-    layers, :class:`jaxpos.irope.TemperatureTunedNoPE` (or plain NoPE when
+    layers, :class:`jaxpos.schemes.irope.TemperatureTunedNoPE` (or plain NoPE when
     ``attn_temperature_tuning`` is off) on NoPE layers
     (:func:`jaxpos.hf.rope_per_layer_from_hf_config`).
 
     Raises:
       ValueError: an unknown ``rope_type``; a bad ``no_rope_layers``.
     """
-    return jaxpos.hf.rope_per_layer_from_hf_config(config.hf_dict, angle_precision=angle_precision)
+    return jaxpos.hf.rope_per_layer_from_hf_config(config.hf_dict,
+                                                           angle_precision=angle_precision)
 
 
 def l2_norm(x, eps: float):

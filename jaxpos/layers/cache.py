@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
-from jaxpos.scheme import PositionScheme
+from jaxpos.schemes.base import PositionScheme
 
 __all__ = ["KVCache", "StreamingKVCache", "cache_token_count", "check_cache", "init_kv_cache",
            "init_streaming_cache", "poison_rows", "rotate_at_write", "streaming_ranks",
@@ -173,7 +173,7 @@ class StreamingKVCache:
     Positions are places in the cache, not in the text (§3.2): the kept tokens, in order,
     are at ``0 .. count - 1``, so the sinks sit at ``0 .. keep_first - 1`` and the newest
     token at the last place; keys are stored raw and RoPE rotates them at read with these
-    positions (:func:`jaxpos.rope_tables.rope_tables`), as the paper caches keys before the
+    positions (:func:`jaxpos.schemes.rope.tables.rope_tables`), as the paper caches keys before the
     rotation. A pytree (``keep_first`` is static).
 
     Attributes:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpos import _checks
-from jaxpos.attention import attention
+from jaxpos.core.entry import attention
 from jaxpos.layers.cache import (
     KVCache,
     StreamingKVCache,
@@ -55,9 +55,9 @@ from jaxpos.layers.options import (
     check_mask_mod,
     no_rope_scaling,
 )
-from jaxpos.learned import learned_positions
-from jaxpos.rope import RoPE
-from jaxpos.scheme import NoPE, PositionScheme
+from jaxpos.schemes.base import NoPE, PositionScheme
+from jaxpos.schemes.learned import learned_positions
+from jaxpos.schemes.rope import RoPE
 
 __all__ = [
     "AttentionCore",
@@ -74,7 +74,7 @@ __all__ = [
 
 def attention_for(scheme):
     """:func:`jaxpos.attention`, or the scheme's own ``attention`` when the scheme replaces
-    softmax attention (``replaces_softmax``: :class:`jaxpos.stick_breaking.StickBreaking`);
+    softmax attention (``replaces_softmax``: :class:`jaxpos.schemes.stick_breaking.StickBreaking`);
     both take the same keywords."""
     return scheme.attention if getattr(scheme, "replaces_softmax", False) else attention
 
@@ -133,7 +133,7 @@ class PositionCore:
         parameters by the scheme class's ``from_params`` (gradients flow to them).
 
         Args:
-          rope_scaling: a :mod:`jaxpos.rope_scaling` dataclass for this call only
+          rope_scaling: a :mod:`jaxpos.schemes.rope.scaling` dataclass for this call only
             (``ValueError`` for a scheme that does not take it).
           x: ``[B, T, D]`` the layer's input; positions: int ``[B|1, T]``; both optional,
             for schemes computed from the tokens (FoX's forget gates).
@@ -449,7 +449,7 @@ class DecoderCore(StackCore):
           positions: int ``[T]`` or ``[B, T]``, default ``arange(T)``, or Hugging Face's
             positions of ``attention_mask`` when it is given (``cumsum - 1``, padding at
             1); offsets and packing are position arrays.
-          rope_scaling: a :mod:`jaxpos.rope_scaling` dataclass applied for this call only;
+          rope_scaling: a :mod:`jaxpos.schemes.rope.scaling` dataclass applied for this call only;
             ``ValueError`` for a model whose scheme does not take it (not ``"rope"``).
           implementation: overrides the model's attention backend for this call.
           segment_ids: int ``[B, T]`` for packed sequences (optional).

@@ -13,7 +13,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxpos import _checks
-from jaxpos.sinusoidal import sinusoidal_pe
+from jaxpos.schemes.sinusoidal import sinusoidal_pe
 
 __all__ = [
     "PAD_POSITION",

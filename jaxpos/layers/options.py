@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
-from jaxpos.attention import ALL_IMPLEMENTATIONS
-from jaxpos.scheme import REGISTRY, PositionScheme
+from jaxpos.core.entry import ALL_IMPLEMENTATIONS
+from jaxpos.schemes.base import REGISTRY, PositionScheme
 
 __all__ = [
     "ABSOLUTE_POSITIONS",
@@ -59,7 +59,7 @@ def buildable(cls) -> bool:
 def attention_positions() -> tuple[str, ...]:
     """The names :class:`MultiHeadAttention` accepts now: every registered scheme that
     implements ``from_params``, ``"nope"`` first, then sorted (the registry may grow after
-    import: :func:`jaxpos.scheme.register`)."""
+    import: :func:`jaxpos.schemes.base.register`)."""
     names = sorted(n for n, cls in REGISTRY.items() if n != "nope" and buildable(cls))
     return ("nope", *names)
 
@@ -255,7 +255,7 @@ def build_scheme(position: str, params: dict, *, num_heads, head_dim, causal, op
       position: a registered name. params: the module's parameter values.
       num_heads, head_dim, causal: the layer's (heads and width may be None for a module
         built without them). options: from :func:`collect_options`.
-      rope_scaling: a :mod:`jaxpos.rope_scaling` dataclass for this call only, passed as
+      rope_scaling: a :mod:`jaxpos.schemes.rope.scaling` dataclass for this call only, passed as
         option ``"rope_scaling"``.
       x: ``[B, T, D]`` the layer's input; positions: int32 ``[B|1, T]`` (for schemes
         computed from the tokens).

@@ -19,7 +19,7 @@ from jaxpos.layers.options import (
     layer_mask_mods_plan,
     stack_options,
 )
-from jaxpos.scheme import REGISTRY
+from jaxpos.schemes.base import REGISTRY
 
 __all__ = ["StackMaker", "StackParts", "StackPlan", "StackSpec", "build_stack", "stack_plan",
            "stack_spec"]

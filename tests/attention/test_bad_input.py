@@ -303,7 +303,7 @@ _TOK = np.zeros((2, 4), np.int32)
 
 def _shaw():
     import sys
-    return sys.modules["jaxpos.shaw"]
+    return sys.modules["jaxpos.schemes.shaw"]
 
 
 def _mha():
@@ -319,7 +319,7 @@ def _linen_init(position="rope", tokens=_TOK, **kw):
 
 
 def _rs():
-    from jaxpos import rope_scaling
+    from jaxpos.schemes.rope import scaling as rope_scaling
     return rope_scaling
 
 
@@ -329,16 +329,16 @@ _LLAMA_CFG = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4
 
 def _rope():
     import sys
-    return sys.modules["jaxpos.rope"]
+    return sys.modules["jaxpos.schemes.rope"]
 
 
 def _sin():
     import sys
-    return sys.modules["jaxpos.sinusoidal"]
+    return sys.modules["jaxpos.schemes.sinusoidal"]
 
 
 def _hf():
-    from jaxpos import hf
+    from jaxpos.interop import hf
     return hf
 
 
@@ -471,7 +471,7 @@ CASES += [
         jax.random.PRNGKey(0), Q, POS), ValueError, ("rotary_dim", "even", "7")),
     L("linen.SinusoidalEmbedding/d_model", lambda: _linen().SinusoidalEmbedding(d_model=0).init(
         jax.random.PRNGKey(0), POS), ValueError, ("d_model", "0")),
-    # RoPE variants and weight-layout converters (jaxpos.rope)
+    # RoPE variants and weight-layout converters (jaxpos.schemes.rope)
     L("half_to_interleaved/head_dim", lambda: jaxpos.half_to_interleaved(_x(2, 8), head_dim=6),
       ValueError, ("head_dim=6", "size 8")),
     L("interleaved_to_half/rotary_dim", lambda: jaxpos.interleaved_to_half(
@@ -581,7 +581,7 @@ CASES += [
     L("linen.MultiHeadAttention/context-width", lambda: _linen().MultiHeadAttention(
         d_model=16, num_heads=2).init(jax.random.PRNGKey(0), _x(2, 4, 16), context=_x(2, 6, 8)),
       ValueError, ("context", "d_model=16", "(2, 6, 8)")),
-    # Shaw building blocks (jaxpos.shaw)
+    # Shaw building blocks (jaxpos.schemes.shaw)
     L("shaw_clipped_index/max_distance", lambda: _shaw().shaw_clipped_index(POS, POS, -1), ValueError,
       ("max_distance", "-1")),
     L("shaw_clipped_index/positions-float", lambda: _shaw().shaw_clipped_index(

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxpos
-from jaxpos.dropout import Dropout, dropout_seed, keep_mask
+from jaxpos.core.dropout import Dropout, dropout_seed, keep_mask
 
 B, T, N, H = 2, 12, 3, 8
 

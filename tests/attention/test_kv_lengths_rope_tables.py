@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import jaxpos
-from jaxpos.rope_scaling import default_inv_freq
-from jaxpos.rope_tables import rope_tables
+from jaxpos.schemes.rope.scaling import default_inv_freq
+from jaxpos.schemes.rope.tables import rope_tables
 
 
 def _qkv(B, Tq, Tk, N, Nk, H, seed=0):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jaxpos
-import jaxpos.xla as xla_engine
+import jaxpos.core.xla as xla_engine
 from jaxpos.mods import convert_mod
 
 

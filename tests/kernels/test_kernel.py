@@ -263,11 +263,11 @@ def test_fused_attention_rope_alibi_offset_bias_and_inv_freq_gradient():
 
 # ----------------------------------------------- built-in schemes through jaxpos.attention
 def _schemes():
-    from jaxpos.fire import FIRE
-    from jaxpos.fox import FoX
-    from jaxpos.kerple import KERPLE
-    from jaxpos.sandwich import Sandwich
-    from jaxpos.xpos import XPos
+    from jaxpos.schemes.fire import FIRE
+    from jaxpos.schemes.fox import FoX
+    from jaxpos.schemes.kerple import KERPLE
+    from jaxpos.schemes.sandwich import Sandwich
+    from jaxpos.schemes.xpos import XPos
 
     ks = jax.random.split(jax.random.PRNGKey(9), 4)
     return {
@@ -389,7 +389,7 @@ def test_offset_bias_score_mod_equals_t5_buckets():
 
 # ------------------------------------------------------------------------- dispatch, errors
 def test_supports_scheme_is_the_protocols_fusable():
-    from jaxpos.scheme import NoPE
+    from jaxpos.schemes.base import NoPE
 
     assert supports_scheme(NoPE())
     assert supports_scheme(jaxpos.ALiBi(4))
@@ -450,6 +450,6 @@ def test_gpu_benchmark_script_runs_tiny(tmp_path):
     rows = bench.main(["--tiny", "--variants", "t5", "rope+alibi", "--no-torch",
                        "--out", str(out)])
     impls = {r["impl"] for r in rows}
-    assert {"jaxpos.pallas", "jaxpos.xla", "jax.xla+dense"} <= impls
+    assert {"jaxpos.pallas", "jaxpos.core.xla", "jax.xla+dense"} <= impls
     assert all(r["ms"] is not None for r in rows)
     assert "| 64 | t5 | fwd | jaxpos.pallas |" in out.read_text()

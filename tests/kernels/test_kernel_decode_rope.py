@@ -10,7 +10,7 @@
   ``logsumexp`` of the dense scores, and differentiable (gradients through it match the
   dense reference).
 * ``rope_tables``: unrotated q, k plus cos/sin tables equal rotating outside
-  (:func:`jaxpos.rope.rotate`), forward and backward; non-power-of-two head dims and a
+  (:func:`jaxpos.schemes.rope.rotate`), forward and backward; non-power-of-two head dims and a
   partial rotary dim included.
 * Grouped KV heads with a per-head block mask: the dk/dv program of a KV head follows each
   query head's own schedule column.
@@ -28,8 +28,8 @@ import pytest
 from _kernel_dense import dense_attention
 
 from jaxpos.kernels import fused
-from jaxpos.rope import rotate
-from jaxpos.rope_scaling import default_inv_freq
+from jaxpos.schemes.rope import rotate
+from jaxpos.schemes.rope.scaling import default_inv_freq
 
 TOL = {"atol": 2e-5, "rtol": 2e-5}
 

@@ -1,6 +1,6 @@
 """Attention dropout in the fused Pallas kernel (interpret mode): the forward, dq and dk/dv
 kernels compute the keep decisions of each tile from the seed and the tile's query / key
-indices (jaxpos.dropout.keep_tile), so the kernel drops exactly the pairs the reference
+indices (jaxpos.core.dropout.keep_tile), so the kernel drops exactly the pairs the reference
 path drops for the same key. Checked against the reference path (which builds the whole
 ``[B, N, Tq, Tk]`` mask) for the output and the gradients of q, k, v, the sinks and a
 score_mod's captured array, with GQA, causal masks, padded tiles, a broadcast mask, key
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxpos
-from jaxpos.dropout import Dropout, dropout_seed
+from jaxpos.core.dropout import Dropout, dropout_seed
 from jaxpos.kernels import fused
 
 B, T, N, NKV, H = 2, 12, 4, 2, 16
@@ -120,7 +120,7 @@ def test_key_splits_lengths_and_rope_tables_keep_the_reference_mask(rope):
     tabs = None
     if rope:
         inv_freq = 1.0 / (10000.0 ** (jnp.arange(H // 2) / (H // 2)))
-        tabs = jaxpos.rope_tables.rope_tables(q_pos, kv_pos, inv_freq)
+        tabs = jaxpos.schemes.rope.tables.rope_tables(q_pos, kv_pos, inv_freq)
     key = jax.random.key(5)
     drop = Dropout(RATE, dropout_seed(key), False)
     w = weights((B, Tq, N, H))
@@ -151,7 +151,7 @@ def test_key_splits_lengths_and_rope_tables_keep_the_reference_mask(rope):
 
 def test_kernel_refuses_a_dropout_that_is_not_a_dropout_record():
     q, k, v = qkv()
-    with pytest.raises(TypeError, match="dropout must be a jaxpos.dropout.Dropout"):
+    with pytest.raises(TypeError, match="dropout must be a jaxpos.core.dropout.Dropout"):
         fused.kernel_attention(q, k, v, q_positions=jnp.arange(T), kv_positions=jnp.arange(T),
                                interpret=True, dropout=0.1)
 
@@ -163,8 +163,8 @@ def test_kernel_refuses_a_dropout_that_is_not_a_dropout_record():
 ])
 def test_implementation_none_routes_dropout_to_a_path_that_applies_it(monkeypatch, backend,
                                                                       plain, dropping):
-    from jaxpos.attention import choose_implementation
-    from jaxpos.call import validate_call
+    from jaxpos.core.call import validate_call
+    from jaxpos.core.entry import choose_implementation
 
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
     q, k, v = (x.astype(jnp.bfloat16) for x in qkv())

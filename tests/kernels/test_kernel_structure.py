@@ -314,7 +314,7 @@ def _triton_rope_modules(monkeypatch, capsys, on_load):
     def loss(q, inv_freq):
         tabs = fused.rope_tables(pos, pos, inv_freq)
         if not on_load:
-            from jaxpos.rope import rotate
+            from jaxpos.schemes.rope import rotate
 
             qr = rotate(q, tabs.q_cos, tabs.q_sin, layout="half")
             o = fused.kernel_attention(qr, qr, q, q_positions=pos, kv_positions=pos,

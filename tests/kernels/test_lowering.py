@@ -206,10 +206,10 @@ def test_export_layout_decode_and_rope_on_load(platform, Tq, Tk, H, rope, kv_len
 def test_export_dropout_forward_and_backward(platform, shape):
     """Attention dropout: the seed is a uint32 [2] kernel input (TPU scalar memory) and
     each of the three kernels hashes its tile's indices (uint32 multiplies, shifts and
-    xors, jaxpos.dropout.keep_tile); the captured-array gradient pass recomputes the mask
+    xors, jaxpos.core.dropout.keep_tile); the captured-array gradient pass recomputes the mask
     in XLA. Training shape: GQA, causal, padding, a score_mod with a captured array;
     decode shape: grouped heads, key splits, per-row lengths, RoPE tables on load."""
-    from jaxpos.dropout import Dropout
+    from jaxpos.core.dropout import Dropout
     from jaxpos.kernels import fused
 
     sds = jax.ShapeDtypeStruct

@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import pytest
 
 import jaxpos
-from jaxpos.fire import FIRE
-from jaxpos.fox import FoX
-from jaxpos.kerple import KERPLELog, KERPLEPower
-from jaxpos.pope import PoPE
-from jaxpos.sandwich import Sandwich
-from jaxpos.ssmax import SSMax
-from jaxpos.xpos import XPos
+from jaxpos.schemes.fire import FIRE
+from jaxpos.schemes.fox import FoX
+from jaxpos.schemes.kerple import KERPLELog, KERPLEPower
+from jaxpos.schemes.pope import PoPE
+from jaxpos.schemes.sandwich import Sandwich
+from jaxpos.schemes.ssmax import SSMax
+from jaxpos.schemes.xpos import XPos
 
 B, T, N, H = 1, 192, 4, 128
 _TRITON_CALL = "__gpu$xla.gpu.triton"

@@ -20,8 +20,8 @@ from flax import nnx
 
 from jaxpos.layers.functional import rms_norm
 from jaxpos.nnx import DecoderLM
-from jaxpos.rope import apply_rope
-from jaxpos.rope_scaling import DynamicNTKScaling
+from jaxpos.schemes.rope import apply_rope
+from jaxpos.schemes.rope.scaling import DynamicNTKScaling
 
 
 def _model(position="rope", **kw):

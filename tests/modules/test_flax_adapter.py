@@ -257,7 +257,7 @@ def one_hot_values(Tk=T):
 
 @pytest.mark.parametrize("broadcast", [True, False])
 def test_dropout_has_flax_rate_scaling_and_broadcasting(broadcast):
-    from jaxpos.dropout import Dropout, dropout_seed, keep_mask
+    from jaxpos.core.dropout import Dropout, dropout_seed, keep_mask
 
     rate, key = 0.25, jax.random.key(3)
     q, k, v = one_hot_values()

@@ -261,7 +261,7 @@ def test_rotary_module_scores_depend_on_offset_only(m, n, shift):
 
 # ------------------------------------------------------------ rope_scaling per call
 def test_rope_scaling_applies_to_one_call_only():
-    from jaxpos.rope_scaling import LinearScaling
+    from jaxpos.schemes.rope.scaling import LinearScaling
 
     # Linear scaling divides inv_freq by the factor (Chen et al. 2023), so positions 2t
     # with factor 2 rotate exactly as positions t without scaling.
@@ -281,7 +281,7 @@ def test_dynamic_ntk_decode_keeps_each_key_rotated_as_written(implementation):
     does (the Llama port checks this against HF in tests/parity/test_parity_models.py). Here the
     reference is built by hand from the public pure functions: keys 0..P-1 rotated with
     the frequencies for length P, key and query P with those for length P + 1."""
-    from jaxpos.rope_scaling import DynamicNTKScaling
+    from jaxpos.schemes.rope.scaling import DynamicNTKScaling
 
     scaling = DynamicNTKScaling(factor=4.0, original_max_position_embeddings=3)
     mha = jn.MultiHeadAttention(D, N, position="rope", causal=True, rngs=nnx.Rngs(3))

@@ -28,10 +28,10 @@ from flax import nnx
 
 from jaxpos import linen as jl
 from jaxpos import nnx as jn
-from jaxpos.fox import FoX
-from jaxpos.kerple import KERPLELog
 from jaxpos.layers.options import buildable
-from jaxpos.scheme import REGISTRY, PositionScheme, register
+from jaxpos.schemes.base import REGISTRY, PositionScheme, register
+from jaxpos.schemes.fox import FoX
+from jaxpos.schemes.kerple import KERPLELog
 
 V, D, N, H = 50, 16, 2, 8
 NAMES = sorted(REGISTRY)  # every scheme registered once jaxpos.nnx is imported
@@ -293,8 +293,8 @@ def test_nope_temperature_builds_from_scheme_options_and_scales_queries():
     # The Llama 4 temperature 1 + attn_scale * log1p(floor((p + 1) / floor_scale)) from
     # scheme_options: the layer equals the same weights called with the scheme built by
     # hand, and differs from plain NoPE once the temperature departs from 1 (p >= 1 here).
-    from jaxpos.irope import TemperatureTunedNoPE
-    from jaxpos.scheme import NoPE
+    from jaxpos.schemes.base import NoPE
+    from jaxpos.schemes.irope import TemperatureTunedNoPE
     layer = jn.MultiHeadAttention(16, 2, position="nope_temperature",
                                   scheme_options={"attn_scale": 0.5, "floor_scale": 2.0},
                                   rngs=nnx.Rngs(0))

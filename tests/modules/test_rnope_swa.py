@@ -14,7 +14,7 @@ from flax import nnx
 import jaxpos
 from jaxpos import linen as jl
 from jaxpos import nnx as jn
-from jaxpos.rnope import rnope_swa_layers
+from jaxpos.schemes.rnope import rnope_swa_layers
 
 V, D, N, T, W = 40, 16, 2, 9, 3
 

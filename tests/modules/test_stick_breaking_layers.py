@@ -13,7 +13,7 @@ from flax import nnx
 
 import jaxpos
 from jaxpos import nnx as jn
-from jaxpos.stick_breaking import StickBreaking
+from jaxpos.schemes.stick_breaking import StickBreaking
 
 V, T = 40, 6
 

@@ -61,34 +61,34 @@ def optional_schemes():
     """Schemes from modules that may not exist in every checkout."""
     out = {}
     try:
-        from jaxpos.kerple import KERPLE
+        from jaxpos.schemes.kerple import KERPLE
         out["kerple"] = lambda: KERPLE.init(N, key=jax.random.key(3), kind="log")
         out["kerple_power"] = lambda: KERPLE.init(N, key=jax.random.key(4), kind="power")
     except ImportError:
         pass
     try:
-        from jaxpos.fire import FIRE
+        from jaxpos.schemes.fire import FIRE
         out["fire"] = lambda: FIRE.init(N, key=jax.random.key(5), mlp_width=4, init_L=16.0)
     except ImportError:
         pass
     try:
-        from jaxpos.sandwich import Sandwich
+        from jaxpos.schemes.sandwich import Sandwich
         out["sandwich"] = lambda: Sandwich(N, d_bar=8)
     except ImportError:
         pass
     try:
-        from jaxpos.xpos import XPos
+        from jaxpos.schemes.xpos import XPos
         out["xpos"] = lambda: XPos(H, scale_base=16.0)
     except ImportError:
         pass
     try:
-        from jaxpos.fox import FoX
+        from jaxpos.schemes.fox import FoX
         gates = np.random.default_rng(2).normal(size=(B, T, N)) + 2.0
         out["fox"] = lambda: FoX(jax.nn.log_sigmoid(jnp.asarray(gates, jnp.float32)))
     except ImportError:
         pass
     try:
-        from jaxpos.rope_scaling import DynamicNTKScaling
+        from jaxpos.schemes.rope.scaling import DynamicNTKScaling
         out["rope_dynamic_ntk"] = lambda: RoPE(rotary_dim=H, scaling=DynamicNTKScaling(
             factor=2.0, original_max_position_embeddings=16))
     except ImportError:

@@ -1,4 +1,4 @@
-"""Ring attention (context parallelism, :mod:`jaxpos.parallel`).
+"""Ring attention (context parallelism, :mod:`jaxpos.parallel.ring`).
 
 The 8-device checks run in a subprocess (``tests/parallel/_ring_worker.py``, which sets
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before importing JAX): each
@@ -90,7 +90,7 @@ def test_ring_equals_single_device(results):
 @pytest.mark.slow  # one 8-device subprocess (~25 s) shared by these five tests
 def test_ring_covers_kerple_when_present(results):
     if "kerple" not in next(k for k in results if k.startswith("available/")):
-        pytest.skip("jaxpos.kerple not in this checkout")
+        pytest.skip("jaxpos.schemes.kerple not in this checkout")
     assert any(k.startswith("grad/kerple/") for k in results)
 
 

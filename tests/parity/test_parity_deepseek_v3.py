@@ -28,7 +28,7 @@ from flax import nnx
 
 import jaxpos
 import jaxpos.hf
-import jaxpos.mla
+import jaxpos.schemes.mla
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 import jaxpos
-from jaxpos import rope as R
-from jaxpos import rope_scaling as S
 from jaxpos.hf import rope_from_hf_config, softmax_scale_from_hf_config
+from jaxpos.schemes import rope as R
+from jaxpos.schemes.rope import scaling as S
 
 pytestmark = pytest.mark.parity
 torch = pytest.importorskip("torch")

@@ -13,8 +13,8 @@ import pytest
 
 import jaxpos
 import jaxpos.hf
-from jaxpos import irope
-from jaxpos import rope as R
+from jaxpos.schemes import irope
+from jaxpos.schemes import rope as R
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -231,7 +231,8 @@ def test_llama4_irope_layers_from_hf_config():
     assert schemes[0].layout == "interleaved"
     assert isinstance(schemes[0].scaling, jaxpos.Llama3Scaling)
     assert jaxpos.hf.hf_layer_types(cfg) == ["chunked_attention", "full_attention"] * 2
-    off = jaxpos.hf.rope_per_layer_from_hf_config(_llama4_config(attn_temperature_tuning=False))
+    off = jaxpos.hf.rope_per_layer_from_hf_config(
+        _llama4_config(attn_temperature_tuning=False))
     assert type(off[1]).__name__ == "NoPE"
 
 
@@ -250,7 +251,7 @@ def test_llama4_rotary_matches_hf():
         freqs = rot(torch.tensor(x), torch.tensor(pos))
         ref, _ = m.apply_rotary_emb(torch.tensor(x), torch.tensor(x), freqs)
     scheme = jaxpos.hf.rope_from_hf_config(cfg, angle_precision="float32")
-    # PyTorch's pow may round one entry differently (one float32 ulp; see jaxpos.rope).
+    # PyTorch's pow may round one entry differently (one float32 ulp; see jaxpos.schemes.rope).
     np.testing.assert_allclose(np.asarray(scheme.inv_freq), rot.inv_freq.numpy(), rtol=3e-7)
     ours = scheme.rotate(jnp.asarray(x), jnp.asarray(pos, jnp.int32))
     assert np.abs(np.asarray(ours) - ref.numpy()).max() <= 2e-5
@@ -313,7 +314,8 @@ def test_temperature_tuned_nope_scales_queries_only():
     (lambda: jaxpos.hf.hf_layer_types({"num_hidden_layers": 2,
                                        "layer_types": ["full_attention", "linear_attention"]}),
      ValueError, ("layer_types[1]", "linear_attention", "sliding_attention")),
-    (lambda: jaxpos.hf.hf_layer_types({"num_hidden_layers": 3, "layer_types": ["full_attention"]}),
+    (lambda: jaxpos.hf.hf_layer_types({"num_hidden_layers": 3,
+                                               "layer_types": ["full_attention"]}),
      ValueError, ("layer_types has 1", "num_hidden_layers is 3")),
     (lambda: jaxpos.hf.hf_layer_types({"head_dim": 8}), ValueError,
      ("layer_types or num_hidden_layers",)),

@@ -15,8 +15,8 @@ from _scheme_checks import IMPLS, assert_impl_agrees, attn, dense64, qkv, shifte
 from jax.test_util import check_grads
 
 import jaxpos
-from jaxpos.fire import FIRE, fire_bias
-from jaxpos.scheme import get_scheme
+from jaxpos.schemes.base import get_scheme
+from jaxpos.schemes.fire import FIRE, fire_bias
 
 N, W = 4, 32
 

@@ -16,8 +16,8 @@ from _scheme_checks import IMPLS, assert_impl_agrees, attn, qkv, tile_bias
 from jax.test_util import check_grads
 
 import jaxpos
-from jaxpos.fox import FoX, forget_gate, fox_bias, fox_cumulative
-from jaxpos.scheme import get_scheme
+from jaxpos.schemes.base import get_scheme
+from jaxpos.schemes.fox import FoX, forget_gate, fox_bias, fox_cumulative
 
 B, T, N, H = 2, 12, 4, 8
 

@@ -12,8 +12,8 @@ from _scheme_checks import IMPLS, assert_impl_agrees, attn, dense64, qkv, shifte
 from jax.test_util import check_grads
 
 import jaxpos
-from jaxpos.kerple import KERPLE, KERPLELog, KERPLEPower, kerple_bias
-from jaxpos.scheme import get_scheme
+from jaxpos.schemes.base import get_scheme
+from jaxpos.schemes.kerple import KERPLE, KERPLELog, KERPLEPower, kerple_bias
 
 
 def np_kerple(q_pos, kv_pos, r1, r2, kind):

@@ -1,4 +1,4 @@
-"""jaxpos.mla: decoupled-RoPE multi-head latent attention (DeepSeek-V2 §2.1.3) against a
+"""jaxpos.schemes.mla: decoupled-RoPE multi-head latent attention (DeepSeek-V2 §2.1.3) against a
 float64 NumPy reference written from the paper's equations, the softmax scale against
 Hugging Face's ``yarn_apply_mscale``, and bad input."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxpos
-from jaxpos import mla
+from jaxpos.schemes import mla
 
 B, TQ, TK, N, DN, DR, DV = 2, 5, 7, 3, 6, 4, 5
 BASE = 100.0

@@ -13,7 +13,7 @@ import pytest
 from _scheme_checks import attn, qkv, shifted_outputs
 
 import jaxpos
-from jaxpos.pope import PoPE, apply_pope, clamp_phase_bias, pope_frequencies
+from jaxpos.schemes.pope import PoPE, apply_pope, clamp_phase_bias, pope_frequencies
 
 IMPLS = ["reference", "chunked", pytest.param("pallas", marks=pytest.mark.slow)]
 

@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxpos
-from jaxpos import rope as R
-from jaxpos.rope_scaling import DynamicNTKScaling, LongRoPEScaling
+from jaxpos.schemes import rope as R
+from jaxpos.schemes.rope.scaling import DynamicNTKScaling, LongRoPEScaling
 
 # ------------------------------------------------------------------ float64 references
 

@@ -1,4 +1,4 @@
-"""RoPE context extension (jaxpos.rope_scaling) against float64 re-implementations of the
+"""RoPE context extension (jaxpos.schemes.rope.scaling) against float64 re-implementations of the
 published methods, and hand-computed attention factors. No torch needed; the parity
 with Hugging Face transformers is in tests/parity/test_parity_rope_hf.py."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxpos
-from jaxpos import rope_scaling as S
+from jaxpos.schemes.rope import scaling as S
 
 
 def base_inv_freq(d, base):

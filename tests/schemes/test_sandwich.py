@@ -15,8 +15,8 @@ from _scheme_checks import IMPLS, assert_impl_agrees, attn, dense64, qkv, shifte
 from jax.test_util import check_grads
 
 import jaxpos
-from jaxpos.sandwich import Sandwich, sandwich_bias, sandwich_head_scales, sandwich_inv_freq
-from jaxpos.scheme import get_scheme
+from jaxpos.schemes.base import get_scheme
+from jaxpos.schemes.sandwich import Sandwich, sandwich_bias, sandwich_head_scales, sandwich_inv_freq
 
 N = 4
 

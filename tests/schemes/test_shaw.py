@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxpos import Shaw, shaw_attention
-from jaxpos.shaw import shaw_clipped_index
+from jaxpos.schemes.shaw import shaw_clipped_index
 
 
 def np_shaw_naive(q, k, v, rel_k, rel_v, q_pos, kv_pos, causal=False, scale=None):

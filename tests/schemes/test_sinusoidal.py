@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxpos import relative_head_W, shift_matrix, sinusoidal_pe
-from jaxpos.sinusoidal import sinusoidal_frequencies
+from jaxpos.schemes.sinusoidal import sinusoidal_frequencies
 
 
 def np_sinusoid(positions, d, base=10000.0, layout="interleaved"):

@@ -12,7 +12,7 @@ import pytest
 from _scheme_checks import attn, qkv
 
 import jaxpos
-from jaxpos.ssmax import SSMax, ssmax_multiplier
+from jaxpos.schemes.ssmax import SSMax, ssmax_multiplier
 
 S = np.array([0.3, 0.9, 1.6, -0.2], np.float32)
 # The kernel in interpret mode is the slowest path on CPU: its cases run in the slow run.

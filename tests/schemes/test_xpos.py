@@ -14,9 +14,9 @@ from _scheme_checks import IMPLS, assert_impl_agrees, attn, dense64, qkv, shifte
 from jax.test_util import check_grads
 
 import jaxpos
-from jaxpos.rope import interleaved_to_half
-from jaxpos.scheme import get_scheme
-from jaxpos.xpos import XPos, apply_xpos, xpos_scale, xpos_zeta
+from jaxpos.schemes.base import get_scheme
+from jaxpos.schemes.rope import interleaved_to_half
+from jaxpos.schemes.xpos import XPos, apply_xpos, xpos_scale, xpos_zeta
 
 SB = 16.0  # a small scale_base, so the decay is visible over a few positions
 

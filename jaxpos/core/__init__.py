@@ -1,0 +1,1 @@
+"""The attention core: the entry point, the call record, the engines."""

@@ -1,0 +1,396 @@
+"""One validation of an attention call, shared by :func:`jaxpos.attention` and
+:func:`jaxpos.parallel.ring_attention`: :func:`validate_call` checks every argument once
+and returns an :class:`AttentionCall`, the immutable record every runner
+(:mod:`jaxpos.core.reference`, :mod:`jaxpos.core.chunked`, :mod:`jaxpos.core.xla`,
+``jaxpos.kernels.dispatch``) takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+
+from jaxpos import _checks
+from jaxpos.core.dropout import check_dropout
+from jaxpos.mods import BlockMask, compose_score_mods, convert_mod
+from jaxpos.schemes.base import PositionScheme, as_scheme
+
+__all__ = ["AttentionCall", "apply_rope_tables", "check_attention_inputs", "decode_positions",
+           "transform_call", "validate_call"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """One validated attention call (all checks done; nothing here is checked again).
+
+    Fields:
+      q: ``[B, Tq, N, H]``; k: ``[B, Tk, N_kv, H]``; v: ``[B, Tk, N_kv, H_v]`` (float; the
+        scheme's per-token transform not yet applied, see :func:`transform_call`).
+      scheme: the position scheme (checked against the heads and ``causal``).
+      score_mod: the scheme's score_mod composed with the user's (or None).
+      mask_mod: the user's mask_mod, or the block mask's (or None).
+      block_mask: a checked :class:`jaxpos.BlockMask` or None.
+      sinks: float ``[N]`` or None.
+      q_positions, kv_positions: int32 ``[B|1, Tq]`` / ``[B|1, Tk]``.
+      segment_ids, kv_segment_ids: int32 ``[B, Tq]`` / ``[B, Tk]`` or None (both or none).
+      mask: bool ``[B|1, N|1, Tq|1, Tk|1]`` or None.
+      causal: Python bool.
+      scale: the score scale (a Python float by default; may be traced).
+      block_q, block_k: positive tile sizes or None (the block mask's when given).
+      kv_lengths: int32 ``[B]`` (clipped to ``[0, Tk]``) or None: keys at index
+        ``>= kv_lengths[b]`` are invisible to row ``b`` (a KV cache's fill counts).
+      rope_tables: float32 :class:`jaxpos.schemes.rope.tables.RopeTables` or None: q and k are
+        unrotated and the engine rotates them (on load where it can).
+      dropout: a :class:`jaxpos.core.dropout.Dropout` (rate, seed, broadcast) or None: attention
+        dropout on the softmax probabilities.
+    """
+
+    q: Any
+    k: Any
+    v: Any
+    scheme: PositionScheme
+    score_mod: Any
+    mask_mod: Any
+    block_mask: BlockMask | None
+    sinks: Any
+    q_positions: jax.Array
+    kv_positions: jax.Array
+    segment_ids: jax.Array | None
+    kv_segment_ids: jax.Array | None
+    mask: jax.Array | None
+    causal: bool
+    scale: Any
+    block_q: int | None
+    block_k: int | None
+    kv_lengths: jax.Array | None = None
+    rope_tables: Any = None
+    dropout: Any = None
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def q_len(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def kv_len(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def num_heads(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[2]
+
+    def replace(self, **changes) -> AttentionCall:
+        """A copy with some fields changed (e.g. the transformed q and k)."""
+        return dataclasses.replace(self, **changes)
+
+    def zeros(self) -> jax.Array:
+        """The output of a call with nothing to attend: ``[B, Tq, N, H_v]`` zeros."""
+        return jnp.zeros(self.q.shape[:3] + (self.v.shape[-1],), self.q.dtype)
+
+
+# ------------------------------------------------------------------------ the checks
+def check_attention_inputs(q, k, v) -> None:
+    """q ``[B, Tq, N, H]``, k ``[B, Tk, N_kv, H]``, v ``[B, Tk, N_kv, H_v]`` float arrays
+    (dtypes may differ), ``N`` a multiple of ``N_kv``.
+
+    Raises:
+      ValueError: a wrong rank or mismatched shapes. TypeError: a non-floating dtype.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _checks.check_rank(name, x, (4,), "[batch, seq, heads, head_dim]")
+        _checks.check_floating(name, x)
+    (B, _Tq, N, H), (Bk, Tk, Nk, Hk), vs = q.shape, k.shape, v.shape
+    if Bk != B or vs[0] != B:
+        raise ValueError(f"q, k and v must share the batch size; got q {q.shape}, k {k.shape}, "
+                         f"v {v.shape}.")
+    if Hk != H:
+        raise ValueError(f"k must have q's head_dim {H}; got k {k.shape}.")
+    if vs[1] != Tk or vs[2] != Nk:
+        raise ValueError(f"v must match k in sequence length and heads [B, {Tk}, {Nk}, H_v]; "
+                         f"got v {v.shape}.")
+    if N % Nk:
+        raise ValueError(f"query heads ({N}) must be a multiple of key/value heads ({Nk}) "
+                         f"for grouped-query attention; got q {q.shape}, k {k.shape}.")
+
+
+def decode_positions(Tq: int, Tk: int) -> tuple[jax.Array, jax.Array]:
+    """``arange`` positions, queries aligned to the end of the keys (the decode convention):
+    ``q_positions = arange(Tq) + (Tk - Tq)`` when ``Tk >= Tq``. int32 ``[Tq]``, ``[Tk]``."""
+    kv = jnp.arange(Tk, dtype=jnp.int32)
+    q = jnp.arange(Tq, dtype=jnp.int32) + max(Tk - Tq, 0)
+    return q, kv
+
+
+def _layout_hint(q, *, heads=None, seq=None) -> str:
+    """A sentence naming the likely ``[B, N, T, H]`` / ``[B, T, N, H]`` swap when axis 1 of
+    ``q`` would fit what axis 2 failed (``heads``) or the other way (``seq``); else ''."""
+    if q.ndim != 4:
+        return ""
+    if (heads is not None and q.shape[1] == heads and q.shape[2] != heads) or (
+            seq is not None and q.shape[2] == seq and q.shape[1] != seq):
+        return (f" q has shape {tuple(q.shape)}: jaxpos expects [B, T, N, H] (batch, sequence, "
+                f"heads, head_dim); it looks like [B, N, T, H]. Swap axes 1 and 2 "
+                f"(jnp.swapaxes(x, 1, 2)) for q, k and v.")
+    return ""
+
+
+def _check_causal(causal) -> bool:
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(
+            f"causal must be a Python bool (it selects the computation, so it is static: under "
+            f"jax.jit pass static_argnames=('causal',)); got {type(causal).__name__}.")
+    return bool(causal)
+
+
+def _check_scheme(position, q, v, causal: bool) -> PositionScheme:
+    """The call's scheme, checked against q's heads (with a layout hint), ``causal`` and
+    v's width (a value term adds vectors of q's head_dim)."""
+    scheme = as_scheme(position)
+    N, H = q.shape[2], q.shape[3]
+    try:
+        scheme.check(N, H)
+    except ValueError as e:
+        hint = ""
+        try:
+            scheme.check(q.shape[1], H)
+            hint = _layout_hint(q, heads=q.shape[1])
+        except ValueError:
+            pass
+        if hint:
+            raise ValueError(f"{e}{hint}") from None
+        raise
+    scheme.check_causal(causal)
+    if scheme.has_value_term and v.shape[-1] != H:
+        raise ValueError(f"v must have head_dim {H}: {type(scheme).__name__}'s value term adds "
+                         f"vectors of width {H} to the output; got v {v.shape}.")
+    return scheme
+
+
+def _positions(q, q_positions, kv_positions, Tk: int):
+    """int32 ``[B|1, Tq]``, ``[B|1, Tk]``: the given positions or :func:`decode_positions`;
+    a length mismatch that looks like a ``[B, N, T, H]`` layout says so."""
+    B, Tq = q.shape[:2]
+    # the defaults only when needed (a decode step's given positions make no arange of Tk)
+    dq_pos, dkv_pos = decode_positions(Tq, Tk) if q_positions is None or \
+        kv_positions is None else (None, None)
+    try:
+        q_pos = _checks.positions_2d("q_positions", dq_pos if q_positions is None else q_positions,
+                                     B, Tq)
+        kv_pos = _checks.positions_2d("kv_positions",
+                                      dkv_pos if kv_positions is None else kv_positions, B, Tk)
+    except ValueError as e:
+        given = q_positions if q_positions is not None else kv_positions
+        shp = _checks.shape_of(given) if given is not None else ()
+        hint = _layout_hint(q, seq=shp[-1]) if shp else ""
+        raise ValueError(f"{e}{hint}") from None
+    return q_pos, kv_pos
+
+
+def _shard_positions(name: str, positions, B: int, T: int, what: str):
+    """int32 ``[B|1, T]``: the REQUIRED global positions of a device's local shard."""
+    if positions is None:
+        raise ValueError(
+            f"{name} is required: ring_attention needs the GLOBAL positions of this device's "
+            f"{what} shard (a local arange would make every device believe it holds the start "
+            f"of the sequence). Shard the global positions like {what}.")
+    try:
+        return _checks.positions_2d(name, positions, B, T)
+    except ValueError as e:
+        raise ValueError(
+            f"{e} Inside shard_map, {name} are the global positions of this device's local "
+            f"{what} shard: local length {T}, sharded like {what}.") from None
+
+
+def _segments(name, seg, B, T):
+    if seg is None:
+        return None
+    _checks.check_integer_positions(name, seg)
+    if _checks.shape_of(seg) != (B, T):
+        raise ValueError(f"{name} must have shape [B, T] = [{B}, {T}]; "
+                         f"got {_checks.shape_of(seg)}.")
+    return jnp.asarray(seg, jnp.int32)
+
+
+def _segment_pair(segment_ids, kv_segment_ids, B, Tq, Tk):
+    """int32 ``[B, Tq]``, ``[B, Tk]`` segment ids (or None, None); ``kv_segment_ids``
+    defaults to ``segment_ids`` when the lengths agree."""
+    if kv_segment_ids is None and segment_ids is not None:
+        if Tq != Tk:
+            raise ValueError(f"kv_segment_ids is required when Tq != Tk ({Tq} vs {Tk}).")
+        kv_segment_ids = segment_ids
+    if (segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("segment_ids and kv_segment_ids must be given together; got only "
+                         + ("segment_ids." if kv_segment_ids is None else "kv_segment_ids."))
+    return (_segments("segment_ids", segment_ids, B, Tq),
+            _segments("kv_segment_ids", kv_segment_ids, B, Tk))
+
+
+def _normalize_mask(mask, B, N, Tq, Tk):
+    if mask is None:
+        return None
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_:
+        raise TypeError(f"mask must be boolean (True = may attend); got dtype {mask.dtype}.")
+    if mask.ndim > 4:
+        raise ValueError(f"mask must be broadcastable to [B, N, Tq, Tk] = {[B, N, Tq, Tk]}; "
+                         f"got shape {mask.shape}.")
+    given = mask.shape
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    for got, want in zip(mask.shape, (B, N, Tq, Tk)):
+        if got not in (1, want):
+            raise ValueError(f"mask must be broadcastable to [B, N, Tq, Tk] = {[B, N, Tq, Tk]}; "
+                             f"got shape {given}.")
+    return mask
+
+
+def _check_sinks(sinks, N):
+    if sinks is None:
+        return None
+    _checks.check_floating("sinks", sinks)
+    if _checks.shape_of(sinks) != (N,):
+        raise ValueError(f"sinks must have shape [num_heads] = [{N}] (one logit per query "
+                         f"head); got shape {_checks.shape_of(sinks)}.")
+    return jnp.asarray(sinks)
+
+
+def _check_scale(scale, H):
+    """``scale`` (default ``1/sqrt(H)``): a real scalar."""
+    if scale is None:
+        return 1.0 / math.sqrt(H)
+    if isinstance(scale, (str, bytes)) or (
+            hasattr(scale, "dtype") and not jnp.issubdtype(scale.dtype, jnp.number)):
+        raise TypeError(f"scale must be a real number (default 1/sqrt(head_dim)); got "
+                        f"{type(scale).__name__} {scale!r}.")
+    if np.ndim(scale) != 0:
+        raise ValueError(f"scale must be a scalar (one factor for every score); got shape "
+                         f"{np.shape(scale)}.")
+    return scale
+
+
+def _check_block_mask(block_mask, mask_mod, shape: tuple[int, int, int, int], block_q, block_k,
+                      q_pos, kv_pos):
+    """``(mask_mod, block_q, block_k)`` of a call with a block mask (its own)."""
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a jaxpos.BlockMask (from "
+                        f"jaxpos.create_block_mask); got {type(block_mask).__name__}.")
+    block_mask.check(*shape, block_q, block_k, q_positions=q_pos, kv_positions=kv_pos)
+    if mask_mod is not None and mask_mod is not block_mask.mask_mod:
+        raise ValueError("mask_mod differs from block_mask.mask_mod; pass one of them (the "
+                         "block mask carries its mask_mod).")
+    return block_mask.mask_mod, block_mask.block_q, block_mask.block_k
+
+
+def _check_mods(scheme: PositionScheme, score_mod, mask_mod):
+    """The scheme's score_mod composed with the user's; both mods traced once at a small
+    tile, so a bad return shape or dtype is reported at the call whatever the
+    implementation."""
+    all_score_mods = compose_score_mods(scheme.score_mod(), score_mod)
+    for fn, kind in ((all_score_mods, "score"), (mask_mod, "mask")):
+        if fn is not None:
+            convert_mod(fn, kind, 2, 3)
+    return all_score_mods
+
+
+def validate_call(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+                  position: PositionScheme | Literal["none", "nope"] | None = None,
+                  score_mod: Callable[..., Any] | None = None,
+                  mask_mod: Callable[..., Any] | None = None,
+                  block_mask: BlockMask | None = None, sinks: ArrayLike | None = None,
+                  q_positions: ArrayLike | None = None, kv_positions: ArrayLike | None = None,
+                  causal: bool = False, mask: ArrayLike | None = None,
+                  segment_ids: ArrayLike | None = None,
+                  kv_segment_ids: ArrayLike | None = None, scale: ArrayLike | None = None,
+                  block_q: int | None = None, block_k: int | None = None,
+                  sharded: bool = False, kv_lengths: ArrayLike | None = None,
+                  rope_tables: Any = None, dropout_rate: float = 0.0,
+                  dropout_rng: jax.Array | None = None,
+                  broadcast_dropout: bool = False) -> AttentionCall:
+    """Check every argument of an attention call once and return its record.
+
+    Args: as :func:`jaxpos.attention`; ``sharded=True`` for
+    :func:`jaxpos.parallel.ring_attention`'s local shards: positions are then required
+    (the global positions of the local tokens) and errors say so.
+
+    Returns:
+      An :class:`AttentionCall` (positions int32 ``[B|1, T]``, segments int32 ``[B, T]``,
+      the mask ``[B|1, N|1, Tq|1, Tk|1]``, the default scale ``1 / sqrt(H)``, the block
+      mask's mask_mod and tile sizes).
+
+    Raises:
+      ValueError / TypeError: every error listed by :func:`jaxpos.attention`, naming the
+        argument, what it got and what was expected.
+    """
+    check_attention_inputs(q, k, v)
+    (B, Tq, N, H), Tk = _checks.shape_of(q), _checks.shape_of(k)[1]
+    causal = _check_causal(causal)
+    scheme = _check_scheme(position, q, v, causal)
+    if sharded:
+        q_pos = _shard_positions("q_positions", q_positions, B, Tq, "q")
+        kv_pos = _shard_positions("kv_positions", kv_positions, B, Tk, "k/v")
+    else:
+        q_pos, kv_pos = _positions(q, q_positions, kv_positions, Tk)
+    seg_q, seg_kv = _segment_pair(segment_ids, kv_segment_ids, B, Tq, Tk)
+    mask4 = _normalize_mask(mask, B, N, Tq, Tk)
+    for name, blk in (("block_q", block_q), ("block_k", block_k)):
+        if blk is not None:
+            _checks.check_positive_int(name, blk)
+    if block_mask is not None:
+        mask_mod, block_q, block_k = _check_block_mask(block_mask, mask_mod, (B, N, Tq, Tk),
+                                                       block_q, block_k, q_pos, kv_pos)
+    sinks = _check_sinks(sinks, N)
+    scale = _check_scale(scale, H)
+    all_score_mods = _check_mods(scheme, score_mod, mask_mod)
+    kv_lengths = None if kv_lengths is None else _checks.check_kv_lengths(kv_lengths, B, Tk)
+    rope_tables = _check_rope_tables(rope_tables, scheme, B, Tq, Tk, H)
+    dropout = check_dropout(dropout_rate, dropout_rng, broadcast_dropout)
+    return AttentionCall(q=q, k=k, v=v, scheme=scheme, score_mod=all_score_mods,
+                         mask_mod=mask_mod, block_mask=block_mask, sinks=sinks,
+                         q_positions=q_pos, kv_positions=kv_pos, segment_ids=seg_q,
+                         kv_segment_ids=seg_kv, mask=mask4, causal=causal, scale=scale,
+                         block_q=block_q, block_k=block_k, kv_lengths=kv_lengths,
+                         rope_tables=rope_tables, dropout=dropout)
+
+
+def _check_rope_tables(tabs, scheme: PositionScheme, B: int, Tq: int, Tk: int, H: int):
+    if tabs is None:
+        return None
+    from jaxpos.schemes.rope.tables import check_rope_tables
+
+    if type(scheme).transform_qk is not PositionScheme.transform_qk:
+        raise ValueError(f"rope_tables rotate unrotated q and k; the position scheme "
+                         f"{type(scheme).__name__} transforms them too. Pass position=None "
+                         f"(or a scheme without a per-token transform) with rope_tables.")
+    return check_rope_tables(tabs, B, Tq, Tk, H)[0]
+
+
+def transform_call(call: AttentionCall) -> AttentionCall:
+    """The call with the scheme's per-token transform applied to q and k (RoPE rotation,
+    xPos scaling; once per call, before any implementation). Nothing reads or rewrites
+    the values: the NaN rule (docs/attention.md) costs nothing on the hot path."""
+    q, k = call.scheme.transform_qk(call.q, call.k, call.q_positions, call.kv_positions)
+    return call.replace(q=q, k=k)
+
+
+def apply_rope_tables(call: AttentionCall) -> AttentionCall:
+    """The call with its ``rope_tables`` applied to q and k before attention (for the
+    engines that do not rotate on load) and removed from the record."""
+    if call.rope_tables is None:
+        return call
+    from jaxpos.schemes.rope.tables import rotate_with_tables
+
+    q, k = rotate_with_tables(call.q, call.k, call.rope_tables)
+    return call.replace(q=q, k=k, rope_tables=None)

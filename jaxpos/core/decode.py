@@ -1,0 +1,134 @@
+"""The chunked engine's decode path: a few queries against a KV cache whose rows are
+filled to ``kv_lengths``, at a cost that follows the filled length.
+
+Used by :func:`jaxpos.core.chunked.run_chunked` when the call carries ``kv_lengths`` or
+``rope_tables`` and has at most :data:`DECODE_MAX_Q` queries (and no block mask):
+
+* the queries are not padded to a tile (the tile is ``[Tq, block_k]``);
+* the ``g`` query heads that share a KV head are one grouped matrix
+  (``[B, N_kv, g * Tq, H]``): each K/V block is read once per KV head, never repeated to
+  the query heads;
+* the loop runs over key blocks ``j`` with ``j * block_k < max_b kv_lengths[b]`` only:
+  each block is a ``dynamic_slice`` of the cache (no padded or blocked copy of the whole
+  cache per step), blocks past the longest filled row are skipped by ``lax.cond`` (a
+  step of a 32k cache filled to 1k computes 1k), and keys at index ``>= kv_lengths[b]``
+  are invisible to row ``b``;
+* with ``rope_tables`` the queries are rotated once and each key block as it is sliced
+  (no pass over the unfilled cache, no sin/cos: the tables are computed once per call).
+
+The online softmax is the chunked engine's (Rabe & Staats 2021; Milakov & Gimelshein
+2018); the score_mod, mask_mod, masks, segments, sinks and a scheme's content bias and
+value term are applied per block by :mod:`jaxpos.core.reference`'s tile functions.
+Differentiable (``lax.scan`` over ``lax.cond``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxpos.core.call import AttentionCall
+from jaxpos.core.reference import make_terms, visible
+from jaxpos.mods import apply_mod
+from jaxpos.schemes.rope import rotate
+
+__all__ = ["DECODE_BLOCK_K", "DECODE_MAX_Q", "decode_shaped", "run_chunked_decode"]
+
+#: Most queries per row the decode path takes (longer calls use the tiled chunked path).
+DECODE_MAX_Q = 16
+#: Keys per block of the decode path (``block_k`` overrides it): with a few queries a
+#: block's scores are small, and fewer, longer blocks cost less loop overhead.
+DECODE_BLOCK_K = 512
+
+
+def decode_shaped(call: AttentionCall) -> bool:
+    """Whether :func:`run_chunked_decode` runs ``call``."""
+    return (call.q_len <= DECODE_MAX_Q and call.block_mask is None
+            and getattr(call, "dropout", None) is None  # dropout: the tiled path's keep mask
+            and (call.kv_lengths is not None or call.rope_tables is not None))
+
+
+def _slice(x: jax.Array, start, size: int, axis: int) -> jax.Array:
+    """``size`` entries of ``x`` from ``start`` along ``axis`` (a broadcast axis as is)."""
+    if x.shape[axis] == 1:
+        return x
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def _maybe_slice(x, start, size: int, axis: int):
+    return None if x is None else _slice(x, start, size, axis)
+
+
+def run_chunked_decode(call: AttentionCall) -> jax.Array:
+    """``[B, Tq, N, H_v]`` in q's dtype for a transformed, decode-shaped call
+    (:func:`decode_shaped`); q and k unrotated when the call has ``rope_tables``."""
+    B, Tq, N, H = call.q.shape
+    Tk, Nk = call.k.shape[1], call.k.shape[2]
+    g, Hv = N // Nk, call.v.shape[3]
+    bk = min(call.block_k or DECODE_BLOCK_K, Tk)
+    nb = -(-Tk // bk)
+    tabs = call.rope_tables
+    q = call.q if tabs is None else rotate(call.q, tabs.q_cos, tabs.q_sin, layout="half")
+    qs = jnp.swapaxes(q.astype(jnp.float32), 1, 2) * jnp.float32(call.scale)  # [B, N, Tq, H]
+    qg = qs.reshape(B, Nk, g * Tq, H)
+    lim = (jnp.full((B,), Tk, jnp.int32) if call.kv_lengths is None
+           else call.kv_lengths.astype(jnp.int32))
+    stop = jnp.max(lim)
+    terms = make_terms(call.scheme, call.score_mod, call.mask_mod, Tq, bk)
+    q_pos = call.q_positions
+
+    def block(j, carry):
+        m, l, acc = carry
+        start = jnp.minimum(j * bk, Tk - bk)  # the last block may overlap the one before
+        idx = start + jnp.arange(bk, dtype=jnp.int32)
+        valid = (idx >= j * bk)[None, :] & (idx[None, :] < lim[:, None])  # [B, bk]
+        k_j = _slice(call.k, start, bk, 1)
+        v_j = _slice(call.v, start, bk, 1)
+        if tabs is not None:
+            k_j = rotate(k_j, _slice(tabs.k_cos, start, bk, 1), _slice(tabs.k_sin, start, bk, 1),
+                         layout="half")
+        v_j = jnp.where(valid[:, :, None, None], v_j, jnp.zeros((), v_j.dtype))
+        kp_j = _slice(call.kv_positions, start, bk, 1)
+        kg = jnp.swapaxes(k_j.astype(jnp.float32), 1, 2)  # [B, Nk, bk, H]
+        vg = jnp.swapaxes(v_j.astype(jnp.float32), 1, 2)
+        s = jnp.einsum("bkqh,bkth->bkqt", qg, kg, preferred_element_type=jnp.float32)
+        s = s.reshape(B, N, Tq, bk)
+        if terms.score is not None:
+            s = apply_mod(terms.score, q_pos, kp_j, score=s)
+            assert s is not None
+        cb = call.scheme.content_bias(qs, q_pos, kp_j)
+        if cb is not None:
+            s = s + cb
+        mask_j = _maybe_slice(call.mask, start, bk, 3)
+        seg_kv = _maybe_slice(call.kv_segment_ids, start, bk, 1)
+        vis = visible(call.causal, q_pos, kp_j, valid, mask_j, call.segment_ids, seg_kv,
+                      terms.mask, (B, N))
+        assert vis is not None  # (valid is always given)
+        vis = jnp.broadcast_to(vis & (s != -jnp.inf), s.shape)
+        s = jnp.where(vis, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.where(vis, jnp.exp(s - m_safe[..., None]), 0.0)
+        corr = jnp.exp(m - m_safe)
+        l = l * corr + jnp.sum(p, axis=-1)
+        o = jnp.einsum("bkqt,bkth->bkqh", p.reshape(B, Nk, g * Tq, bk), vg,
+                       preferred_element_type=jnp.float32).reshape(B, N, Tq, Hv)
+        vt = call.scheme.value_term(p, q_pos, kp_j)
+        if vt is not None:
+            o = o + vt
+        return m_new, l, acc * corr[..., None] + o
+
+    def step(carry, j):
+        return jax.lax.cond(j * bk < stop, block, lambda j, c: c, j, carry), None
+
+    if call.sinks is None:
+        m0 = jnp.full((B, N, Tq), -jnp.inf, jnp.float32)
+        l0 = jnp.zeros((B, N, Tq), jnp.float32)
+    else:  # the sink is a key every row sees: the softmax starts from it
+        m0 = jnp.broadcast_to(jnp.asarray(call.sinks, jnp.float32)[None, :, None], (B, N, Tq))
+        l0 = jnp.ones((B, N, Tq), jnp.float32)
+    init = (m0, l0, jnp.zeros((B, N, Tq, Hv), jnp.float32))
+    (_, l, acc), _ = jax.lax.scan(step, init, jnp.arange(nb, dtype=jnp.int32))
+    nonempty = l != 0
+    out = jnp.where(nonempty[..., None], acc / jnp.where(nonempty, l, 1.0)[..., None], 0.0)
+    return jnp.swapaxes(out, 1, 2).astype(call.q.dtype)

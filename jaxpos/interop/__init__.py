@@ -1,0 +1,1 @@
+"""Interoperability: Flax's attention_fn adapter and Hugging Face config readers."""

@@ -1,0 +1,283 @@
+"""FoX: the forgetting-gate bias of the Forgetting Transformer (Lin, Nikishin, He &
+Courville 2025, "Forgetting Transformer: Softmax Attention with a Forget Gate", ICLR,
+§2 "Forgetting Transformer").
+
+Each head ``h`` computes a scalar forget gate per token from the layer's input,
+``f_t = sigmoid(w_h . x_t + b_h)`` in ``(0, 1)``, and down-weights the attention of a
+query at ``i`` to a key at ``j <= i`` by the product of the gates in between::
+
+    o_i = sum_j F_ij exp(q_i . k_j) v_j / sum_j F_ij exp(q_i . k_j),
+    F_ij = prod_{l=j+1}^{i} f_l,
+
+which is softmax attention with the additive bias ``D_ij = log F_ij`` on the logits::
+
+    D_ij = c_i - c_j,     c_i = sum_{l <= i} log f_l     (the cumulative log forget gate).
+
+``log f`` is at most 0, so ``D_ij <= 0`` for ``j <= i``: a data-dependent, learnable
+recency bias that replaces position embeddings (FoX uses no RoPE by default). The
+model supplies ``log_forget = log f`` (float ``[B, T, N]``; :func:`forget_gate` computes
+it with ``jax.nn.log_sigmoid``, in float32 as the authors do); this module turns it into
+the score term. FoX is causal: for ``j > i`` the bias would be positive, so the scheme
+requires ``causal=True``.
+
+Positions index the sequence of gates: ``c`` is gathered at the query and key
+positions, so every position must lie in ``[0, T)`` (``T = log_forget.shape[1]``),
+``i`` and ``j`` being the token indices of the sequence the gates were computed for.
+Concrete positions out of range, or decreasing along a row (packed segments whose
+positions restart would read other tokens' gates: pack with ``arange`` positions and
+``segment_ids`` instead), raise ``ValueError``; traced ones are clamped into range
+(a jnp gather), so keep them in range under ``jit``. A KV cache must keep the gates of
+every cached token (give the scheme ``log_forget`` covering the whole cached sequence).
+
+The bias is not translation invariant in positions (it depends on the gates between
+``j`` and ``i``), but it is invariant to shifting the whole token sequence when the gates
+move with it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+
+from jaxpos import _checks
+from jaxpos.schemes.base import PositionScheme, register
+
+__all__ = ["FoX", "fox_bias", "fox_cumulative", "forget_gate"]
+
+
+def forget_gate(x, w, b) -> jax.Array:
+    """``log f = log_sigmoid(x @ w + b)``, the log forget gates of Lin et al. 2025, §2.
+
+    Args:
+      x: float ``[B, T, D]``, the attention layer's input.
+      w: float ``[D, N]``; b: float ``[N]``.
+
+    Returns:
+      float32 ``[B, T, N]``, at most 0 (``jax.nn.log_sigmoid`` of a float32 logit).
+
+    Raises:
+      ValueError: ranks or widths that do not match. TypeError: integer inputs.
+    """
+    _checks.check_rank("x", x, (3,), "[B, T, D]")
+    _checks.check_rank("w", w, (2,), "[D, num_heads]")
+    _checks.check_rank("b", b, (1,), "[num_heads]")
+    for name, a in (("x", x), ("w", w), ("b", b)):
+        _checks.check_floating(name, a)
+    D, N = _checks.shape_of(w)
+    if _checks.shape_of(x)[-1] != D or _checks.shape_of(b) != (N,):
+        raise ValueError(f"forget_gate needs x [B, T, D], w [D, N], b [N] with matching D and "
+                         f"N; got x {_checks.shape_of(x)}, w {_checks.shape_of(w)}, b "
+                         f"{_checks.shape_of(b)}.")
+    logit = jnp.einsum("btd,dn->btn", jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST)
+    return jax.nn.log_sigmoid(logit + jnp.asarray(b, jnp.float32))
+
+
+def _check_log_forget(log_forget) -> None:
+    _checks.check_rank("log_forget", log_forget, (3,), "[B, T, num_heads]")
+    _checks.check_floating("log_forget", log_forget)
+
+
+def fox_cumulative(log_forget) -> jax.Array:
+    """``c = cumsum(log_forget)`` over the sequence, per head, transposed for gathers:
+    float32 ``[B, N, T]``, ``c[b, h, i] = sum_{l <= i} log_forget[b, l, h]``.
+
+    Raises:
+      ValueError: ``log_forget`` not rank 3. TypeError: not floating.
+    """
+    _check_log_forget(log_forget)
+    return jnp.cumsum(jnp.swapaxes(jnp.asarray(log_forget, jnp.float32), 1, 2), axis=-1)
+
+
+def _check_positions_in_range(name: str, positions, T: int) -> None:
+    if _checks.is_concrete(positions):
+        a = np.asarray(positions)
+        if a.size and (a.min() < 0 or a.max() >= T):
+            raise ValueError(f"{name} must lie in [0, T) = [0, {T}) to index the forget gates "
+                             f"(log_forget has T = {T} tokens); got values from {a.min()} to "
+                             f"{a.max()}.")
+
+
+def _check_positions_increasing(name: str, positions) -> None:
+    """Concrete positions must not decrease along each row, the row's largest position
+    aside: the gates are read at the positions, so positions that restart (packed
+    segments) would read another token's gates. The modules give hidden padding the row's
+    largest visible position (``fill_hidden_positions``), which this rule lets pass."""
+    if _checks.is_concrete(positions):
+        a = np.asarray(positions)
+        rows = a.reshape((-1, a.shape[-1])) if a.ndim else a.reshape((1, 1))
+        if any(np.any(np.diff(r[r != r.max()]) < 0) for r in rows):
+            raise ValueError(
+                f"FoX reads its forget gates at the token positions, so {name} must not "
+                f"decrease along a row (token indices into log_forget); got "
+                f"{a.tolist()}. For packed sequences pass arange positions with segment_ids "
+                f"(the bias c_i - c_j only sums the gates between two tokens of a segment, "
+                f"so each segment gets the answer it would get alone).")
+
+
+def fox_bias(log_forget, q_positions, kv_positions) -> jax.Array:
+    """The FoX bias ``D_ij = c_i - c_j`` (Lin et al. 2025, §2) at the given positions.
+
+    ``c`` is :func:`fox_cumulative`; ``i`` runs over ``q_positions``, ``j`` over
+    ``kv_positions``. For ``j <= i`` this is ``sum_{l=j+1}^{i} log f_l <= 0``; entries
+    with ``j > i`` are positive and must be hidden by a causal mask.
+
+    Args:
+      log_forget: float ``[B, T, N]``, ``log f`` (at most 0).
+      q_positions, kv_positions: integer ``[Tq]``/``[Tk]`` or ``[B, Tq]``/``[B, Tk]``,
+        values in ``[0, T)``.
+
+    Returns:
+      float32 ``[B, N, Tq, Tk]``.
+
+    Raises:
+      TypeError: float positions; integer ``log_forget``.
+      ValueError: bad ranks; position batch sizes other than 1 or B; concrete positions
+        outside ``[0, T)``.
+    """
+    _check_log_forget(log_forget)
+    B, T, _ = _checks.shape_of(log_forget)
+    for name, p in (("q_positions", q_positions), ("kv_positions", kv_positions)):
+        _checks.check_integer_positions(name, p)
+        _checks.check_rank(name, p, (1, 2), "[T] or [B, T]")
+        _check_positions_in_range(name, p, T)
+    qp = _checks.positions_2d("q_positions", q_positions, B, _checks.shape_of(q_positions)[-1])
+    kp = _checks.positions_2d("kv_positions", kv_positions, B,
+                              _checks.shape_of(kv_positions)[-1])
+    c = fox_cumulative(log_forget)  # [B, N, T]
+    take = lambda p: jnp.take_along_axis(c, jnp.broadcast_to(p, (B, p.shape[-1]))[:, None, :],
+                                         axis=-1)  # [B, N, t]
+    return take(qp)[..., :, None] - take(kp)[..., None, :]
+
+
+@register("fox")
+class FoX(PositionScheme):
+    """The FoX forget-gate bias (Lin et al. 2025) as a score_mod scheme.
+
+    Args:
+      log_forget: float ``[B, T, N]``, the log forget gates of the call's sequence (a
+        child: gradients flow back to whatever produced it, e.g. a gate projection).
+        ``B`` may be 1 (shared by every batch row).
+
+    A scheme holds the gates of one sequence batch, so build one per layer and call
+    (e.g. ``FoX(forget_gate(x, w, b))``). Requires ``causal=True``; positions in
+    ``[0, T)`` (module docstring).
+
+    Raises:
+      ValueError: ``log_forget`` not rank 3. TypeError: not floating.
+    """
+
+    # fields, set once in __init__ (the pytree's children and static data)
+    log_forget: jax.Array
+
+    _children = ("log_forget",)
+
+    def __init__(self, log_forget: ArrayLike):
+        _check_log_forget(log_forget)
+        self._set(log_forget=jnp.asarray(log_forget, jnp.float32))
+
+    # ---- for the Flax modules: a gate projection per layer, the scheme computed from
+    # the layer's input at every call.
+    params_per_layer = True
+
+    @classmethod
+    def init_params(cls, key: jax.Array, *, num_heads: int, d_model: int, param_dtype=jnp.float32,
+                    **_) -> dict:
+        """The forget-gate projection ``{"w": [d_model, N], "b": [N]}``: ``w ~ N(0,
+        0.02^2)``, ``b = 0``, as the authors' code initialises its ``fgate_proj``."""
+        w = 0.02 * jax.random.normal(key, (d_model, num_heads), jnp.float32)
+        return {"w": w.astype(param_dtype), "b": jnp.zeros((num_heads,), param_dtype)}
+
+    @classmethod
+    def from_params(cls, params: dict, *, x: jax.Array | None = None,
+                    positions: jax.Array | None = None, **_) -> PositionScheme:
+        """``FoX(forget_gate(x, w, b))`` from the layer's input ``x`` ``[B, T, D]``.
+
+        The gates are indexed by position, so ``positions`` must be ``0 .. T-1`` along
+        each row (the default): packed rows whose positions restart per segment, or
+        offsets, would read other tokens' gates. Concrete positions are checked;
+        traced ones cannot be.
+
+        Raises:
+          ValueError: no ``x``; concrete positions other than ``arange(T)``.
+        """
+        if x is None:
+            raise ValueError("FoX computes its forget gates from the layer's input; "
+                             "from_params got x=None.")
+        if positions is not None and _checks.is_concrete(positions):
+            T = _checks.shape_of(x)[1]
+            p = np.asarray(positions)
+            if p.shape[-1] != T or np.any(p != np.arange(T)):
+                raise ValueError(
+                    f"FoX indexes its gates by token position, so positions must be 0 .. "
+                    f"{T - 1} along each row; got {p.tolist()}. Run packed or offset "
+                    f"sequences as separate rows starting at position 0.")
+        return cls(forget_gate(x, params["w"], params["b"]))
+
+    def cache_write(self, q, k, positions):
+        """KV-cache decoding is not supported: the bias of a new query needs the gates of
+        every cached token, which the cache does not keep.
+
+        Raises:
+          ValueError: always.
+        """
+        raise ValueError("FoX cannot decode with a KV cache: the bias c_i - c_j needs the "
+                         "forget gates of every cached token, which the cache does not keep. "
+                         "Recompute the full sequence instead.")
+
+    def check(self, num_heads: int, head_dim: int) -> None:
+        n = _checks.shape_of(self.log_forget)[2]
+        if n != num_heads:
+            raise ValueError(f"FoX log_forget must have shape [B, T, {num_heads}] (one gate per "
+                             f"query head); got {_checks.shape_of(self.log_forget)}.")
+
+    def check_causal(self, causal: bool) -> None:
+        if not causal:
+            raise ValueError("FoX(...) needs causal=True: its bias c_i - c_j is a decay only for "
+                             "keys at or before the query (Lin et al. 2025, §2); for later keys "
+                             "it would be positive.")
+
+    def transform_qk(self, q: jax.Array, k: jax.Array, q_positions: jax.Array,
+                     kv_positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Unchanged ``q`` and ``k``; checks that the gates fit the call: batch 1 or ``B``,
+        and concrete positions inside ``[0, T)`` and never decreasing along a row (pack
+        sequences with arange positions and ``segment_ids``, not restarting positions).
+
+        Raises:
+          ValueError: a batch mismatch; concrete positions out of range or decreasing.
+        """
+        Bg, T, _ = _checks.shape_of(self.log_forget)
+        B = _checks.shape_of(q)[0]
+        if Bg not in (1, B):
+            raise ValueError(f"FoX log_forget has batch {Bg}; the attention call has batch {B} "
+                             f"(log_forget must be [1 or {B}, T, N]).")
+        for name, p in (("q_positions", q_positions), ("kv_positions", kv_positions)):
+            _check_positions_in_range(name, p, T)
+            _check_positions_increasing(name, p)
+        return q, k
+
+    @property
+    def score_heads(self) -> int:
+        """Heads of the score term: one forget gate each."""
+        return _checks.shape_of(self.log_forget)[2]
+
+    @property
+    def score_batch(self) -> int:
+        """The gates' batch: the term differs per row (computed from each row's tokens)."""
+        return _checks.shape_of(self.log_forget)[0]
+
+    def score_mod(self):
+        """``score + c[batch, head, q_pos] - c[batch, head, kv_pos]`` with ``c`` from
+        :func:`fox_cumulative` (computed once per call; positions clamped to ``[0, T)``)."""
+        c = fox_cumulative(self.log_forget)
+        Bg, _, T = c.shape
+
+        def fox(score, batch, head, q_pos, kv_pos):
+            row = c[jnp.minimum(batch, Bg - 1), head]  # [T]
+            ci = row[jnp.clip(q_pos, 0, T - 1)]
+            cj = row[jnp.clip(kv_pos, 0, T - 1)]
+            return score + (ci - cj)
+
+        return fox
