@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpos import _checks
@@ -176,19 +177,36 @@ class AttentionCore:
         def __getattr__(self, name: str) -> Any: ...
 
     def _proj(self, layer, x, heads):
-        return project_heads(x, param_value(layer.kernel), heads, self._dims()[3], self.dtype,
+        """``x @ layer.kernel (+ bias)`` as ``[B, T, heads, width / heads]``."""
+        kernel = param_value(layer.kernel)
+        return project_heads(x, kernel, heads, kernel.shape[-1] // heads, self.dtype,
                              param_value(layer.bias))
 
     def _gated(self, o, x):
         """The output gate of Qiu et al. 2025 ("Gated Attention for Large Language Models",
-        §2.2, their best variant G1): each head's output times ``sigmoid(x W_g)``,
-        elementwise and head-specific, computed from the layer input ``x`` (the query
-        side), before the output projection; ``o`` unchanged without ``gate_proj``."""
+        §2.2; their best variant G1): each head's output times ``sigmoid(x W_g + b_g)``,
+        computed from the layer input ``x`` (the query side), before the output
+        projection; elementwise (``W_g [D, N*H]``, head- and feature-specific) or headwise
+        (``W_g [D, N]``, one scalar per head). ``o`` unchanged without ``gate_proj``."""
         gate = getattr(self, "gate_proj", None)
         if gate is None:
             return o
-        g = self._proj(gate, x, self._dims()[1])
+        g = self._proj(gate, x, self._dims()[1])  # [B, T, N, H] or [B, T, N, 1]
         return o * jax.nn.sigmoid(g.astype(jnp.float32)).astype(o.dtype)
+
+    def _qk_norm(self, name, t):
+        """RMSNorm of queries or keys ``t [B, T, heads, H]`` before the position transform:
+        over each head's ``H`` features (Qwen3, Gemma 3, Qwen3-Next) or over the whole
+        projection (OLMo 2); ``t`` unchanged without the norm."""
+        norm = getattr(self, name, None)
+        if norm is None:
+            return t
+        scale = param_value(norm.scale)
+        eps, offset = self.qk_norm_eps, bool(self.qk_norm_offset)
+        if np.shape(scale)[-1] == t.shape[-1]:
+            return rms_norm(t, scale, eps, offset=offset)
+        flat = rms_norm(t.reshape(t.shape[:2] + (-1,)), scale, eps, offset=offset)
+        return flat.reshape(t.shape)
 
     def _out(self, o):
         return merge_heads(o, param_value(self.o_proj.kernel), self.dtype,
@@ -198,7 +216,8 @@ class AttentionCore:
         D, N, Nk, _ = self._dims()
         check_attention_input("x", x, D)
         src = x if context is None else context
-        return (self._proj(self.q_proj, x, N), self._proj(self.k_proj, src, Nk),
+        return (self._qk_norm("q_norm", self._proj(self.q_proj, x, N)),
+                self._qk_norm("k_norm", self._proj(self.k_proj, src, Nk)),
                 self._proj(self.v_proj, src, Nk))
 
     def _scheme(self, scheme, rope_scaling, x, positions):

@@ -17,6 +17,8 @@ from jaxpos.schemes.sinusoidal import sinusoidal_pe
 
 __all__ = [
     "PAD_POSITION",
+    "BIAS_INIT",
+    "KERNEL_INIT",
     "attention_inputs",
     "check_attention_mask",
     "check_attention_input",
@@ -24,9 +26,11 @@ __all__ = [
     "default_positions",
     "embed_tokens",
     "learned_table_init",
+    "linear_params",
     "merge_heads",
     "fill_hidden_positions",
     "mlp",
+    "norm_params",
     "padding_segment_ids",
     "positions_from_mask",
     "project_heads",
@@ -132,18 +136,44 @@ def attention_inputs(x, context, positions, kv_positions, kv_segment_ids, d_mode
     return pos, default_positions(context.shape[:2], kv_positions, "kv_positions")
 
 
-def rms_norm(x, scale, eps: float = 1e-6):
+def rms_norm(x: jax.Array, scale: ArrayLike, eps: float = 1e-6, *,
+             offset: bool = False) -> jax.Array:
     """RMSNorm (Zhang & Sennrich 2019), statistics in float32, cast back to ``x``'s dtype.
 
-    ``x``: ``[..., D]``; ``scale``: ``[D]``. Raises ``ValueError`` when the widths differ
-    (the first thing a block does, so a wrong-width input is named here, not as an
-    anonymous broadcasting error)."""
+    ``x``: ``[..., D]``; ``scale``: ``[D]``, multiplied as ``scale`` or, with ``offset``,
+    as ``1 + scale`` (Gemma's form: the weight is stored as an offset from 1, initialised
+    to zeros; Hugging Face ``Gemma3RMSNorm``, ``Qwen3NextRMSNorm``). Raises ``ValueError``
+    when the widths differ (the first thing a block does, so a wrong-width input is named
+    here, not as an anonymous broadcasting error)."""
     if np.shape(x)[-1:] != np.shape(scale)[-1:]:
         raise ValueError(f"x must have shape [..., d_model={np.shape(scale)[-1]}]; "
                          f"got {np.shape(x)}.")
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * jnp.asarray(scale, jnp.float32)).astype(x.dtype)
+    w = jnp.asarray(scale, jnp.float32)
+    return (y * (1.0 + w if offset else w)).astype(x.dtype)
+
+
+#: Initialisers of a projection, those of :class:`flax.nnx.Linear`: LeCun normal kernel,
+#: zero bias.
+KERNEL_INIT = jax.nn.initializers.lecun_normal()
+BIAS_INIT = jax.nn.initializers.zeros
+
+
+def linear_params(in_features: int, out_features: int, use_bias: bool) -> tuple:
+    """The parameter table of a projection (:class:`flax.nnx.Linear`'s names and
+    initialisers): ``(("kernel", init, (in, out)), ("bias", init or None, (out,)))``, the
+    bias's init None without ``use_bias``."""
+    return (("kernel", KERNEL_INIT, (in_features, out_features)),
+            ("bias", BIAS_INIT if use_bias else None, (out_features,)))
+
+
+def norm_params(features: int, offset: bool = False) -> tuple:
+    """The parameter table of an RMSNorm: ``(("scale", init, (features,)),)``, ones (as
+    :class:`flax.nnx.RMSNorm`) or, for the ``1 + scale`` form (:func:`rms_norm`'s
+    ``offset``), zeros."""
+    init = jax.nn.initializers.zeros if offset else jax.nn.initializers.ones
+    return (("scale", init, (features,)),)
 
 
 def mlp(x, w_in, w_out, dtype):

@@ -34,7 +34,10 @@ __all__ = [
     "check_module_dims",
     "check_options_read",
     "check_position_name",
+    "GATE_FORMS",
+    "QK_NORMS",
     "check_output_gate",
+    "check_qk_norm",
     "check_sinks_flag",
     "collect_options",
     "freeze_options",
@@ -298,14 +301,61 @@ def check_sinks_flag(sinks) -> bool:
     return bool(sinks)
 
 
-def check_output_gate(output_gate) -> bool:
-    """``output_gate`` (a layer option: a learned sigmoid gate on each head's output,
-    Qiu et al. 2025) must be a bool. ``TypeError`` otherwise."""
-    if not isinstance(output_gate, (bool, np.bool_)):
-        raise TypeError(f"output_gate must be a bool (True: the layer learns a gate "
-                        f"projection gate_proj [d_model, num_heads * head_dim]); got "
+#: The forms of the output gate (Qiu et al. 2025, "Gated Attention for Large Language
+#: Models", §2.2 and Table 1): one gate per head and feature, or one scalar per head.
+GATE_FORMS = ("elementwise", "headwise")
+
+
+def check_output_gate(output_gate, bias=False) -> str | None:
+    """The output gate's form: ``None`` (no gate, ``output_gate=False``),
+    ``"elementwise"`` (``True`` or ``"elementwise"``: gate ``[.., N, H]``) or
+    ``"headwise"`` (one scalar per head, gate ``[.., N]``).
+
+    Raises:
+      TypeError: ``output_gate`` neither a bool nor a string; ``bias`` not a bool.
+      ValueError: an unknown form, or ``bias=True`` without a gate.
+    """
+    if isinstance(output_gate, (bool, np.bool_)):
+        form = "elementwise" if output_gate else None
+    elif isinstance(output_gate, str):
+        _checks.check_choice("output_gate", output_gate, (False, True, *GATE_FORMS))
+        form = output_gate
+    else:
+        raise TypeError(f"output_gate must be a bool or one of {GATE_FORMS} (True: a learned "
+                        f"elementwise gate, projection gate_proj [d_model, num_heads * "
+                        f"head_dim]; 'headwise': gate_proj [d_model, num_heads]); got "
                         f"{type(output_gate).__name__} {output_gate!r}.")
-    return bool(output_gate)
+    if not isinstance(bias, (bool, np.bool_)):
+        raise TypeError(f"output_gate_bias must be a bool; got {type(bias).__name__} {bias!r}.")
+    if bias and form is None:
+        raise ValueError("output_gate_bias=True needs an output gate (output_gate=True, "
+                         "'elementwise' or 'headwise'); got output_gate=False.")
+    return form
+
+
+#: What a q/k norm normalises (``qk_norm``): each head's ``head_dim`` features (Qwen3,
+#: Gemma 3, Qwen3-Next) or the whole projection ``num_heads * head_dim`` (OLMo 2).
+QK_NORMS = ("head", "projection")
+
+
+def check_qk_norm(qk_norm, offset=False, eps=1e-6) -> str | None:
+    """``qk_norm`` (None, ``"head"`` or ``"projection"``), with ``qk_norm_offset`` a bool
+    and ``qk_norm_eps`` a positive float. Returns ``qk_norm``.
+
+    Raises:
+      TypeError: ``offset`` not a bool, ``eps`` not a real number.
+      ValueError: an unknown ``qk_norm``, ``eps <= 0``, ``offset=True`` without a norm.
+    """
+    if qk_norm is not None:
+        _checks.check_choice("qk_norm", qk_norm, QK_NORMS)
+    if not isinstance(offset, (bool, np.bool_)):
+        raise TypeError(f"qk_norm_offset must be a bool; got {type(offset).__name__} "
+                        f"{offset!r}.")
+    _checks.check_positive_float("qk_norm_eps", eps)
+    if offset and qk_norm is None:
+        raise ValueError("qk_norm_offset=True needs qk_norm ('head' or 'projection'); got "
+                         "qk_norm=None.")
+    return qk_norm
 
 
 def check_mask_mod(name: str, mask_mod):
