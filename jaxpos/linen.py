@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, cast
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos.layers.cache import KVCache
@@ -85,7 +86,7 @@ from jaxpos.layers.spec import (
 )
 from jaxpos.layers.stack import build_stack, stack_spec
 from jaxpos.schemes.alibi import alibi_bias
-from jaxpos.schemes.base import REGISTRY
+from jaxpos.schemes.base import REGISTRY, PositionScheme
 from jaxpos.schemes.rope import apply_rope, check_rotary_dim
 from jaxpos.schemes.t5 import check_bucket_args, t5_bias
 
@@ -123,7 +124,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def params_from_nnx(model) -> dict:
+def params_from_nnx(model: Any) -> dict:
     """The Linen ``params`` dict holding the weights of an NNX twin (:mod:`jaxpos.nnx`).
 
     NNX keeps lists of layers as ``blocks/0/...``; Linen names them ``blocks_0/...``.
@@ -182,7 +183,7 @@ class _Params(nn.Module):
     table: tuple
     param_dtype: Dtype = jnp.float32
 
-    def setup(self):
+    def setup(self) -> None:
         for name, init, shape in self.table:
             setattr(self, name, None if init is None else self.param(
                 name, init, shape, self.param_dtype))
@@ -199,7 +200,7 @@ class SinusoidalEmbedding(SinusoidalCore, nn.Module):
     layout: str = "interleaved"
     dtype: Dtype = jnp.float32
 
-    def __call__(self, positions) -> jax.Array:
+    def __call__(self, positions: ArrayLike) -> jax.Array:
         _checks.check_positive_int("d_model", self.d_model)
         _checks.check_choice("layout", self.layout, ("interleaved", "concat"))
         return SinusoidalCore.__call__(self, positions)
@@ -215,7 +216,7 @@ class LearnedPositionalEmbedding(LearnedCore, nn.Module):
     embedding_init: Callable | None = None
     param_dtype: Dtype = jnp.float32
 
-    def setup(self):
+    def setup(self) -> None:
         _checks.check_positive_int("max_len", self.max_len)
         _checks.check_positive_int("d_model", self.d_model)
         _checks.check_choice("out_of_range", self.out_of_range, ("error", "wrap", "clip"))
@@ -231,7 +232,7 @@ class _PositionBase(PositionCore, nn.Module):
     ``_spec()`` (as :class:`jaxpos.nnx.PositionCore`) and ``_init_spec()`` ->
     ``(d_model, param_init, param_dtype)``."""
 
-    def setup(self):
+    def setup(self) -> None:
         position, num_heads, head_dim, causal, options = self._spec()
         d_model, param_init, param_dtype = self._init_spec()
         check_module_dims(num_heads, head_dim, d_model)
@@ -279,7 +280,8 @@ class PositionModule(_PositionBase):
     def _init_spec(self):
         return self.d_model, self.param_init, self.param_dtype
 
-    def __call__(self, rope_scaling=None, *, x=None, positions=None):
+    def __call__(self, rope_scaling: Any = None, *, x: jax.Array | None = None,
+                 positions: ArrayLike | None = None) -> PositionScheme:
         return self.scheme(rope_scaling, x=x, positions=positions)
 
 
@@ -292,7 +294,7 @@ class RotaryEmbedding(_PositionBase):
     layout: str = "half"
     scaling: Any = None
 
-    def setup(self):
+    def setup(self) -> None:
         check_rotary_dim(self.rotary_dim)
         _checks.check_choice("layout", self.layout, ("half", "interleaved"))
         _checks.check_positive_float("base", self.base)
@@ -306,11 +308,12 @@ class RotaryEmbedding(_PositionBase):
     def _init_spec(self):
         return None, None, jnp.float32
 
-    def scheme(self, scaling=None, *, x=None, positions=None):
+    def scheme(self, scaling: Any = None, *, x: jax.Array | None = None,
+               positions: ArrayLike | None = None) -> PositionScheme:
         """The RoPE scheme, with ``scaling`` (this call) or the module's default."""
         return PositionCore.scheme(self, scaling, x=x, positions=positions)
 
-    def __call__(self, x, positions, *, scaling=None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: ArrayLike, *, scaling: Any = None) -> jax.Array:
         s = cast("RoPEScheme", self.scheme(scaling))
         pos = _checks.positions_2d("positions", positions, x.shape[0], x.shape[1])
         inv_freq, af = s.frequencies(pos, pos)
@@ -330,7 +333,7 @@ class ALiBi(_PositionBase):
     def _init_spec(self):
         return None, None, jnp.float32
 
-    def __call__(self, q_positions, kv_positions) -> jax.Array:
+    def __call__(self, q_positions: ArrayLike, kv_positions: ArrayLike) -> jax.Array:
         return alibi_bias(q_positions, kv_positions, cast("ALiBiScheme", self.scheme()).slopes,
                           bidirectional=self.bidirectional)
 
@@ -348,7 +351,7 @@ class T5RelativeBias(_PositionBase):
     embedding_init: Callable | None = None
     param_dtype: Dtype = jnp.float32
 
-    def setup(self):
+    def setup(self) -> None:
         _checks.check_positive_int("num_heads", self.num_heads)
         check_bucket_args(self.num_buckets, self.max_distance, self.bidirectional)
         super().setup()
@@ -360,7 +363,7 @@ class T5RelativeBias(_PositionBase):
     def _init_spec(self):
         return self.d_model or self.num_heads, self.embedding_init, self.param_dtype
 
-    def __call__(self, q_positions, kv_positions) -> jax.Array:
+    def __call__(self, q_positions: ArrayLike, kv_positions: ArrayLike) -> jax.Array:
         return t5_bias(q_positions, kv_positions, self.table, bidirectional=self.bidirectional,
                        num_buckets=self.num_buckets, max_distance=self.max_distance)
 
@@ -376,7 +379,7 @@ class ShawRelativePosition(_PositionBase):
     embedding_init: Callable | None = None
     param_dtype: Dtype = jnp.float32
 
-    def setup(self):
+    def setup(self) -> None:
         _checks.check_positive_int("head_dim", self.head_dim)
         _checks.check_positive_int("max_distance", self.max_distance)
         super().setup()
@@ -390,7 +393,7 @@ class ShawRelativePosition(_PositionBase):
     def _init_spec(self):
         return None, self.embedding_init, self.param_dtype
 
-    def __call__(self):
+    def __call__(self) -> PositionScheme:
         return self.scheme()
 
 
@@ -456,7 +459,7 @@ class MultiHeadAttention(_LinenDropout, AttentionCore, AttentionOptions, nn.Modu
     def _sinks(self):
         return self._sink_logits
 
-    def setup(self):
+    def setup(self) -> None:
         parts = attention_parts(self, check_attention(self), _LinenMaker(self))
         # The parameter is named "sinks" as in the NNX twin (the field of the same name is
         # the bool that asks for it).
@@ -480,7 +483,7 @@ class TransformerBlock(_LinenDropout, BlockCore, BlockOptions, nn.Module):
 
     deterministic: bool | None = None
 
-    def setup(self):
+    def setup(self) -> None:
         for name, part in block_parts(check_block(self), _LinenMaker(self)).items():
             setattr(self, name, part)
 
@@ -554,7 +557,7 @@ class _Stack(StackCore, StackOptions, nn.Module):
         _, _, Nk, H = attention_dims(self.d_model, self.num_heads, self.num_kv_heads, None)
         return _checks.check_positive_int("num_layers", self.num_layers), Nk, H
 
-    def setup(self):
+    def setup(self) -> None:
         parts = build_stack(stack_spec(self, causal=self._causal), _LinenMaker(self), self)
         self.embed, self.abs_position, self.rel_position, self.blocks, self.final_norm = parts
 

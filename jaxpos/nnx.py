@@ -448,7 +448,7 @@ class DecoderLM(DecoderCore, _Stack):
 
     _causal = True
 
-    def __init__(self, vocab_size: int, *, position: str = "rope", **kwargs):
+    def __init__(self, vocab_size: int, *, position: str = "rope", **kwargs: Any):
         """Arguments as the class docstring says (the other keywords and their defaults
         are those of the shared stack constructor)."""
         super().__init__(vocab_size, position=position, **kwargs)
@@ -472,7 +472,7 @@ class Encoder(EncoderCore, _Stack):
 
     _causal = False
 
-    def __init__(self, vocab_size: int, *, position: str = "nope", **kwargs):
+    def __init__(self, vocab_size: int, *, position: str = "nope", **kwargs: Any):
         """Arguments as the class docstring says (the other keywords and their defaults
         are those of the shared stack constructor)."""
         super().__init__(vocab_size, position=position, **kwargs)

@@ -11,12 +11,14 @@ hyper-parameters through small hooks that each twin gives (``_dims()``, ``_posit
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos.core.entry import attention
@@ -94,7 +96,7 @@ def rotates_on_load(scheme) -> bool:
     return isinstance(scheme, RoPE) and scheme.cache_rotation == "read"
 
 
-def param_value(v):
+def param_value(v: Any) -> jax.Array:
     """The array of an :class:`flax.nnx.Variable` (NNX) or the array itself (Linen)."""
     return v[...] if isinstance(v, nnx.Variable) else v
 
@@ -106,7 +108,7 @@ class SinusoidalCore:
     if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
         def __getattr__(self, name: str) -> Any: ...
 
-    def __call__(self, positions) -> jax.Array:
+    def __call__(self, positions: ArrayLike) -> jax.Array:
         return sinusoidal_embedding(positions, self.d_model, self.base, self.layout, self.dtype)
 
 
@@ -117,7 +119,7 @@ class LearnedCore:
     if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
         def __getattr__(self, name: str) -> Any: ...
 
-    def __call__(self, positions) -> jax.Array:
+    def __call__(self, positions: ArrayLike) -> jax.Array:
         return learned_positions(param_value(self.table), positions, out_of_range=self.out_of_range)
 
 
@@ -129,7 +131,8 @@ class PositionCore:
     if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
         def __getattr__(self, name: str) -> Any: ...
 
-    def scheme(self, rope_scaling=None, *, x=None, positions=None) -> PositionScheme:
+    def scheme(self, rope_scaling: Any = None, *, x: jax.Array | None = None,
+               positions: ArrayLike | None = None) -> PositionScheme:
         """The scheme object for one call (:func:`build_scheme`): built from the module's
         parameters by the scheme class's ``from_params`` (gradients flow to them).
 
@@ -148,7 +151,8 @@ class PositionCore:
                             rope_scaling=rope_scaling, x=x, positions=positions)
 
 
-def position_scheme(module, rope_scaling=None, *, x=None, positions=None):
+def position_scheme(module: Any, rope_scaling: Any = None, *, x: jax.Array | None = None,
+                    positions: ArrayLike | None = None) -> PositionScheme:
     """The scheme object of an attention-position module for one call: ``module.scheme(
     rope_scaling, x=x, positions=positions)``; ``None`` -> :class:`jaxpos.NoPE`.
 
@@ -240,10 +244,14 @@ class AttentionCore:
             return self.mask_mod
         return check_mask_mod("mask_mod", mask_mod)
 
-    def __call__(self, x, *, context=None, positions=None, kv_positions=None, mask=None,
-                 segment_ids=None, kv_segment_ids=None, scheme=None, rope_scaling=None,
-                 implementation=None, mask_mod=None, attention_mask=None,
-                 deterministic=None, rngs=None) -> jax.Array:
+    def __call__(self, x: jax.Array, *, context: jax.Array | None = None,
+                 positions: ArrayLike | None = None, kv_positions: ArrayLike | None = None,
+                 mask: ArrayLike | None = None, segment_ids: ArrayLike | None = None,
+                 kv_segment_ids: ArrayLike | None = None, scheme: PositionScheme | None = None,
+                 rope_scaling: Any = None, implementation: str | None = None,
+                 mask_mod: Callable[..., Any] | None = None,
+                 attention_mask: ArrayLike | None = None, deterministic: bool | None = None,
+                 rngs: Any = None) -> jax.Array:
         pad = self._padding(x, context, attention_mask)
         if pad is not None and positions is None:
             positions = positions_from_mask(pad)
@@ -396,7 +404,8 @@ class BlockCore:
         keep = jax.random.bernoulli(self._dropout_key(rngs), 1.0 - rate, y.shape)
         return jnp.where(keep, y / jnp.asarray(1.0 - rate, y.dtype), 0).astype(y.dtype)
 
-    def __call__(self, x, *, deterministic=None, rngs=None, **kw) -> jax.Array:
+    def __call__(self, x: jax.Array, *, deterministic: bool | None = None, rngs: Any = None,
+                 **kw: Any) -> jax.Array:
         a = self.attn(rms_norm(x, param_value(self.attn_norm.scale)),
                       deterministic=deterministic, rngs=rngs, **kw)
         x = x + self._residual_dropout(a, deterministic, rngs)
@@ -458,9 +467,10 @@ class DecoderCore(StackCore):
     if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
         def __getattr__(self, name: str) -> Any: ...
 
-    def __call__(self, tokens, *, positions=None, rope_scaling=None, implementation=None,
-                 segment_ids=None, attention_mask=None, deterministic=None,
-                 rngs=None) -> jax.Array:
+    def __call__(self, tokens: ArrayLike, *, positions: ArrayLike | None = None,
+                 rope_scaling: Any = None, implementation: str | None = None,
+                 segment_ids: ArrayLike | None = None, attention_mask: ArrayLike | None = None,
+                 deterministic: bool | None = None, rngs: Any = None) -> jax.Array:
         """Causal forward pass.
 
         Args:
@@ -564,9 +574,11 @@ class EncoderCore(StackCore):
     if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
         def __getattr__(self, name: str) -> Any: ...
 
-    def __call__(self, tokens, *, positions=None, mask=None, segment_ids=None,
-                 rope_scaling=None, implementation=None, attention_mask=None,
-                 deterministic=None, rngs=None) -> jax.Array:
+    def __call__(self, tokens: ArrayLike, *, positions: ArrayLike | None = None,
+                 mask: ArrayLike | None = None, segment_ids: ArrayLike | None = None,
+                 rope_scaling: Any = None, implementation: str | None = None,
+                 attention_mask: ArrayLike | None = None, deterministic: bool | None = None,
+                 rngs: Any = None) -> jax.Array:
         """Bidirectional forward pass: final-normalised hidden states ``[B, T, d_model]``
         (``dtype``); keywords as :meth:`jaxpos.nnx.DecoderLM.__call__` (``attention_mask``,
         ``deterministic`` and ``rngs`` included: no token sees padding) plus ``mask``."""

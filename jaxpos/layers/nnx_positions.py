@@ -29,7 +29,7 @@ from jaxpos.layers.options import (
     init_scheme_params,
 )
 from jaxpos.schemes.alibi import alibi_bias
-from jaxpos.schemes.base import REGISTRY
+from jaxpos.schemes.base import REGISTRY, PositionScheme
 from jaxpos.schemes.rope import apply_rope, check_rotary_dim
 from jaxpos.schemes.t5 import check_bucket_args, t5_bias
 
@@ -199,7 +199,7 @@ class RotaryEmbedding(PositionModule):
             "rope_scaling": scaling})
 
     def scheme(self, scaling: Any = None, *, x: jax.Array | None = None,
-               positions: ArrayLike | None = None):
+               positions: ArrayLike | None = None) -> PositionScheme:
         """The RoPE scheme, with ``scaling`` (this call) or the module's default."""
         return super().scheme(scaling, x=x, positions=positions)
 
@@ -298,8 +298,10 @@ class ShawRelativePosition(PositionModule):
             self.rel_v = None
 
 
-def make_position_module(position, *, num_heads, head_dim, d_model, causal, options,
-                         param_dtype: DTypeLike, rngs):
+def make_position_module(position: Any, *, num_heads: int | None, head_dim: int | None,
+                         d_model: int | None, causal: bool, options: Any,
+                         param_dtype: DTypeLike,
+                         rngs: nnx.Rngs | None) -> PositionModule | None:
     """The attention-position module of a layer: a :class:`PositionModule` for a name
     (``"nope"`` included), a module passed in as it is (shared by reference), None for
     None."""

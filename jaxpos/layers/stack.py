@@ -35,7 +35,8 @@ class StackPlan(NamedTuple):
     options: tuple       #: the scheme's options (:func:`stack_options`)
 
 
-def stack_plan(position, *, max_len, rope_base, prefixed: dict, scheme_options) -> StackPlan:
+def stack_plan(position: Any, *, max_len: int | None, rope_base: float | None, prefixed: dict,
+               scheme_options: Any) -> StackPlan:
     """Validate a stack's ``position`` and decide where its scheme lives: absolute
     positions add a module to the embeddings (attention then uses ``"nope"``); a
     registered scheme lives in every layer when its class says ``params_per_layer``,
