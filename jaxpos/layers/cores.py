@@ -233,7 +233,7 @@ class AttentionCore:
         return check_attention_mask(attention_mask, *x.shape[:2])
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None, *,
-                   keep_first: int | None = None) -> Cache:
+                   keep_first: int | None = None, **cache_options: Any) -> Cache:
         """An empty :class:`KVCache` of ``max_len`` slots for ``batch`` rows (no parameters
         needed); with ``keep_first`` a :class:`StreamingKVCache` (StreamingLLM, Xiao et al.
         2024, §3.2: each row's first ``keep_first`` tokens and its most recent ones,
@@ -242,12 +242,16 @@ class AttentionCore:
         Args:
           batch, max_len: positive ints, rows and slots per row; dtype: of the keys and
             values (default the layer's ``dtype``); keep_first: int in ``[0, max_len)``.
+          **cache_options: the options of another registered cache type
+            (:func:`jaxpos.layers.cache.register_cache`), which they select.
 
         Raises:
-          ValueError / TypeError: sizes that are not positive ints, a bad ``keep_first``.
+          ValueError / TypeError: sizes that are not positive ints, a bad ``keep_first``,
+            options that select no cache type or two.
         """
         _, _, Nk, H = self._dims()
-        return new_cache(batch, max_len, Nk, H, dtype or self.dtype, keep_first=keep_first)
+        return new_cache(batch, max_len, Nk, H, dtype or self.dtype, keep_first=keep_first,
+                         **cache_options)
 
     def _attend_cache(self, read: CacheRead, implementation, mask_mod) -> jax.Array:
         """One attention call of a decode step on what the cache handed
@@ -429,13 +433,16 @@ class DecoderCore(StackCore):
         return tied_logits(h, param_value(self.embed.embedding))
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None, *,
-                   keep_first: int | None = None) -> tuple[Cache, ...]:
+                   keep_first: int | None = None, **cache_options: Any
+                   ) -> tuple[Cache, ...]:
         """One empty :class:`KVCache` per layer, ``max_len`` slots for ``batch`` rows (no
         parameters needed). With ``keep_first``: a StreamingLLM cache per layer
         (:class:`StreamingKVCache`, Xiao et al. 2024, §3.2) that keeps each row's first
         ``keep_first`` tokens (attention sinks; padding takes no slot) and its
         ``max_len - keep_first`` most recent ones, positions being places in the cache, so
-        decoding runs unboundedly in fixed memory (one token per step once full).
+        decoding runs unboundedly in fixed memory (one token per step once full). Other
+        keyword options select another registered cache type
+        (:func:`jaxpos.layers.cache.register_cache`).
 
         Raises:
           ValueError: ``keep_first`` with ``position="sinusoidal"`` or ``"learned"``
@@ -444,8 +451,10 @@ class DecoderCore(StackCore):
         """
         L, Nk, H = self._cache_dims()
         caches = tuple(new_cache(batch, max_len, Nk, H, dtype or self.dtype,
-                                 keep_first=keep_first) for _ in range(L))
-        self._check_cache_positions(caches[0], f"init_cache(keep_first={keep_first})")
+                                 keep_first=keep_first, **cache_options) for _ in range(L))
+        given = {"keep_first": keep_first, **cache_options}
+        self._check_cache_positions(caches[0], "init_cache(" + ", ".join(
+            f"{n}={val!r}" for n, val in given.items() if val is not None) + ")")
         return caches
 
     def _check_cache_positions(self, cache: Cache, what: str) -> None:

@@ -47,17 +47,23 @@ _CACHES: list[tuple[tuple[str, ...], Callable[..., Cache]]] = []
 
 def register_cache(options: tuple[str, ...], build: Callable[..., Cache]) -> None:
     """Make ``init_cache(..., **options)`` build a cache type: ``build(batch, max_len,
-    num_kv_heads, head_dim, dtype, **given)`` is called with the options of ``options``
-    that the caller gave (not None).
+    num_kv_heads, head_dim, dtype, **given)`` (returning a :class:`Cache`) is called with
+    the options of ``options`` that the caller gave (not None). Registering the same
+    options again replaces their builder.
 
     Raises:
-      ValueError: an option another cache type already owns.
+      ValueError: no option, or an option another cache type already owns.
     """
-    taken = {o for opts, _ in _CACHES for o in opts}
-    if taken & set(options):
-        raise ValueError(f"cache options {sorted(taken & set(options))} are already owned by "
-                         f"a registered cache type.")
-    _CACHES.append((tuple(options), build))
+    options = tuple(options)
+    if not options:
+        raise ValueError("register_cache needs the init_cache options that select the cache "
+                         "type (the dense KVCache is the one without options).")
+    _CACHES[:] = [(opts, b) for opts, b in _CACHES if opts != options]
+    taken = {o for opts, _ in _CACHES for o in opts} & set(options)
+    if taken:
+        raise ValueError(f"cache options {sorted(taken)} are already owned by a registered "
+                         f"cache type.")
+    _CACHES.append((options, build))
 
 
 def new_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype: Any,
