@@ -57,7 +57,6 @@ from jaxpos.layers.options import (
 )
 from jaxpos.schemes.base import NoPE, PositionScheme
 from jaxpos.schemes.learned import learned_positions
-from jaxpos.schemes.rope import RoPE
 
 __all__ = [
     "AttentionCore",
@@ -88,9 +87,10 @@ def reads_positions_at_once(scheme) -> bool:
 
 
 def rotates_on_load(scheme) -> bool:
-    """True for a RoPE read from a cache of raw keys (``cache_rotation="read"``): the decode
-    step passes rope tables and the engines rotate each key block as it is loaded."""
-    return isinstance(scheme, RoPE) and scheme.cache_rotation == "read"
+    """True for a scheme read from a cache of raw keys with tables applied on load
+    (:meth:`~jaxpos.PositionScheme.load_tables`; RoPE with ``cache_rotation="read"``): the
+    decode step passes the tables and the engines rotate each key block as it is loaded."""
+    return scheme.rotates_on_load
 
 
 def param_value(v):
@@ -249,13 +249,13 @@ class AttentionCore:
         """:meth:`decode` into a :class:`StreamingKVCache`: positions are places in the
         cache (Xiao et al. 2024, §3.2), RoPE keys stored raw and rotated at read with them
         (rope tables: the engines rotate each key block as it is loaded)."""
-        if not isinstance(scheme, RoPE):
+        if not scheme.rotates_on_load:
             q, k, scheme = rotate_at_write(scheme, q, k, pos)
         cache, seg, kv_seg, q_pos, kv_pos, evicting = update_streaming_cache(cache, k, v, pos,
                                                                              pad)
         extra: dict[str, Any] = {}
-        if isinstance(scheme, RoPE):
-            extra["rope_tables"] = scheme.read_tables(q_pos, kv_pos)
+        if scheme.rotates_on_load:
+            extra["rope_tables"] = scheme.load_tables(q_pos, kv_pos)
             scheme = NoPE()
         attend_fn = attention_for(scheme)
         impl = implementation or self.implementation
@@ -335,9 +335,9 @@ class AttentionCore:
             top = visible_top(cache.positions, cache.valid != 0)
             kv_pos = fill_hidden_positions(cache.positions, cache.valid != 0, top)
             q_pos = pos if pad is None else fill_hidden_positions(pos, pad, top)
-        elif isinstance(scheme, RoPE) and rotates_on_load(scheme):
-            # raw keys: RoPE rotated as each key block is loaded
-            extra = {"rope_tables": scheme.read_tables(pos, cache.positions)}
+        elif rotates_on_load(scheme):
+            # raw keys: rotated as each key block is loaded (RoPE's tables)
+            extra = {"rope_tables": scheme.load_tables(pos, cache.positions)}
             scheme = NoPE()
         attend_fn = attention_for(scheme)
         impl = implementation or self.implementation
