@@ -45,7 +45,7 @@ from jax.typing import ArrayLike
 from jaxpos import _checks
 
 __all__ = ["ANGLE_PRECISIONS", "LAYOUTS", "apply_rope", "apply_rope_angles", "check_rotary_dim",
-           "default_inv_freq", "half_to_interleaved", "interleaved_to_half", "pow32", "rope_angles",
+           "default_inv_freq", "half_to_interleaved", "interleaved_to_half", "rope_angles",
            "rotate"]
 
 LAYOUTS = ("half", "interleaved")

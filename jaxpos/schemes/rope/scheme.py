@@ -19,7 +19,7 @@ from jaxpos.schemes.base import NoPE, PositionScheme, register
 from jaxpos.schemes.rope import scaling as rope_scaling
 from jaxpos.schemes.rope.angles import ANGLE_PRECISIONS, LAYOUTS, apply_rope
 from jaxpos.schemes.rope.scaling import check_rotary_dim, rope_frequencies
-from jaxpos.schemes.rope.tables import rope_tables
+from jaxpos.schemes.rope.tables import RopeTables, rope_tables
 from jaxpos.schemes.rope.variants import apply_mrope, check_mrope_section, mrope_frequency_axes
 
 __all__ = ["CACHE_ROTATIONS", "RoPE"]
@@ -193,15 +193,15 @@ class RoPE(PositionScheme):
         tokens only, never the cache (a key's rotation depends on its own position only,
         Su et al. 2024, §3.4). ``cache_rotation="read"``: raw keys, the scheme itself for
         reading (every cached key rotated at each step with the current frequencies;
-        :meth:`read_tables`)."""
+        :meth:`load_tables`)."""
         if self.cache_rotation == "read":
             return q, k, self
         inv_freq, _ = self.frequencies(positions, positions)
         return (self.rotate(q, positions, inv_freq=inv_freq),
                 self.rotate(k, positions, inv_freq=inv_freq), NoPE())
 
-    def read_tables(self, q_positions: ArrayLike, kv_positions: ArrayLike,
-                    seq_len: ArrayLike | None = None):
+    def load_tables(self, q_positions: ArrayLike, kv_positions: ArrayLike,
+                    seq_len: ArrayLike | None = None) -> RopeTables:
         """:class:`jaxpos.schemes.rope.tables.RopeTables` rotating unrotated q and k on load, for a
         cache read with this scheme (``cache_rotation="read"``, or a StreamingLLM cache whose
         key positions are its slots; Xiao et al. 2024, §3.2).
