@@ -187,8 +187,9 @@ def _bound_axes() -> tuple:
         return ()
 
 
-def _ring_size(axis_name) -> int:
-    """The size of the bound mesh axis ``axis_name``, or a clear ValueError/TypeError."""
+def bound_axis_size(axis_name, caller: str = "ring_attention") -> int:
+    """The size of the bound mesh axis ``axis_name``, or a clear ValueError/TypeError
+    naming ``caller`` (the public function that needs the axis)."""
     if not isinstance(axis_name, str):
         raise TypeError(f"axis_name must be the name (a str) of the mesh axis the sequence is "
                         f"sharded over; got {type(axis_name).__name__} {axis_name!r}.")
@@ -202,14 +203,14 @@ def _ring_size(axis_name) -> int:
                 f"(its axes: {list(bound)}); pass the name of the axis the sequence is sharded "
                 f"over.") from None
         raise ValueError(
-            f"ring_attention must be called inside jax.shard_map with axis_name={axis_name!r} "
+            f"{caller} must be called inside jax.shard_map with axis_name={axis_name!r} "
             f"an axis of its mesh (the sequence sharded over it); the axis is not bound here. "
             f"Wrap the call: jaxpos.parallel.shard_map(f, mesh=mesh, in_specs=..., "
             f"out_specs=...).") from None
 
 
 # ------------------------------------------------------------------ global transform
-def _transform_global(scheme: PositionScheme, q, k, q_pos, kv_pos, axis_name):
+def transform_global(scheme: PositionScheme, q, k, q_pos, kv_pos, axis_name):
     """``scheme.transform_qk`` on the local q and k at their global positions, as the
     single-device call applies it to the whole sequence.
 
@@ -483,7 +484,7 @@ def ring_attention(
         :func:`jaxpos.attention` (shapes, scheme/head mismatches, bad mods, sinks).
       TypeError: a non-str ``axis_name``; float positions; non-bool ``causal``; ...
     """
-    P = _ring_size(axis_name)
+    P = bound_axis_size(axis_name)
     if implementation is None:
         implementation = "chunked"
     if implementation == "pallas":
@@ -504,10 +505,16 @@ def ring_attention(
 
 def _ring(call: AttentionCall, axis_name: str, P: int, implementation: str) -> jax.Array:
     """The ring on a validated call (positions global, sequence sharded over ``axis_name``)."""
+    q, k = transform_global(call.scheme, call.q, call.k, call.q_positions, call.kv_positions,
+                            axis_name)
+    return ring_core(call.replace(q=q, k=k), axis_name, P, implementation)
+
+
+def ring_core(call: AttentionCall, axis_name: str, P: int, implementation: str) -> jax.Array:
+    """The ring on a validated call whose scheme transform is already applied: this
+    device's ``[B, Tq, N, H_v]`` rows (q's dtype)."""
     Tq, Tk = call.q_len, call.kv_len
-    q, k = _transform_global(call.scheme, call.q, call.k, call.q_positions, call.kv_positions,
-                             axis_name)
-    qs, kk, vv, m = heads_major(call.replace(q=q, k=k), repeat_kv=False)
+    qs, kk, vv, m = heads_major(call, repeat_kv=False)
     if implementation == "reference":
         bq, bk = Tq, Tk
     else:
