@@ -1,0 +1,130 @@
+"""Ulysses all-to-all attention and USP (:mod:`jaxpos.parallel.ulysses`).
+
+The 8-device checks run in ONE subprocess (``tests/parallel/_ring_worker.py --quick``):
+Ulysses over 8 devices (8 query heads, 2 key/value heads repeated 4 times each, a
+per-head T5 table and a per-head captured table whose rows follow their heads, sinks
+sliced to the local heads, packed segments) and USP on a 2 x 4 mesh (Ulysses over 4
+devices with the key/value heads split, the ring over 2 in a zigzag layout, RoPE+YaRN,
+sinks, a mask_mod); each forward and every gradient against the
+single-device ``jaxpos.attention(..., implementation="reference")``. The slow runs of
+tests/parallel/test_ring.py add every scheme, the Pallas and XLA engines, and a
+(data x seq) mesh.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from test_ring import TOL, _run_worker
+
+from jaxpos import ALiBi, attention
+from jaxpos.parallel import kv_head_repeats, shard_map, ulysses_attention
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    return _run_worker(tmp_path_factory, "--quick")
+
+
+def _names(res, method):
+    return {k.split("/", 1)[1] for k in res if k.startswith("fwd/") and k.endswith(method)
+            or k.startswith("fwd/") and f"/{method}/" in k}
+
+
+def test_ulysses_and_usp_equal_single_device(quick):
+    """Forward and every gradient (scheme table, captured table, sinks, q, k, v) of
+    Ulysses and USP equal the single-device call."""
+    assert quick["num_devices"] == 8
+    bad = {k: v for k, v in quick.items() if k.startswith(("fwd/", "grad/")) and not v <= TOL}
+    assert not bad, bad
+    uly, usp = _names(quick, "ulysses"), _names(quick, "usp")
+    assert uly and usp, sorted(quick)
+    for name in uly | usp:
+        grads = [k for k in quick if k.startswith(f"grad/{name}/")]
+        assert any("'sinks'" in g for g in grads) and len(grads) >= 5, (name, grads)
+        assert quick[f"grad_norm/{name}"] > 1.0, name
+
+
+def test_ulysses_heads_not_divisible_raises(quick):
+    msg = quick["error/heads_not_divisible"]
+    assert "4 query heads over the 8 devices of mesh axis 'seq'" in msg, msg
+
+
+@pytest.mark.parametrize("nk,p,want", [(8, 4, 1), (2, 8, 4), (1, 4, 4), (6, 4, 2), (3, 3, 1)])
+def test_kv_head_repeats_is_fewest_copies_divisible_by_p(nk, p, want):
+    f = kv_head_repeats(nk, p)
+    assert f == want and (nk * f) % p == 0
+    assert all((nk * g) % p for g in range(1, f))  # no fewer copies would do
+    assert f == math.lcm(nk, p) // nk
+
+
+def test_kv_head_repeats_bad_arguments_raise():
+    with pytest.raises((TypeError, ValueError), match="num_devices"):
+        kv_head_repeats(2, 0)
+    with pytest.raises((TypeError, ValueError), match="num_kv_heads"):
+        kv_head_repeats(1.5, 2)
+
+
+# ----------------------------------------------------------------- one device
+def _mesh1():
+    return Mesh(np.array(jax.devices()[:1]), ("seq",))
+
+
+def test_ulysses_on_one_device_equals_attention():
+    """P = 1 (no exchange): the ALiBi call and its gradients equal jaxpos.attention's."""
+    r = np.random.default_rng(0)
+    f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)
+    q, k, v = f(1, 8, 4, 4), f(1, 8, 2, 4), f(1, 8, 2, 4)
+    pos = jnp.arange(8, dtype=jnp.int32) + 2
+    seq = P(None, "seq")
+
+    def uly(q, k, v):
+        return shard_map(lambda q, k, v: ulysses_attention(
+            q, k, v, axis_name="seq", position=ALiBi(num_heads=4), q_positions=pos,
+            kv_positions=pos, causal=True), mesh=_mesh1(), in_specs=(seq, seq, seq),
+            out_specs=seq)(q, k, v)
+
+    def plain(q, k, v):
+        return attention(q, k, v, position=ALiBi(num_heads=4), q_positions=pos,
+                         kv_positions=pos, causal=True, implementation="reference")
+
+    np.testing.assert_allclose(jax.jit(uly)(q, k, v), plain(q, k, v), atol=1e-5)
+    g = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2)))
+    for a, b in zip(g(uly)(q, k, v), g(plain)(q, k, v)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_ulysses_outside_shard_map_raises():
+    q = jnp.zeros((1, 8, 2, 4))
+    pos = jnp.arange(8, dtype=jnp.int32)
+    with pytest.raises(ValueError, match=r"ulysses_attention must be called inside "
+                                         r"jax.shard_map.*axis_name='seq'"):
+        ulysses_attention(q, q, q, axis_name="seq", q_positions=pos, kv_positions=pos)
+
+
+def test_ulysses_ring_axis_equal_to_axis_name_raises():
+    q = jnp.zeros((1, 8, 2, 4))
+    pos = jnp.arange(8, dtype=jnp.int32)
+    seq = P(None, "seq")
+    fn = shard_map(lambda q: ulysses_attention(q, q, q, axis_name="seq", ring_axis="seq",
+                                               q_positions=pos, kv_positions=pos),
+                   mesh=_mesh1(), in_specs=(seq,), out_specs=seq)
+    with pytest.raises(ValueError, match="ring_axis must differ from axis_name"):
+        fn(q)
+
+
+def test_ulysses_unknown_implementation_raises():
+    q = jnp.zeros((1, 8, 2, 4))
+    pos = jnp.arange(8, dtype=jnp.int32)
+    seq = P(None, "seq")
+    fn = shard_map(lambda q: ulysses_attention(q, q, q, axis_name="seq", q_positions=pos,
+                                               kv_positions=pos, implementation="flash"),
+                   mesh=_mesh1(), in_specs=(seq,), out_specs=seq)
+    with pytest.raises(ValueError, match="implementation"):
+        fn(q)
