@@ -144,7 +144,7 @@ def _zigzag_permutation_checked(T, num_devices, t_name):
     return zigzag_permutation(T, num_devices)
 
 
-def to_zigzag(x, axis: int, num_devices: int) -> jax.Array:
+def to_zigzag(x: ArrayLike, axis: int, num_devices: int) -> jax.Array:
     """Reorder the sequence axis of ``x`` into the zigzag layout (see
     :func:`zigzag_permutation`): sharding the result's ``axis`` over ``num_devices``
     devices gives device ``i`` chunks ``i`` and ``2P - 1 - i``.
@@ -168,7 +168,7 @@ def to_zigzag(x, axis: int, num_devices: int) -> jax.Array:
     return _zigzag_take("x", x, axis, num_devices, inverse=False)
 
 
-def from_zigzag(x, axis: int, num_devices: int) -> jax.Array:
+def from_zigzag(x: ArrayLike, axis: int, num_devices: int) -> jax.Array:
     """The inverse of :func:`to_zigzag`: zigzag order back to sequence order (e.g. the
     output of :func:`ring_attention` gathered from the devices).
 
@@ -187,7 +187,7 @@ def _bound_axes() -> tuple:
         return ()
 
 
-def bound_axis_size(axis_name, caller: str = "ring_attention") -> int:
+def bound_axis_size(axis_name: Any, caller: str = "ring_attention") -> int:
     """The size of the bound mesh axis ``axis_name``, or a clear ValueError/TypeError
     naming ``caller`` (the public function that needs the axis)."""
     if not isinstance(axis_name, str):
@@ -210,7 +210,8 @@ def bound_axis_size(axis_name, caller: str = "ring_attention") -> int:
 
 
 # ------------------------------------------------------------------ global transform
-def transform_global(scheme: PositionScheme, q, k, q_pos, kv_pos, axis_name):
+def transform_global(scheme: PositionScheme, q: jax.Array, k: jax.Array, q_pos: jax.Array,
+                     kv_pos: jax.Array, axis_name: Any) -> tuple[jax.Array, jax.Array]:
     """``scheme.transform_qk`` on the local q and k at their global positions, as the
     single-device call applies it to the whole sequence.
 
