@@ -128,3 +128,38 @@ def test_ulysses_unknown_implementation_raises():
                    mesh=_mesh1(), in_specs=(seq,), out_specs=seq)
     with pytest.raises(ValueError, match="implementation"):
         fn(q)
+
+
+# ------------------------------------------------------- 2 processes, jax.distributed
+@pytest.mark.slow  # two processes of 4 CPU devices each (~40 s)
+def test_two_process_distributed_ring_and_usp(tmp_path):
+    """``jax.distributed`` with 2 CPU processes (gloo collectives) of 4 devices each: the
+    ring over all 8 devices and USP (the ring across the processes, Ulysses inside each)
+    give each process its shards of the single-device output and gradients."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("_distributed_worker.py")
+    with socket.socket() as s:  # a free port for the coordinator
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    outs = [tmp_path / f"p{i}.json" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(worker), str(i), "2", str(port), str(out)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i, out in enumerate(outs)]
+    logs = [p.communicate(timeout=900)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    for out in outs:
+        res = json.loads(out.read_text())
+        assert res.pop("process_count") == 2.0
+        assert len(res) == 10, res  # out, dq, dk, dv, dtable for ring and USP
+        bad = {k: v for k, v in res.items() if not v <= TOL}
+        assert not bad, bad
