@@ -163,3 +163,38 @@ def test_two_process_distributed_ring_and_usp(tmp_path):
         assert len(res) == 10, res  # out, dq, dk, dv, dtable for ring and USP
         bad = {k: v for k, v in res.items() if not v <= TOL}
         assert not bad, bad
+
+
+@pytest.mark.slow  # ~20 compilations on 8 CPU devices (a few minutes on 2 cores)
+def test_context_parallel_benchmark_tiny(tmp_path):
+    """``benchmarks/context_parallel.py --tiny`` runs and its table shows what
+    docs/parallel.md says: zigzag balances the ring (max / mean <= 1.1), Ulysses is
+    balanced in any order, the HLO's collective bytes equal each layout's formula, and
+    the ring's and Ulysses' temporary memory falls with P while all-gather's does not."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "context_parallel.py"
+    out = tmp_path / "cp.md"
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, str(path), "--tiny", "--kv-heads", "2", "--output",
+                           str(out)], check=False, env=env, capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [[c.strip() for c in r.split("|")[1:-1]] for r in out.read_text().splitlines()
+            if r.startswith("| ")]
+    balance = {(r[0], r[1]): float(r[3]) for r in rows if len(r) == 4 and r[1] in (
+        "contiguous", "zigzag")}
+    assert balance[("ring", "zigzag")] <= 1.1 < balance[("ring", "contiguous")]
+    assert balance[("ulysses", "contiguous")] <= 1.1
+    ratios = [float(r[4]) for r in rows if len(r) == 6 and r[0] == "2"]
+    assert len(ratios) == 4 and all(abs(x - 1.0) < 0.01 for x in ratios), rows
+    mem = [r for r in rows if len(r) == 9 and r[0].isdigit()]
+    temp = {p: [float(x) for x in r[1::2]] for p, r in zip((1, 2, 4, 8), mem)}
+    ring, uly, ag = 0, 1, 2
+    assert temp[8][ring] < temp[1][ring] / 4 and temp[8][uly] < temp[1][uly] / 4
+    assert temp[8][ag] > temp[1][ag] / 2
