@@ -16,7 +16,8 @@ every term is computed from positions and the positions travel with their block:
   FIRE, Sandwich, FoX, captured tables, sliding windows, ...) and Shaw's content bias and
   value term are evaluated per tile by the chunked path's machinery
   (``jaxpos.core.chunked.chunked_forward`` / ``chunked_backward``), with the passing
-  block's global key positions;
+  block's global key positions (with ``implementation="pallas"``, each block is one call
+  of the fused kernel instead: :mod:`jaxpos.parallel.engine_ring`);
 * the per-block outputs and log-sum-exps are merged exactly by log-sum-exp (the online
   softmax of Milakov & Gimelshein 2018 applied across blocks), the attention sinks
   joining the normaliser once, at the end.
@@ -79,7 +80,7 @@ __all__ = ["from_zigzag", "ring_attention", "shard_map", "to_zigzag", "zigzag_pe
 shard_map = jax.shard_map
 
 _NEG_INF = -jnp.inf
-RING_IMPLEMENTATIONS = ("chunked", "reference")
+RING_IMPLEMENTATIONS = ("chunked", "reference", "pallas")
 
 
 # ----------------------------------------------------------------------------- zigzag
@@ -250,10 +251,14 @@ class _RingCfg(NamedTuple):
     groups: int  # query heads per key/value head
 
 
-def _shift(tree, rc: _RingCfg):
+def shift(tree: Any, axis_name: str, size: int) -> Any:
     """Send every leaf to the next device of the ring (device i -> i + 1 mod P)."""
-    perm = [(i, (i + 1) % rc.size) for i in range(rc.size)]
-    return jax.tree_util.tree_map(lambda x: jax.lax.ppermute(x, rc.axis_name, perm), tree)
+    perm = [(i, (i + 1) % size) for i in range(size)]
+    return jax.tree_util.tree_map(lambda x: jax.lax.ppermute(x, axis_name, perm), tree)
+
+
+def _shift(tree, rc: _RingCfg):
+    return shift(tree, rc.axis_name, rc.size)
 
 
 def _expand(x, groups):
@@ -287,8 +292,10 @@ def _block_live(rc: _RingCfg, terms, loc, kv):
     return kind != EMPTY
 
 
-def _merge(o1, l1, o2, l2):
-    """Exact merge of two normalised partial outputs by their log-sum-exps."""
+def merge_lse(o1: jax.Array, l1: jax.Array, o2: jax.Array,
+              l2: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Exact merge of two normalised partial outputs ``[..., H_v]`` by their log-sum-exps
+    ``[...]``: ``(o, lse)``."""
     lse = jnp.logaddexp(l1, l2)
     safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
     w1, w2 = jnp.exp(l1 - safe), jnp.exp(l2 - safe)
@@ -323,7 +330,7 @@ def _ring_forward(rc: _RingCfg, fl, il, sinks, qs, loc, kv):
         kv, out, lse = carry
         o, l = block(kv)
         kv = _shift(kv, rc)  # independent of the block's compute: the two can overlap
-        out, lse = _merge(out, lse, o, l)
+        out, lse = merge_lse(out, lse, o, l)
         return (kv, out, lse), None
 
     # P steps, so the block compute is traced once; the P-th hop brings each block home.
@@ -467,10 +474,13 @@ def ring_attention(
       scale: score scale (default ``1 / sqrt(H)``).
       sinks: float ``[N]``, a logit per query head in every row's softmax denominator
         (replicated; gradient summed over the devices).
-      implementation: ``"chunked"`` (default: each (local queries, passing block) pair is
-        computed in ``block_q x block_k`` tiles) or ``"reference"`` (one tile per pair).
-        ``"pallas"`` is not supported here yet (the fused kernel can return its
-        log-sum-exp, ``return_lse=True``, but the ring does not use the kernel per block).
+      implementation: the engine of each (local queries, passing block) pair:
+        ``"chunked"`` (default: ``block_q x block_k`` tiles of the chunked path, its
+        backward given the global output and log-sum-exp), ``"reference"`` (one tile per
+        pair) or ``"pallas"`` (the fused kernel, which returns each block's log-sum-exp;
+        its own backward computes each block's share of the gradients, see
+        :mod:`jaxpos.parallel.engine_ring`; on CPU the Pallas interpreter, which needs
+        ``check_vma=False`` on ``shard_map``).
       block_q, block_k: chunked tile sizes (default 256, capped at the local lengths).
         For a zigzag layout, tiles that divide ``T / (2P)`` let hidden tiles be skipped.
 
@@ -481,19 +491,14 @@ def ring_attention(
     Raises:
       ValueError: called outside ``shard_map`` or with an axis name the mesh lacks;
         positions or segment ids whose length is not the local q/k length; missing
-        positions; ``implementation="pallas"``; and every error of
+        positions; ``implementation="pallas"`` with a scheme the kernel cannot run
+        (Shaw) or an engine that cannot return its log-sum-exp; and every error of
         :func:`jaxpos.attention` (shapes, scheme/head mismatches, bad mods, sinks).
       TypeError: a non-str ``axis_name``; float positions; non-bool ``causal``; ...
     """
     P = bound_axis_size(axis_name)
     if implementation is None:
         implementation = "chunked"
-    if implementation == "pallas":
-        raise ValueError(
-            "implementation='pallas' is not supported by ring_attention yet: the ring merges "
-            "each block's output by its log-sum-exp and runs its blocks on the chunked path "
-            "(the fused kernel's return_lse=True is not yet used by the ring); use "
-            "implementation='chunked' (the default) or 'reference'.")
     _checks.check_choice("implementation", implementation, RING_IMPLEMENTATIONS)
     call = validate_call(q, k, v, position=position, score_mod=score_mod, mask_mod=mask_mod,
                          sinks=sinks, q_positions=q_positions, kv_positions=kv_positions,
@@ -511,9 +516,23 @@ def _ring(call: AttentionCall, axis_name: str, P: int, implementation: str) -> j
     return ring_core(call.replace(q=q, k=k), axis_name, P, implementation)
 
 
+def _check_engine(call: AttentionCall, implementation: str) -> None:
+    """Refuse, naming the reason, what the block engine cannot run."""
+    if implementation == "pallas" and not call.scheme.fusable:
+        raise ValueError(
+            f"implementation='pallas' (the fused kernel) does not support the position scheme "
+            f"{type(call.scheme).__name__} (its content bias or value term depends on the "
+            f"query content or the weights); use implementation='chunked' (the default).")
+
+
 def ring_core(call: AttentionCall, axis_name: str, P: int, implementation: str) -> jax.Array:
     """The ring on a validated call whose scheme transform is already applied: this
     device's ``[B, Tq, N, H_v]`` rows (q's dtype)."""
+    if implementation not in ("chunked", "reference"):  # an engine returning its lse
+        from jaxpos.parallel.engine_ring import engine_ring
+
+        _check_engine(call, implementation)
+        return engine_ring(call, axis_name, P, implementation)
     Tq, Tk = call.q_len, call.kv_len
     qs, kk, vv, m = heads_major(call, repeat_kv=False)
     if implementation == "reference":

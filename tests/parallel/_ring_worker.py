@@ -185,10 +185,9 @@ class Case:
 def _method(case: Case, mesh, axis):
     """(attention function inside shard_map, sequence mesh axes, zigzag device count,
     check_vma) of a case."""
-    if case.method == "ring":
-        return (functools.partial(ring_attention, axis_name=axis), axis,
-                int(np.prod([mesh.shape[a] for a in np.atleast_1d(axis)])), True)
     vma = case.implementation != "pallas"  # the Pallas interpreter cannot track vma
+    if case.method == "ring":
+        return functools.partial(ring_attention, axis_name=axis), axis, mesh.shape[axis], vma
     if case.method == "ulysses":
         return functools.partial(ulysses_attention, axis_name=axis), axis, mesh.shape[axis], vma
     assert case.method == "usp"
@@ -320,6 +319,8 @@ DEFAULT_CASES = [
     Case("t5", segments=True, table=True, sinks=True, method="ulysses", heads=(8, 2)),
     Case("alibi", zigzag=True, mask_mod=True, method="ulysses", heads=(8, 8)),
     Case("rope_yarn", zigzag=True, sinks=True, method="usp"),
+    # the ring's blocks on the fused kernel (the Pallas interpreter on CPU)
+    Case("t5", segments=True, table=True, sinks=True, implementation="pallas"),
 ]
 
 #: The default test run's cases (one subprocess, a few seconds each): the ring once, and
@@ -360,6 +361,9 @@ def full_cases(available):
               Case("alibi", causal=False, zigzag=True, segments=True),
               Case("rope_yarn", zigzag=True, table=True, sinks=True, mask_mod=True),
               Case("t5", zigzag=True, implementation="reference"),
+              Case("rope_yarn", zigzag=True, mask_mod=True, implementation="pallas",
+                   heads=(4, 1)),
+              Case("alibi", causal=False, batch_positions=True, implementation="pallas"),
               Case("shaw", causal=False, batch_positions=True),
               Case("t5_bidirectional", causal=False, method="ulysses", heads=(8, 1)),
               Case("alibi", causal=False, batch_positions=True, method="ulysses",
