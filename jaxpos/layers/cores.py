@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpos import _checks
+from jaxpos.core.engines import takes_kv_lengths
 from jaxpos.core.entry import attention
 from jaxpos.layers.cache import (
     KVCache,
@@ -259,7 +260,7 @@ class AttentionCore:
             scheme = NoPE()
         attend_fn = attention_for(scheme)
         impl = implementation or self.implementation
-        if attend_fn is attention and impl != "xla":
+        if attend_fn is attention and takes_kv_lengths(impl):
             extra["kv_lengths"] = cache.length
         o = attend_fn(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), position=scheme,
                       q_positions=q_pos, kv_positions=kv_pos, causal=self.causal,
@@ -341,9 +342,9 @@ class AttentionCore:
             scheme = NoPE()
         attend_fn = attention_for(scheme)
         impl = implementation or self.implementation
-        if attend_fn is attention and impl != "xla":
+        if attend_fn is attention and takes_kv_lengths(impl):
             # the cache's fill counts bound the loop over keys (the segment ids hide the
-            # empty slots too, for "xla", which takes no lengths)
+            # empty slots too, for an engine that takes no lengths)
             extra["kv_lengths"] = jnp.minimum(cache.length, cache.k.shape[1])
         o = attend_fn(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), position=scheme,
                       q_positions=q_pos, kv_positions=kv_pos, causal=self.causal,
