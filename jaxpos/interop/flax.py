@@ -65,7 +65,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
-from jaxpos.core.entry import ALL_IMPLEMENTATIONS, attention
+from jaxpos.core.engines import engine_names
+from jaxpos.core.entry import attention
 from jaxpos.schemes.base import PositionScheme, as_scheme
 
 __all__ = ["flax_attention_fn"]
@@ -278,7 +279,7 @@ def flax_attention_fn(
         and whatever :func:`jaxpos.attention` refuses.
     """
     scheme = as_scheme(position)
-    _checks.check_choice("implementation", implementation, ALL_IMPLEMENTATIONS + (None,))
+    _checks.check_choice("implementation", implementation, engine_names() + (None,))
     if score_mod is not None and not callable(score_mod):
         raise TypeError(f"score_mod must be callable; got {type(score_mod).__name__}.")
     if mask_mod is not None and not callable(mask_mod):

@@ -35,8 +35,9 @@ import jax.numpy as jnp
 from jaxpos._util import match_vma, sink_gradient, zero_cotangent
 from jaxpos.core.call import AttentionCall
 from jaxpos.core.chunked import tile_kind, varying_zero
+from jaxpos.core.tiles import lse_merge
 from jaxpos.mods import EMPTY, ConvertedMod, convert_mod
-from jaxpos.parallel.ring import merge_lse, shift
+from jaxpos.parallel.ring import shift
 
 __all__ = ["Rebound", "engine_ring", "lse_runner"]
 
@@ -157,7 +158,7 @@ def _forward(cfg: _Cfg, params, sinks, q, loc, kv):
         o, l = jax.lax.cond(_live(cfg, loc, kv), run, lambda _: empty, None)
         nxt = shift(kv, cfg.axis_name, cfg.size)
         o_bn = jnp.swapaxes(out, 1, 2)  # merge in [B, N, Tq, Hv]
-        merged, lse = merge_lse(o_bn, lse, jnp.swapaxes(o, 1, 2), l)
+        merged, lse = lse_merge(o_bn, lse, jnp.swapaxes(o, 1, 2), l)
         return (nxt, jnp.swapaxes(merged, 1, 2), lse), None
 
     (_, out, lse), _ = jax.lax.scan(step, (kv,) + empty, None, length=cfg.size)

@@ -60,6 +60,7 @@ from jaxpos.core.call import AttentionCall, validate_call
 from jaxpos.core.chunked import (
     BLOCK_K,
     BLOCK_Q,
+    Blocked,
     ChunkCfg,
     chunk_inputs,
     chunked_backward,
@@ -71,6 +72,7 @@ from jaxpos.core.chunked import (
     varying_zero,
 )
 from jaxpos.core.reference import heads_major, make_terms
+from jaxpos.core.tiles import lse_merge
 from jaxpos.mods import EMPTY
 from jaxpos.schemes.base import PositionScheme
 
@@ -276,9 +278,9 @@ def _fold(dx, groups):
 
 def _block_inputs(rc: _RingCfg, qs, loc, kv):
     """The chunked path's blocked inputs for the local queries and one passing block."""
-    return {"qs": qs, "k": _expand(kv["k"], rc.groups), "v": _expand(kv["v"], rc.groups),
-            "q_pos": loc["q_pos"], "kv_pos": kv["kv_pos"], "kv_valid": loc["kv_valid"],
-            "seg_q": loc["seg_q"], "seg_kv": kv["seg_kv"], "mask": None}
+    return Blocked(qs=qs, k=_expand(kv["k"], rc.groups), v=_expand(kv["v"], rc.groups),
+                   q_pos=loc["q_pos"], kv_pos=kv["kv_pos"], kv_valid=loc["kv_valid"],
+                   q_seg=loc["seg_q"], kv_seg=kv["seg_kv"])
 
 
 def _block_live(rc: _RingCfg, terms, loc, kv):
@@ -290,16 +292,6 @@ def _block_live(rc: _RingCfg, terms, loc, kv):
                       flat(kv["kv_pos"]), flat(loc["kv_valid"]), flat(loc["seg_q"]),
                       flat(kv["seg_kv"]), None)
     return kind != EMPTY
-
-
-def merge_lse(o1: jax.Array, l1: jax.Array, o2: jax.Array,
-              l2: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Exact merge of two normalised partial outputs ``[..., H_v]`` by their log-sum-exps
-    ``[...]``: ``(o, lse)``."""
-    lse = jnp.logaddexp(l1, l2)
-    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    w1, w2 = jnp.exp(l1 - safe), jnp.exp(l2 - safe)
-    return o1 * w1[..., None] + o2 * w2[..., None], lse
 
 
 def _ring_forward(rc: _RingCfg, fl, il, sinks, qs, loc, kv):
@@ -330,7 +322,7 @@ def _ring_forward(rc: _RingCfg, fl, il, sinks, qs, loc, kv):
         kv, out, lse = carry
         o, l = block(kv)
         kv = _shift(kv, rc)  # independent of the block's compute: the two can overlap
-        out, lse = merge_lse(out, lse, o, l)
+        out, lse = lse_merge(out, lse, o, l)
         return (kv, out, lse), None
 
     # P steps, so the block compute is traced once; the P-th hop brings each block home.
@@ -547,10 +539,10 @@ def ring_core(call: AttentionCall, axis_name: str, P: int, implementation: str) 
     # One varying type for everything that meets in a tile (positions may be replicated
     # and k/v may vary over fewer axes than q): ppermute, the loop carries and the traced
     # mods need it.
-    every = (b["k"], b["qs"], b["q_pos"], b["kv_pos"])
-    loc = _vary_like({"q_pos": b["q_pos"], "seg_q": b["seg_q"], "kv_valid": b["kv_valid"]}, every)
-    kv = _vary_like({"k": b["k"], "v": b["v"], "kv_pos": b["kv_pos"], "seg_kv": b["seg_kv"]},
+    every = (b.k, b.qs, b.q_pos, b.kv_pos)
+    loc = _vary_like({"q_pos": b.q_pos, "seg_q": b.q_seg, "kv_valid": b.kv_valid}, every)
+    kv = _vary_like({"k": b.k, "v": b.v, "kv_pos": b.kv_pos, "seg_kv": b.kv_seg},
                     every)
-    out = _ring_core(rc, fl, il, call.sinks, b["qs"], loc, kv)
+    out = _ring_core(rc, fl, il, call.sinks, b.qs, loc, kv)
     out = unblocks(out, 2)[:, :, :Tq]
     return jnp.swapaxes(out, 1, 2).astype(call.q.dtype)

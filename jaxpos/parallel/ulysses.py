@@ -45,14 +45,9 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxpos import _checks
+from jaxpos.core import engines
 from jaxpos.core.call import AttentionCall, validate_call
 from jaxpos.core.chunked import varying_zero
-from jaxpos.core.entry import (
-    ALL_IMPLEMENTATIONS,
-    RUNNERS,
-    _check_runner,  # pyright: ignore[reportPrivateUsage]
-    choose_implementation,
-)
 from jaxpos.mods import convert_mod, reads_input
 from jaxpos.parallel.ring import RING_IMPLEMENTATIONS, bound_axis_size, ring_core, transform_global
 from jaxpos.schemes.base import PositionScheme
@@ -150,11 +145,9 @@ def heads_call(call: AttentionCall, axis_name: str, P: int, repeats: int) -> Att
         mask_mod=_offset_head(call.mask_mod, "mask", offset), sinks=sinks)
 
 
-def _local_attention(call: AttentionCall, implementation: str | None, head_dim: int):
+def _local_attention(call: AttentionCall, implementation: str | None) -> jax.Array:
     """Single-device attention of a transformed call with the named (or default) engine."""
-    name = choose_implementation(call, implementation)
-    _check_runner(name, call, head_dim)
-    return RUNNERS[name](call)
+    return engines.run(engines.select_engine(call, implementation), call)
 
 
 def ulysses_attention(
@@ -227,7 +220,7 @@ def ulysses_attention(
     R = None if ring_axis is None else bound_axis_size(ring_axis, "ulysses_attention")
     if ring_axis is not None and ring_axis == axis_name:
         raise ValueError(f"ring_axis must differ from axis_name; both are {axis_name!r}.")
-    choices = RING_IMPLEMENTATIONS if ring_axis is not None else ALL_IMPLEMENTATIONS
+    choices = RING_IMPLEMENTATIONS if ring_axis is not None else engines.engine_names()
     _checks.check_choice("implementation", implementation, choices + (None,))
     call = validate_call(q, k, v, position=position, score_mod=score_mod, mask_mod=mask_mod,
                          sinks=sinks, q_positions=q_positions, kv_positions=kv_positions,
@@ -241,7 +234,7 @@ def ulysses_attention(
                               axes)
     local = heads_call(call.replace(q=qt, k=kt), axis_name, P, repeats)
     if ring_axis is None:
-        out = _local_attention(local, implementation, call.q.shape[-1])
+        out = _local_attention(local, implementation)
     else:
         assert R is not None
         out = ring_core(local, ring_axis, R, implementation or "chunked")

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
+import _dense_float32_engine  # noqa: F401  (registers the "dense_float32" engine)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -551,6 +552,8 @@ IMPLEMENTATIONS: dict[str, Path] = {
     # eager, as most users call it: under jit the positions are traced and the
     # is_causal route (arange positions) is never taken
     "xla": Path(_via("xla"), jit=False),
+    # an engine registered by a test (tests/conformance/_dense_float32_engine.py)
+    "dense_float32": Path(_via("dense_float32"), takes=lambda case: case.dtype == "float32"),
     # kv_lengths: a cache with unfilled slots (k 1e4, v NaN) past the case's keys; the
     # chunked decode path (Tq <= 16) and the tiled path (longer Tq) skip them
     "chunked_kv_lengths": Path(_with_unfilled_slots("chunked", block_k=4),
