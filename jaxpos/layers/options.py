@@ -19,7 +19,7 @@ import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
 from jaxpos import _checks
-from jaxpos.core.entry import ALL_IMPLEMENTATIONS
+from jaxpos.core.engines import engine_names
 from jaxpos.schemes.base import REGISTRY, PositionScheme
 
 __all__ = [
@@ -290,10 +290,10 @@ def build_scheme(position: str, params: dict, *, num_heads: int | None, head_dim
 
 def check_attention_options(implementation: str | None, use_bias: Any) -> None:
     """An attention layer's options, checked when it is built (not only at its first call):
-    ``implementation`` ``None`` or one of :data:`jaxpos.ALL_IMPLEMENTATIONS`, ``use_bias`` a
-    bool."""
+    ``implementation`` ``None`` or a registered engine's name
+    (:func:`jaxpos.core.engines.engine_names`), ``use_bias`` a bool."""
     if implementation is not None:
-        _checks.check_choice("implementation", implementation, ALL_IMPLEMENTATIONS)
+        _checks.check_choice("implementation", implementation, engine_names())
     if not isinstance(use_bias, bool):
         raise TypeError(f"use_bias must be a bool; got {type(use_bias).__name__} {use_bias!r}.")
 
