@@ -52,7 +52,7 @@ def varying_axes(x: Any) -> frozenset:
     return frozenset(vma or ())
 
 
-def cast_varying(x: Any, axes: Any) -> Any:
+def cast_varying(x: Any, axes: frozenset | tuple | set) -> Any:
     """``x`` marked as varying over ``axes`` too (``lax.pcast(..., to="varying")``). A
     no-op on the values: each device keeps its own."""
     axes = tuple(sorted(frozenset(axes) - varying_axes(x)))
@@ -61,7 +61,7 @@ def cast_varying(x: Any, axes: Any) -> Any:
     return jax.lax.pcast(jnp.asarray(x), axes, to="varying")
 
 
-def match_vma(g: jax.Array, x: Any) -> jax.Array:
+def match_vma(g: Any, x: Any) -> Any:
     """Under ``shard_map``, sum the cotangent ``g`` over the mesh axes it varies over but
     its primal ``x`` does not: the gradient of a replicated input (a scheme table, a
     captured array, keys all-gathered for sequence parallelism) is the sum of the
