@@ -20,6 +20,7 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from jaxpos import _checks
+from jaxpos.core.engines import takes_kv_lengths
 from jaxpos.core.entry import attention
 from jaxpos.layers.cache import Cache, CacheRead, check_cache, new_cache, poison_rows
 from jaxpos.layers.functional import (
@@ -259,9 +260,9 @@ class AttentionCore:
         attend_fn = attention_for(read.scheme)
         impl = implementation or self.implementation
         extra = read.keywords()
-        if attend_fn is attention and impl != "xla":
+        if attend_fn is attention and takes_kv_lengths(impl):
             # the cache's fill counts bound the loop over keys (the segment ids hide the
-            # empty slots too, for "xla", which takes no lengths)
+            # empty slots too, for an engine that takes no lengths)
             extra["kv_lengths"] = read.kv_lengths
         q = read.q
         return attend_fn(q, read.k.astype(q.dtype), read.v.astype(q.dtype),

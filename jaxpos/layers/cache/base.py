@@ -208,10 +208,11 @@ def rotate_at_write(scheme: PositionScheme, q: jax.Array, k: jax.Array,
 
 def rotates_on_load(scheme: PositionScheme) -> bool:
     """True for a scheme that can rotate raw keys as they are loaded from rope tables it
-    builds for the read positions (RoPE, Su et al. 2024, §3.4: ``read_tables``). Exact
+    builds for the read positions (RoPE, Su et al. 2024, §3.4:
+    :meth:`jaxpos.PositionScheme.load_tables`). Exact
     dynamic NTK (``cache_rotation="read"``) and a cache whose positions change after the
     write (StreamingLLM's places) store raw keys and read them so."""
-    return callable(getattr(scheme, "read_tables", None))
+    return scheme.rotates_on_load
 
 
 def read_positions(scheme: PositionScheme, q_positions: jax.Array, kv_positions: jax.Array,
@@ -235,8 +236,7 @@ def read_positions(scheme: PositionScheme, q_positions: jax.Array, kv_positions:
       q_visible: bool ``[B, T]`` new tokens (None: all); on_load: see above.
     """
     if on_load:
-        return NoPE(), q_positions, kv_positions, scheme.read_tables(  # pyright: ignore
-            q_positions, kv_positions)
+        return NoPE(), q_positions, kv_positions, scheme.load_tables(q_positions, kv_positions)
     if type(scheme).transform_qk is not PositionScheme.transform_qk:
         kv_visible = kv_valid != 0
         top = visible_top(kv_positions, kv_visible)
