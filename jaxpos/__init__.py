@@ -16,6 +16,7 @@ The package is built in rooms by role:
 Importing :mod:`jaxpos` registers every scheme.
 """
 
+from jaxpos.core.engines import register_engine
 from jaxpos.core.entry import (
     ALL_IMPLEMENTATIONS,
     IMPLEMENTATIONS,
@@ -181,6 +182,7 @@ __all__ = [
     "or_masks",
     "p_rope_frequencies",
     "pope_frequencies",
+    "register_engine",
     "relative_bias_attention",
     "relative_head_W",
     "rnope_swa_layers",
