@@ -73,7 +73,8 @@ def run_chunked_decode(call: AttentionCall, load_kv: Callable | None = None,
     a block start is ``min(j * block_k, Tk - block_k)``, so a page-aligned size gives
     page-aligned starts. A block none of whose pairs is visible (past every row's fill,
     outside a sliding window, another segment, ...) is decided from positions alone and
-    never loaded."""
+    never loaded; in a loaded block, the values of slots no query of a row sees are
+    zeroed for that row, so they never reach its result (not even as ``0 * NaN``)."""
     B, Tq, N, H = call.q.shape
     Tk, Nk = call.k.shape[1], call.k.shape[2]
     g, Hv = N // Nk, call.v.shape[3]
@@ -93,7 +94,7 @@ def run_chunked_decode(call: AttentionCall, load_kv: Callable | None = None,
     q_pos = call.q_positions
 
     def visibility(j):
-        """``(start, kv positions, valid [B, bk], vis [B|1, N|1, Tq, bk])`` of block ``j``
+        """``(start, kv positions, vis [B|1, N|1, Tq, bk])`` of block ``j``
         from positions, masks and segments only (no key or value is read)."""
         start = jnp.minimum(j * bk, Tk - bk)  # the last block may overlap the one before
         idx = start + jnp.arange(bk, dtype=jnp.int32)
@@ -104,15 +105,16 @@ def run_chunked_decode(call: AttentionCall, load_kv: Callable | None = None,
         vis = visible(call.causal, q_pos, kp_j, valid, mask_j, call.segment_ids, seg_kv,
                       terms.mask, (B, N))
         assert vis is not None  # (valid is always given)
-        return start, kp_j, valid, vis
+        return start, kp_j, vis
 
-    def block(carry, start, kp_j, valid, vis):
+    def block(carry, start, kp_j, vis):
         m, l, acc = carry
         k_j, v_j = load_kv(start, bk)
         if tabs is not None:
             k_j = rotate(k_j, _slice(tabs.k_cos, start, bk, 1), _slice(tabs.k_sin, start, bk, 1),
                          layout="half")
-        v_j = jnp.where(valid[:, :, None, None], v_j, jnp.zeros((), v_j.dtype))
+        seen = jnp.any(vis, axis=(1, 2))  # [B|1, bk]: slots some query of the row sees
+        v_j = jnp.where(seen[:, :, None, None], v_j, jnp.zeros((), v_j.dtype))
         kg = jnp.swapaxes(k_j.astype(jnp.float32), 1, 2)  # [B, Nk, bk, H]
         vg = jnp.swapaxes(v_j.astype(jnp.float32), 1, 2)
         s = jnp.einsum("bkqh,bkth->bkqt", qg, kg, preferred_element_type=jnp.float32)
@@ -138,9 +140,8 @@ def run_chunked_decode(call: AttentionCall, load_kv: Callable | None = None,
         return m_new, l, acc * corr[..., None] + o
 
     def visit(j, carry):
-        start, kp_j, valid, vis = visibility(j)
-        return jax.lax.cond(jnp.any(vis), block, lambda c, *_: c, carry, start, kp_j, valid,
-                            vis)
+        start, kp_j, vis = visibility(j)
+        return jax.lax.cond(jnp.any(vis), block, lambda c, *_: c, carry, start, kp_j, vis)
 
     def step(carry, j):
         return jax.lax.cond(j * bk < stop, visit, lambda j, c: c, j, carry), None
