@@ -260,8 +260,9 @@ def paged_attention(q: ArrayLike, k_pages: ArrayLike, v_pages: ArrayLike, *,
     lens = jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, S)
     if q_positions is None:
         q_positions = lens[:, None] - Tq + jnp.arange(Tq, dtype=jnp.int32)[None, :]
-    k_shape = jax.ShapeDtypeStruct((B, S) + k_pages.shape[2:], k_pages.dtype)
-    v_shape = jax.ShapeDtypeStruct((B, S) + v_pages.shape[2:], v_pages.dtype)
+    # the logical [B, S] keys and values, shapes only: validate_call reads shapes and dtypes
+    k_shape: Any = jax.ShapeDtypeStruct((B, S) + k_pages.shape[2:], k_pages.dtype)
+    v_shape: Any = jax.ShapeDtypeStruct((B, S) + v_pages.shape[2:], v_pages.dtype)
     call = validate_call(q, k_shape, v_shape, q_positions=q_positions,
                          kv_positions=kv_positions, block_q=block_q, block_k=block_k,
                          kv_lengths=lens, **options)
