@@ -188,18 +188,33 @@ def gather_pages(pages: ArrayLike, page_table: ArrayLike) -> jax.Array:
     return pages[pt].reshape((B, n * pages.shape[1]) + pages.shape[2:])
 
 
-def _page_loader(k_pages, v_pages, table: jax.Array, page_size: int) -> Callable:
+def _page_loader(k_pages, v_pages, table: jax.Array, page_size: int,
+                 buffered: bool) -> Callable:
     """``load(start, size) -> (k, v)`` ``[B, size, N_kv, H]``: slots ``start .. start +
     size - 1`` of every row (page-aligned ``start`` and ``size``), one indexed load of
-    ``size // page_size`` pages per row."""
+    ``size // page_size`` pages per row; ``buffered``: into a buffer (for keys that are
+    read more than once, e.g. rotated on load)."""
     B = table.shape[0]
 
     def load(start, size):
         n = size // page_size
-        pt = jax.lax.dynamic_slice_in_dim(table, start // page_size, n, axis=1)  # [B, n]
-        k = k_pages[pt].reshape((B, size) + k_pages.shape[2:])
-        v = v_pages[pt].reshape((B, size) + v_pages.shape[2:])
-        return k, v
+        k_shape, v_shape = (B, size) + k_pages.shape[2:], (B, size) + v_pages.shape[2:]
+
+        def gather(start):
+            pt = jax.lax.dynamic_slice_in_dim(table, start // page_size, n, axis=1)  # [B, n]
+            # the table is safe (_safe_table): every index is in bounds
+            k = k_pages.at[pt].get(mode="promise_in_bounds")
+            v = v_pages.at[pt].get(mode="promise_in_bounds")
+            return k.reshape(k_shape), v.reshape(v_shape)
+
+        if not buffered:  # fused into its one consumer
+            return gather(start)
+        # Gathered once into a buffer (a conditional's results are buffers): fused into
+        # its consumers, XLA would gather each element once per use (RoPE on load reads
+        # each key twice). The other branch is never taken (start >= 0).
+        return jax.lax.cond(start >= 0, gather,
+                            lambda _: (jnp.zeros(k_shape, k_pages.dtype),
+                                       jnp.zeros(v_shape, v_pages.dtype)), start)
 
     return load
 
@@ -273,8 +288,9 @@ def paged_attention(q: ArrayLike, k_pages: ArrayLike, v_pages: ArrayLike, *,
     if name == "chunked" and decode_shaped(call) and not _transforms_keys(call.scheme):
         pages_per_block = max(1, (block_k or DECODE_BLOCK_K) // ps)
         bk = min(pages_per_block, layout.pages_per_seq) * ps
-        out = run_chunked_decode(call, load_kv=_page_loader(k_pages, v_pages, table, ps),
-                                 block_k=bk)
+        load = _page_loader(k_pages, v_pages, table, ps,
+                            buffered=call.rope_tables is not None)
+        out = run_chunked_decode(call, load_kv=load, block_k=bk)
         return _poison(out, bad)
     out = _dense(attention, call, name, gather_pages(k_pages, table),
                  gather_pages(v_pages, table), options, block_q, block_k)
