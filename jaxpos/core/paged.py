@@ -261,7 +261,8 @@ def paged_attention(q: ArrayLike, k_pages: ArrayLike, v_pages: ArrayLike, *,
       ValueError / TypeError: :func:`check_paged_inputs`'s errors; ``kv_lengths`` missing;
         every error of the dense call (:func:`jaxpos.attention`).
     """
-    from jaxpos.core.entry import attention, choose_implementation
+    from jaxpos.core import engines
+    from jaxpos.core.entry import attention
 
     if kv_lengths is None:
         raise ValueError("kv_lengths is required with page_table: integer [B], the number of "
@@ -281,7 +282,7 @@ def paged_attention(q: ArrayLike, k_pages: ArrayLike, v_pages: ArrayLike, *,
     call = validate_call(q, k_shape, v_shape, q_positions=q_positions,
                          kv_positions=kv_positions, block_q=block_q, block_k=block_k,
                          kv_lengths=lens, **options)
-    name = choose_implementation(call, implementation)
+    name = engines.select_engine(call, implementation).name
     if B == 0 or Tq == 0:
         return call.zeros()
     table = _safe_table(page_table, layout.num_pages)
