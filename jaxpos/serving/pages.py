@@ -9,18 +9,12 @@ ends, so memory follows the tokens held, not ``batch x max_len``.
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
+from jaxpos.layers.cache.paged import pages_for, write_pages
 
-__all__ = ["PageAllocator", "pages_for", "write_pages"]
-
-
-def pages_for(tokens: int, page_size: int) -> int:
-    """Pages needed to hold ``tokens`` slots: ``ceil(tokens / page_size)``."""
-    return -(-int(tokens) // int(page_size))
+__all__ = ["PageAllocator", "pages_for", "table_array", "write_pages"]
 
 
 class PageAllocator:
@@ -89,44 +83,6 @@ class PageAllocator:
             free.add(p)
         self._free.extend(reversed(pages))
         self.reserved = max(0, self.reserved - reserved)
-
-
-def write_pages(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
-                page_table: jax.Array, lengths: jax.Array, mask: jax.Array | None = None):
-    """Write the new tokens' keys and values at each row's fill: token ``t`` of row ``b``
-    goes to slot ``lengths[b] + t``, i.e. page ``page_table[b, slot // page_size]``, offset
-    ``slot % page_size``.
-
-    Args:
-      k_pages, v_pages: ``[num_pages, page_size, N_kv, H]`` / ``[..., H_v]``.
-      k, v: ``[B, T, N_kv, H]`` / ``[B, T, N_kv, H_v]`` (cast to the pages' dtype).
-      page_table: int ``[B, pages_per_seq]``.
-      lengths: int ``[B]`` slots filled before this write.
-      mask: bool ``[B, T]`` (True = write; the masked tokens must be a suffix of the row,
-        e.g. the padding of a prefill chunk) or None (all).
-
-    Returns:
-      ``(k_pages, v_pages, new_lengths [B], overflow [B] bool)``: ``new_lengths = lengths +
-      mask.sum(1)``; ``overflow`` marks rows a token of which found no page (a slot past
-      the table, or an entry outside ``[0, num_pages)``): that token is not written
-      (never clamped onto another page) and the caller makes the row's output NaN.
-    """
-    P, ps = k_pages.shape[:2]
-    B, T = k.shape[:2]
-    pps = page_table.shape[1]
-    mask = jnp.ones((B, T), bool) if mask is None else jnp.asarray(mask, bool)
-    lengths = jnp.asarray(lengths, jnp.int32)
-    slot = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    col = slot // ps
-    entry = jnp.take_along_axis(jnp.asarray(page_table, jnp.int32),
-                                jnp.clip(col, 0, pps - 1), axis=1)
-    ok = (col < pps) & (entry >= 0) & (entry < P)
-    page = jnp.where(mask & ok, entry, P)  # P: out of range, dropped by the scatter
-    off = slot % ps
-    k_pages = k_pages.at[page, off].set(k.astype(k_pages.dtype), mode="drop")
-    v_pages = v_pages.at[page, off].set(v.astype(v_pages.dtype), mode="drop")
-    new_lengths = lengths + jnp.sum(mask, axis=1, dtype=jnp.int32)
-    return k_pages, v_pages, new_lengths, jnp.any(mask & ~ok, axis=1)
 
 
 def table_array(rows: list[list[int]], pages_per_seq: int) -> np.ndarray:
