@@ -103,6 +103,7 @@ def attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     broadcast_dropout: bool = False,
+    page_table: ArrayLike | None = None,
 ) -> jax.Array:
     """Multi-head attention with any position scheme, score_mod and mask_mod.
 
@@ -168,6 +169,10 @@ def attention(
       dropout_rng: a JAX PRNG key, required when ``dropout_rate > 0``.
       broadcast_dropout: one ``[Tq, Tk]`` mask for every batch row and head (Flax's
         ``broadcast_dropout``); default False (independent per row and head).
+      page_table: integer ``[B, pages_per_seq]`` or None: k and v are then pages
+        ``[num_pages, page_size, N_kv, H]`` and ``kv_lengths`` is required; the call means
+        the same call on the keys gathered from the pages (:mod:`jaxpos.core.paged`,
+        ``docs/serving.md``).
 
     Returns:
       ``[B, Tq, N, H_v]`` in q's dtype (softmax and accumulation in float32). A query with
@@ -184,6 +189,10 @@ def attention(
     """
     if implementation is not None:
         engines.get_engine(implementation)  # an unknown name fails before anything else
+    if page_table is not None:  # k and v are pages: jaxpos.core.paged
+        from jaxpos.core.paged import paged_attention
+        kw = {n: x for n, x in locals().items() if n not in ("q", "k", "v", "paged_attention")}
+        return paged_attention(q, k, v, **kw)
     call = validate_call(q, k, v, position=position, score_mod=score_mod, mask_mod=mask_mod,
                          block_mask=block_mask, sinks=sinks, q_positions=q_positions,
                          kv_positions=kv_positions, causal=causal, mask=mask,
