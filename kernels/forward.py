@@ -10,6 +10,7 @@ them. Writes the output and the log-sum-exp ``lse``.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +20,12 @@ from jaxpos.kernels import layout, tiles
 from jaxpos.kernels import plumbing as pb
 from jaxpos.kernels.tiles import loops
 
+if TYPE_CHECKING:
+    from jaxpos.kernels.config import KernelConfig, Operands
+    from jaxpos.kernels.layout import Plat
 
-def split_len(cfg):
+
+def split_len(cfg: KernelConfig):
     """Key tiles per split."""
     return -(-cfg.nk // cfg.splits)
 
@@ -75,7 +80,7 @@ def attend_tile(r, cfg, mods, qt, b, p, i, j, kv_lim, masked, state, kv):
     return new
 
 
-def write_rows(r, cfg, plat, row, state):
+def write_rows(r: dict[str, Any], cfg: KernelConfig, plat: Plat, row: Any, state: Any):
     """Store each head's output (or split partial) and log-sum-exp."""
     G = cfg.heads
     for hi, (m, l, acc) in enumerate(state):
@@ -107,7 +112,7 @@ def fwd_kernel(*refs, cfg, names, smod, mmod, style, plat):
     write_rows(r, cfg, plat, qt.row, loops(count, item, init, tile, offset))
 
 
-def out_makers(cfg, dtype):
+def out_makers(cfg: KernelConfig, dtype: Any):
     """The ``out`` and ``lse`` outputs of the forward (split partials with ``S > 1``:
     float32, in the kernel's own padded layout)."""
     B, N, G, S, bq = cfg.B, cfg.N, cfg.heads, cfg.splits, cfg.bq
@@ -172,7 +177,7 @@ def _inputs(cfg, ops):
     return ins
 
 
-def forward(cfg, ops):
+def forward(cfg: KernelConfig, ops: Operands):
     """``(out [B, Tq, N, Hv], lse [B, N, Tq_p, 1])`` (the key splits combined)."""
     grid = (cfg.B, cfg.N // cfg.heads, cfg.nq) + ((cfg.splits,) if cfg.splits > 1 else ())
     kern = functools.partial(fwd_kernel, cfg=cfg, smod=pb.mod_static(ops.smod),
@@ -184,7 +189,7 @@ def forward(cfg, ops):
     return out, lse
 
 
-def combine_splits(cfg, out_s, lse_s, sinks, dtype):
+def combine_splits(cfg: KernelConfig, out_s: Any, lse_s: Any, sinks: Any, dtype: Any):
     """Flash decoding's combine: ``lse = logsumexp_s lse_s`` (and the sink), ``out = sum_s
     exp(lse_s - lse) out_s``. ``out_s`` ``[S, B, N, Tq_p, Hv]``, ``lse_s``
     ``[S, B, N, Tq_p, 1]``; returns ``out [B, Tq, N, Hv]`` in ``dtype``, ``lse``."""
