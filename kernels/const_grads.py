@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 CONST_GRAD_BLOCK_BYTES = 1 << 27
 
 
-def tiles_apply(conv: Any, x: Any, q_pos_t: Any, kv_pos_t: Any, kind: Any):
+def tiles_apply(conv: Any, x: Any, q_pos_t: Any, kv_pos_t: Any, kind: Any) -> Any:
     """Apply a converted mod to every tile: ``x`` ``[B, N, G, nk, bq, bk]`` (scores) or
     None (a mask: then ``kind`` = (B, N, G, nk)); ``q_pos_t`` ``[Bq, G, bq]``,
     ``kv_pos_t`` ``[Bk, nk, bk]``."""
@@ -52,7 +52,7 @@ def tiles_apply(conv: Any, x: Any, q_pos_t: Any, kv_pos_t: Any, kind: Any):
     return f(x, jnp.arange(B, dtype=jnp.int32), jnp.arange(N, dtype=jnp.int32), qp, kp)
 
 
-def rows_per_step(cfg: KernelConfig, width: int):
+def rows_per_step(cfg: KernelConfig, width: int) -> int:
     """Query tiles per scan step (a divisor of ``nq``) within the byte budget."""
     per_tile_row = cfg.B * cfg.N * cfg.bq * width * 4
     G = max(1, min(cfg.nq, CONST_GRAD_BLOCK_BYTES // max(per_tile_row, 1)))
