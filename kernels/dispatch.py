@@ -38,7 +38,7 @@ __all__ = ["DENSE_BIAS_BUDGET_BYTES", "PallasEngine", "attention_via_kernel",
            "choose_implementation", "run_kernel", "supports_scheme"]
 
 
-def supports_scheme(scheme) -> bool:
+def supports_scheme(scheme: Any) -> bool:
     """True when the fused kernel can run ``scheme``: the scheme protocol's ``fusable``
     (no term that depends on the query content or on the attention weights).
 
@@ -178,7 +178,8 @@ def attention_via_kernel(q: jax.Array, k: jax.Array, v: jax.Array, *,
     return cast("jax.Array", out)  # return_lse=False: the output alone
 
 
-def run_kernel(call: AttentionCall, *, return_lse: bool = False):
+def run_kernel(call: AttentionCall, *, return_lse: bool = False
+               ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The ``"pallas"`` engine's run: the fused kernel on a validated, transformed call
     (:func:`jaxpos.core.call.validate_call`, :func:`jaxpos.core.call.transform_call`;
     nothing is checked again here). ``[B, Tq, N, H_v]`` in q's dtype, or ``(out, lse
