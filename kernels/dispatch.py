@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, cast
 from jaxpos import _checks
 from jaxpos.core import engines
 from jaxpos.core.xla import DENSE_BIAS_BUDGET_BYTES, GPU_BACKENDS, xla_preferred
-from jaxpos.kernels.fused import kernel_attention
+from jaxpos.kernels.fused import kernel_attention, run_call
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -38,7 +38,7 @@ __all__ = ["DENSE_BIAS_BUDGET_BYTES", "PallasEngine", "attention_via_kernel",
            "choose_implementation", "run_kernel", "supports_scheme"]
 
 
-def supports_scheme(scheme) -> bool:
+def supports_scheme(scheme: Any) -> bool:
     """True when the fused kernel can run ``scheme``: the scheme protocol's ``fusable``
     (no term that depends on the query content or on the attention weights).
 
@@ -170,7 +170,6 @@ def attention_via_kernel(q: jax.Array, k: jax.Array, v: jax.Array, *,
         of two; a block mask built for other lengths or blocks; sinks not ``[N]``; a
         score_mod / mask_mod that returns the wrong shape or dtype.
     """
-    _checks.check_qkv(q, k, v)
     out = kernel_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
                            block_mask=block_mask, sinks=sinks, q_positions=q_positions,
                            kv_positions=kv_positions, causal=causal, segment_ids=segment_ids,
@@ -179,20 +178,13 @@ def attention_via_kernel(q: jax.Array, k: jax.Array, v: jax.Array, *,
     return cast("jax.Array", out)  # return_lse=False: the output alone
 
 
-def run_kernel(call: AttentionCall, *, return_lse: bool = False):
+def run_kernel(call: AttentionCall, *, return_lse: bool = False
+               ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The ``"pallas"`` engine's run: the fused kernel on a validated, transformed call
-    (:func:`jaxpos.core.call.validate_call`, :func:`jaxpos.core.call.transform_call`; q, k
-    and v are not checked again here). ``[B, Tq, N, H_v]`` in q's dtype, or ``(out, lse
+    (:func:`jaxpos.core.call.validate_call`, :func:`jaxpos.core.call.transform_call`;
+    nothing is checked again here). ``[B, Tq, N, H_v]`` in q's dtype, or ``(out, lse
     float32 [B, N, Tq])`` with ``return_lse``."""
-    out = kernel_attention(call.q, call.k, call.v, score_mod=call.score_mod,
-                           mask_mod=call.mask_mod, block_mask=call.block_mask, sinks=call.sinks,
-                           q_positions=call.q_positions, kv_positions=call.kv_positions,
-                           causal=call.causal, segment_ids=call.segment_ids,
-                           kv_segment_ids=call.kv_segment_ids, scale=call.scale,
-                           block_q=call.block_q, block_k=call.block_k, interpret=None,
-                           kv_lengths=call.kv_lengths, rope_tables=call.rope_tables,
-                           dropout=call.dropout, return_lse=return_lse)
-    return out if return_lse else cast("jax.Array", out)
+    return run_call(call, return_lse=return_lse)
 
 
 # ------------------------------------------------------------------ the engine

@@ -148,9 +148,10 @@ def attention(
       block_q, block_k: tile sizes for ``"chunked"`` (default 256 x 256; any positive size)
         and ``"pallas"`` (the kernel's 128 x 128 defaults; powers of two). T need not be a
         multiple.
-      kv_lengths: integer ``[B]`` or None: keys at index ``>= kv_lengths[b]`` are invisible
-        to row ``b`` (a KV cache's fill counts); the chunked and Pallas paths never visit
-        them, so a decode step costs the filled length (``docs/decoding.md``); the
+      kv_lengths: integer ``[B]`` in ``[0, Tk]`` or None: keys at index ``>= kv_lengths[b]``
+        are invisible to row ``b`` (a KV cache's fill counts; a traced length outside
+        ``[0, Tk]`` makes its row NaN, the cache-overflow rule); the chunked and Pallas
+        paths never visit them, so a decode step costs the filled length (``docs/decoding.md``); the
         reference path masks them on its full grid, so a NaN left there can reach the
         rows (the NaN rule, ``docs/attention.md``). Not taken by ``"xla"``.
       rope_tables: a :class:`jaxpos.schemes.rope.tables.RopeTables` or None: q and k are passed
@@ -183,7 +184,8 @@ def attention(
         contradicts ``causal``, unknown implementation, bad masks, a score_mod returning
         the wrong shape or dtype, a mask_mod not returning bool, a block mask built for
         other lengths or blocks, sinks of the wrong shape, a dropout_rate outside
-        ``[0, 1)`` or without dropout_rng, dropout with ``"xla"``.
+        ``[0, 1)`` or without dropout_rng, dropout with ``"xla"``, concrete kv_lengths
+        outside ``[0, Tk]``, an engine that refuses the call (its reason).
     """
     if implementation is not None:
         engines.get_engine(implementation)  # an unknown name fails before anything else
