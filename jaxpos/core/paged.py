@@ -127,8 +127,9 @@ def check_paged_inputs(q, k_pages, v_pages, page_table, kv_lengths) -> PagedLayo
         raise ValueError(f"page_table must have shape [B, pages_per_seq] with B = {B} (q's "
                          f"batch); got {pt_shape}.")
     layout = PagedLayout(P, ps, pt_shape[1])
-    _checks.check_kv_lengths(kv_lengths, B, layout.kv_len)  # rank, dtype, length
-    if _checks.is_concrete(kv_lengths):
+    shaped = (_checks.shape_of(kv_lengths) == (B,)
+              and jnp.issubdtype(_checks.dtype_of(kv_lengths), jnp.integer))
+    if shaped and _checks.is_concrete(kv_lengths):  # (check_kv_lengths names the rest)
         lens = np.asarray(kv_lengths).astype(np.int64)
         bad = (lens < 0) | (lens > layout.kv_len)
         if bad.any():
@@ -148,6 +149,7 @@ def check_paged_inputs(q, k_pages, v_pages, page_table, kv_lengths) -> PagedLayo
                     f"page_table[{b}, {s}] = {int(pt[b, s])} is outside [0, num_pages) = "
                     f"[0, {P}); row {b} reads pages 0 .. {-(-int(lens[b]) // ps) - 1} of its "
                     f"table (kv_lengths[{b}] = {int(lens[b])}, page_size {ps}).")
+    _checks.check_kv_lengths(kv_lengths, B, layout.kv_len)  # rank, dtype, length
     return layout
 
 
