@@ -22,6 +22,7 @@ from jaxpos.core.entry import (
     attention,
     default_implementation,
 )
+from jaxpos.core.path import path_attention
 from jaxpos.interop.flax import flax_attention_fn
 from jaxpos.interop.hf import rope_from_hf_config
 from jaxpos.mods import (
@@ -40,6 +41,7 @@ from jaxpos.schemes.fox import FoX
 from jaxpos.schemes.irope import TemperatureTunedNoPE
 from jaxpos.schemes.kerple import KERPLE, KERPLELog, KERPLEPower
 from jaxpos.schemes.learned import learned_positions
+from jaxpos.schemes.path import PaTH, PaTHFoX
 from jaxpos.schemes.pope import PoPE
 from jaxpos.schemes.rnope import rnope_swa_layers
 from jaxpos.schemes.rope import (
@@ -84,6 +86,8 @@ __all__ = [
     "Llama3Scaling",
     "LongRoPEScaling",
     "NoPE",
+    "PaTH",
+    "PaTHFoX",
     "PoPE",
     "PositionScheme",
     "PrefixLMMask",
@@ -111,6 +115,7 @@ __all__ = [
     "interleaved_to_half",
     "learned_positions",
     "or_masks",
+    "path_attention",
     "relative_bias_attention",
     "relative_head_W",
     "rnope_swa_layers",

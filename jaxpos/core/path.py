@@ -110,8 +110,8 @@ def path_scores(q, k, w, beta) -> jax.Array:
       q, k, w: float ``[B, N, T, H]`` (heads already matched); beta: float ``[B, N, T]``.
 
     Returns:
-      ``[B, N, T, T]`` in :func:`compute_dtype` of q; entries with ``j > i`` are ``q_i . k_j`` (not a PaTH
-      score: callers mask them).
+      ``[B, N, T, T]`` in :func:`compute_dtype` of q; entries with ``j > i`` are
+      ``q_i . k_j`` (not a PaTH score: callers mask them).
     """
     ct = compute_dtype(q)
     q, k, w, beta = (jnp.asarray(x, ct) for x in (q, k, w, beta))
