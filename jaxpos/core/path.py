@@ -187,6 +187,7 @@ def _path_tile(scale, block, q_blk, kv_blk, qhat, qi, kj):
     return jax.lax.cond(kj <= qi, live, dead, None)
 
 
+@functools.partial(jax.jit, static_argnums=(7, 8))
 def _chunked(q, k, v, w, beta, G, seg, scale, block):
     """``[B, N, T, Hv]`` by the blockwise algorithm; inputs float32 ``[B, N, T, ...]``
     padded to whole blocks, ``G`` ``[B, N, T]``, ``seg`` int32 ``[B, 1, T]``."""
@@ -206,6 +207,7 @@ def _init_qhat(q_blk):
     return q_blk["q"]
 
 
+@functools.partial(jax.jit, static_argnums=(7,))
 def _reference(q, k, v, w, beta, G, seg, scale):
     s = path_scores(q, k, w, beta)
     s = scale * (s + G[..., :, None] - G[..., None, :])
