@@ -16,6 +16,7 @@ The package is built in rooms by role:
 Importing :mod:`jaxpos` registers every scheme.
 """
 
+from jaxpos.core.cope import cope_attention
 from jaxpos.core.entry import (
     ALL_IMPLEMENTATIONS,
     IMPLEMENTATIONS,
@@ -36,6 +37,7 @@ from jaxpos.mods import (
 )
 from jaxpos.schemes.alibi import ALiBi, alibi_bias, alibi_slopes
 from jaxpos.schemes.base import REGISTRY, NoPE, PositionScheme, as_scheme, get_scheme
+from jaxpos.schemes.cope import CoPE
 from jaxpos.schemes.fire import FIRE
 from jaxpos.schemes.fox import FoX
 from jaxpos.schemes.irope import TemperatureTunedNoPE
@@ -77,6 +79,7 @@ __all__ = [
     "REGISTRY",
     "ALiBi",
     "BlockMask",
+    "CoPE",
     "ChunkedAttentionMask",
     "DynamicNTKScaling",
     "FoX",
@@ -107,6 +110,7 @@ __all__ = [
     "apply_rope",
     "as_scheme",
     "attention",
+    "cope_attention",
     "create_block_mask",
     "default_implementation",
     "flax_attention_fn",
