@@ -77,9 +77,10 @@ class CoPE(PositionScheme):
                              "al. 2024, Eq. 3): causal layers only; got a non-causal layer.")
 
     def transform_qk(self, q, k, q_positions, kv_positions):
-        raise ValueError("CoPE replaces softmax attention's logits; call "
-                         "jaxpos.cope_attention (the Flax modules do so for "
-                         "position='cope'), not jaxpos.attention.")
+        raise ValueError("CoPE's position term counts the gates of the keys in between, "
+                         "which no engine of jaxpos.attention computes; call "
+                         "jaxpos.cope_attention (implementation 'reference' or 'chunked'; "
+                         "the Flax modules do so for position='cope').")
 
     def attention(self, q, k, v, *, position=None, q_positions=None, kv_positions=None,
                   causal=True, mask=None, segment_ids=None, kv_segment_ids=None, scale=None,

@@ -183,9 +183,10 @@ class PaTH(PositionScheme):
                              "got a non-causal layer (an Encoder or causal=False).")
 
     def transform_qk(self, q, k, q_positions, kv_positions):
-        raise ValueError(f"{type(self).__name__} replaces softmax attention's scores; call "
-                         f"jaxpos.path_attention (the Flax modules do so for position="
-                         f"{self.registry_name!r}), not jaxpos.attention.")
+        raise ValueError(f"{type(self).__name__} replaces softmax attention's scores, which "
+                         f"no engine of jaxpos.attention computes; call jaxpos.path_attention "
+                         f"(implementation 'reference' or 'chunked'; the Flax modules do so "
+                         f"for position={self.registry_name!r}).")
 
     def cache_write(self, q, k, positions):
         """KV-cache decoding is refused.
