@@ -9,38 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _replacing_reference import np_path
 
 import jaxpos
 from jaxpos import path_attention
 
 IMPLS = ("reference", "chunked")
-
-
-def np_path(q, k, v, w, beta, log_forget=None, seg=None, scale=None):
-    """float64: ``softmax_j(scale * (q_i^T H_i ... H_{j+1} k_j + c_i - c_j)) v_j`` over
-    ``j <= i`` in the same segment, every product formed as a matrix."""
-    q, k, v, w, beta = (np.asarray(x, np.float64) for x in (q, k, v, w, beta))
-    B, T, N, H = q.shape
-    g = N // k.shape[2]
-    scale = H ** -0.5 if scale is None else scale
-    c = np.zeros((B, T, N)) if log_forget is None else np.cumsum(log_forget, 1)
-    seg = np.zeros((B, T), int) if seg is None else np.asarray(seg)
-    out = np.zeros((B, T, N, v.shape[-1]))
-    for b in range(B):
-        for n in range(N):
-            h = n // g
-            for i in range(T):
-                s = np.full(T, -np.inf)
-                for j in range(i + 1):
-                    if seg[b, j] != seg[b, i]:
-                        continue
-                    P = np.eye(H)
-                    for t in range(j + 1, i + 1):
-                        P = (np.eye(H) - beta[b, t, h] * np.outer(w[b, t, h], w[b, t, h])) @ P
-                    s[j] = scale * (q[b, i, n] @ P @ k[b, j, h] + c[b, i, n] - c[b, j, n])
-                p = np.exp(s - s.max())
-                out[b, i, n] = (p / p.sum()) @ v[b, :, h]
-    return out
 
 
 def inputs(seed, B=2, T=7, N=4, Nk=2, H=4, Hv=3):
