@@ -27,6 +27,8 @@ its per-block inputs are pytrees of float arrays (differentiated) and int arrays
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +37,7 @@ import numpy as np
 __all__ = ["carried_attention", "to_blocks", "from_blocks"]
 
 
-def to_blocks(x, size: int, axis: int):
+def to_blocks(x: jax.Array, size: int, axis: int) -> jax.Array:
     """Split ``axis`` of ``x`` (a multiple of ``size`` long) into a leading block axis:
     ``[n, ..., size, ...]``."""
     n = x.shape[axis] // size
@@ -43,7 +45,7 @@ def to_blocks(x, size: int, axis: int):
     return jnp.moveaxis(x, 1, axis + 1)
 
 
-def from_blocks(x, axis: int):
+def from_blocks(x: jax.Array, axis: int) -> jax.Array:
     """Inverse of :func:`to_blocks` (``axis`` is the within-block axis of the unblocked
     array)."""
     x = jnp.moveaxis(x, 0, axis)
@@ -131,7 +133,7 @@ def _core(fns, qf, qi_, kf, ki, v):
 
 
 def _core_fwd(fns, qf, qi_, kf, ki, v):
-    o, lse = _core(fns, qf, qi_, kf, ki, v)
+    o, lse = _core(fns, qf, qi_, kf, ki, v)  # pyright: ignore[reportGeneralTypeIssues]
     return (o, lse), (qf, qi_, kf, ki, v, o, lse)
 
 
@@ -164,7 +166,8 @@ def _core_bwd(fns, res, cts):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-def carried_attention(tile, init, q_blocks, kv_blocks, v_blocks, *, block_q: int):
+def carried_attention(tile: Callable, init: Callable, q_blocks: Any, kv_blocks: Any,
+                      v_blocks: jax.Array, *, block_q: int) -> tuple[jax.Array, jax.Array]:
     """Softmax attention whose scores come from ``tile``, carried over key blocks.
 
     Args:

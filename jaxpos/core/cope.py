@@ -51,13 +51,13 @@ _BLOCK = 128
 _NEG_INF = -jnp.inf
 
 
-def cope_positions(gates) -> jax.Array:
+def cope_positions(gates: jax.Array) -> jax.Array:
     """``p_ij = sum_{t >= j} g_it`` along the last (key) axis (Golovneva et al. 2024, Eq.
     3; the invisible keys' gates must be 0)."""
     return jnp.flip(jnp.cumsum(jnp.flip(gates, -1), -1), -1)
 
 
-def interpolate_logits(pos_logits, p) -> jax.Array:
+def interpolate_logits(pos_logits: jax.Array, p: jax.Array) -> jax.Array:
     """``l[p]`` interpolated between ``l[floor(p)]`` and ``l[ceil(p)]`` (Eq. 5).
 
     Args:

@@ -55,7 +55,7 @@ _BLOCK = 64
 _NEG_INF = -jnp.inf
 
 
-def compute_dtype(x):
+def compute_dtype(x: ArrayLike) -> jnp.dtype:
     """float32, or float64 for float64 inputs (the float64 checks): the dtype PaTH and
     CoPE compute in."""
     return jnp.promote_types(_checks.dtype_of(x), jnp.float32)
@@ -101,7 +101,7 @@ def _scale(scale, H):
     return _checks.check_real("scale", scale)
 
 
-def path_scores(q, k, w, beta) -> jax.Array:
+def path_scores(q: ArrayLike, k: ArrayLike, w: ArrayLike, beta: ArrayLike) -> jax.Array:
     """The PaTH scores ``s_ij = q_i^T H_i ... H_{j+1} k_j`` for ``j <= i`` (Yang et al.
     2025, Eq. 2), by the recurrence of the paper's inference rule: at each step ``t``
     every earlier key is updated ``k_j <- k_j - beta_t (w_t . k_j) w_t``.
@@ -129,7 +129,8 @@ def path_scores(q, k, w, beta) -> jax.Array:
     return jnp.moveaxis(rows, 0, 2)
 
 
-def wy_blocks(q, k, w, beta, block: int):
+def wy_blocks(q: jax.Array, k: jax.Array, w: jax.Array, beta: jax.Array,
+              block: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The per-block quantities of the chunked algorithm (Yang et al. 2025, §3.2), for
     blocks of ``block`` tokens (``T`` a multiple of it).
 

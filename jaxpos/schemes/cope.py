@@ -15,8 +15,11 @@ cached keys at read time, so decoding equals the full pass.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos.core.cope import cope_attention
@@ -48,7 +51,7 @@ class CoPE(PositionScheme):
     replaces_softmax = True
     params_per_layer = True
 
-    def __init__(self, pos_emb):
+    def __init__(self, pos_emb: ArrayLike):
         _checks.check_floating("pos_emb", pos_emb)
         _checks.check_rank("pos_emb", pos_emb, (2, 3), "[H, npos] or [N, H, npos]")
         self._set(pos_emb=pos_emb)
@@ -71,20 +74,24 @@ class CoPE(PositionScheme):
             raise ValueError(f"CoPE's pos_emb {tuple(self.pos_emb.shape)} is for head_dim "
                              f"{self.pos_emb.shape[-2]}; the layer has head_dim {head_dim}.")
 
-    def check_causal(self, causal):
+    def check_causal(self, causal: bool) -> None:
         if not causal:
             raise ValueError("CoPE counts the keys from the key up to the query (Golovneva et "
                              "al. 2024, Eq. 3): causal layers only; got a non-causal layer.")
 
-    def transform_qk(self, q, k, q_positions, kv_positions):
+    def transform_qk(self, q: jax.Array, k: jax.Array, q_positions: jax.Array,
+                     kv_positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         raise ValueError("CoPE's position term counts the gates of the keys in between, "
                          "which no engine of jaxpos.attention computes; call "
                          "jaxpos.cope_attention (implementation 'reference' or 'chunked'; "
                          "the Flax modules do so for position='cope').")
 
-    def attention(self, q, k, v, *, position=None, q_positions=None, kv_positions=None,
-                  causal=True, mask=None, segment_ids=None, kv_segment_ids=None, scale=None,
-                  mask_mod=None, sinks=None, implementation=None, **extra):
+    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                  position: PositionScheme | None = None, q_positions: Any = None,
+                  kv_positions: Any = None, causal: bool = True, mask: Any = None,
+                  segment_ids: Any = None, kv_segment_ids: Any = None,
+                  scale: float | None = None, mask_mod: Any = None, sinks: Any = None,
+                  implementation: str | None = None, **extra: Any) -> jax.Array:
         """:func:`jaxpos.cope_attention` with the keywords the modules pass to
         :func:`jaxpos.attention`; ``implementation`` ``"reference"`` / ``"chunked"``.
 

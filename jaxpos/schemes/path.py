@@ -28,9 +28,12 @@ modules' KV cache keeps.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos.core.path import path_attention
@@ -40,7 +43,8 @@ from jaxpos.schemes.fox import forget_gate
 __all__ = ["PaTH", "PaTHFoX", "l2_normalise", "short_causal_conv"]
 
 
-def short_causal_conv(u, kernel, segment_ids=None) -> jax.Array:
+def short_causal_conv(u: ArrayLike, kernel: ArrayLike,
+                      segment_ids: ArrayLike | None = None) -> jax.Array:
     """A depthwise causal convolution: ``out_t = sum_m kernel[m] * u_{t - K + 1 + m}``
     over the taps in ``t``'s segment (zero before a segment's first token), as the
     short convolution of flash-linear-attention's ``ShortConvolution`` (no activation).
@@ -69,7 +73,7 @@ def short_causal_conv(u, kernel, segment_ids=None) -> jax.Array:
     return out
 
 
-def l2_normalise(x, eps: float = 1e-6) -> jax.Array:
+def l2_normalise(x: ArrayLike, eps: float = 1e-6) -> jax.Array:
     """``x / sqrt(sum(x^2) + eps)`` along the last axis (flash-linear-attention's
     ``l2_norm``), in float32."""
     x = jnp.asarray(x, jnp.float32)
@@ -110,7 +114,8 @@ class PaTH(PositionScheme):
     #: PaTH-FoX adds the forget gate (the ``"path_fox"`` subclass).
     forget = False
 
-    def __init__(self, u, conv, beta, log_forget=None, *, num_kv_heads: int):
+    def __init__(self, u: ArrayLike, conv: ArrayLike, beta: ArrayLike,
+                 log_forget: ArrayLike | None = None, *, num_kv_heads: int):
         self._set(u=u, conv=conv, beta=beta, log_forget=log_forget,
                   num_kv_heads=int(num_kv_heads))
 
@@ -170,25 +175,26 @@ class PaTH(PositionScheme):
         lf = forget_gate(xf, params["forget_w"], params["forget_b"]) if cls.forget else None
         return cls(u, jnp.asarray(params["conv"], jnp.float32), beta, lf, num_kv_heads=nk)
 
-    def directions(self, segment_ids=None) -> jax.Array:
+    def directions(self, segment_ids: ArrayLike | None = None) -> jax.Array:
         """``w`` float32 ``[B, T, N_kv, H]``: the L2-normalised SiLU of the short causal
         convolution of ``u`` (restarting at segment boundaries)."""
         B, T, width = self.u.shape
         w = jax.nn.silu(short_causal_conv(self.u, self.conv, segment_ids))
         return l2_normalise(w.reshape(B, T, self.num_kv_heads, width // self.num_kv_heads))
 
-    def check_causal(self, causal):
+    def check_causal(self, causal: bool) -> None:
         if not causal:
             raise ValueError("PaTH attention is causal by definition (Yang et al. 2025, Eq. 2); "
                              "got a non-causal layer (an Encoder or causal=False).")
 
-    def transform_qk(self, q, k, q_positions, kv_positions):
+    def transform_qk(self, q: jax.Array, k: jax.Array, q_positions: jax.Array,
+                     kv_positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         raise ValueError(f"{type(self).__name__} replaces softmax attention's scores, which "
                          f"no engine of jaxpos.attention computes; call jaxpos.path_attention "
                          f"(implementation 'reference' or 'chunked'; the Flax modules do so "
                          f"for position={self.registry_name!r}).")
 
-    def cache_write(self, q, k, positions):
+    def cache_write(self, q: jax.Array, k: jax.Array, positions: jax.Array):
         """KV-cache decoding is refused.
 
         Raises:
@@ -200,9 +206,12 @@ class PaTH(PositionScheme):
             f"each new token's transform and its short convolution needs the last inputs; the "
             f"cache keeps neither. Run the full sequence through the model instead.")
 
-    def attention(self, q, k, v, *, position=None, q_positions=None, kv_positions=None,
-                  causal=True, mask=None, segment_ids=None, kv_segment_ids=None, scale=None,
-                  mask_mod=None, sinks=None, implementation=None, **extra):
+    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                  position: PositionScheme | None = None, q_positions: Any = None,
+                  kv_positions: Any = None, causal: bool = True, mask: Any = None,
+                  segment_ids: Any = None, kv_segment_ids: Any = None,
+                  scale: float | None = None, mask_mod: Any = None, sinks: Any = None,
+                  implementation: str | None = None, **extra: Any) -> jax.Array:
         """:func:`jaxpos.path_attention` with the keywords the modules pass to
         :func:`jaxpos.attention` (positions are not used: PaTH's position is the order of
         the tokens). ``implementation`` ``"reference"`` or ``"chunked"`` (None: chunked).
