@@ -52,6 +52,7 @@ Writes a Markdown table to ``benchmarks/results/gpu_attention_<device>.md`` (or
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -64,7 +65,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxpos
-from jaxpos.kernels import attention_via_xla, choose_implementation, fused
+from jaxpos.kernels import _testing as kernel_testing
+from jaxpos.kernels import attention_via_xla, choose_implementation
 
 VARIANTS = ("none", "alibi", "t5", "rope", "rope+alibi")
 T0 = time.time()
@@ -220,11 +222,8 @@ def check_correctness(args, poison=True):
 
             with jax.default_matmul_precision("highest"):
                 o_ref, g_ref = run(jaxpos_fn(variant, "reference", T, bq, bk), *f32)
-            fused.POISON_OUTPUTS = poison
-            try:
+            with kernel_testing.poison_outputs() if poison else contextlib.nullcontext():
                 rows = {"pallas": run(jaxpos_fn(variant, "pallas", T, bq, bk), q, k, v)}
-            finally:
-                fused.POISON_OUTPUTS = False
             rows["xla"] = run(xla_fn(variant, T), q, k, v)
             for impl, (o, g) in rows.items():
                 ferr = float(jnp.max(jnp.abs(o.astype(jnp.float32) - o_ref)))

@@ -17,6 +17,7 @@ Importing :mod:`jaxpos` registers every scheme.
 """
 
 from jaxpos.core.cope import cope_attention
+from jaxpos.core.engines import register_engine
 from jaxpos.core.entry import (
     ALL_IMPLEMENTATIONS,
     IMPLEMENTATIONS,
@@ -24,6 +25,8 @@ from jaxpos.core.entry import (
     default_implementation,
 )
 from jaxpos.core.path import path_attention
+from jaxpos.core.stick_breaking import stick_breaking_attention, stick_breaking_weights
+from jaxpos.core.wrappers import mla_attention, relative_bias_attention, shaw_attention
 from jaxpos.interop.flax import flax_attention_fn
 from jaxpos.interop.hf import rope_from_hf_config
 from jaxpos.mods import (
@@ -35,16 +38,17 @@ from jaxpos.mods import (
     create_block_mask,
     or_masks,
 )
-from jaxpos.schemes.alibi import ALiBi, alibi_bias, alibi_slopes
+from jaxpos.schemes.alibi import ALiBi, alibi_bias, alibi_score_mod, alibi_slopes
 from jaxpos.schemes.base import REGISTRY, NoPE, PositionScheme, as_scheme, get_scheme
 from jaxpos.schemes.cope import CoPE
-from jaxpos.schemes.fire import FIRE
-from jaxpos.schemes.fox import FoX
-from jaxpos.schemes.irope import TemperatureTunedNoPE
-from jaxpos.schemes.kerple import KERPLE, KERPLELog, KERPLEPower
+from jaxpos.schemes.fire import FIRE, fire_bias, fire_normalized_distance
+from jaxpos.schemes.fox import FoX, forget_gate, fox_bias, fox_cumulative
+from jaxpos.schemes.irope import TemperatureTunedNoPE, attention_temperature, no_rope_layers
+from jaxpos.schemes.kerple import KERPLE, KERPLELog, KERPLEPower, kerple_bias
 from jaxpos.schemes.learned import learned_positions
+from jaxpos.schemes.mla import mla_qk, mla_softmax_scale, split_nope_rope
 from jaxpos.schemes.path import PaTH, PaTHFoX
-from jaxpos.schemes.pope import PoPE
+from jaxpos.schemes.pope import PoPE, apply_pope, clamp_phase_bias, pope_frequencies
 from jaxpos.schemes.rnope import rnope_swa_layers
 from jaxpos.schemes.rope import (
     RoPE,
@@ -53,6 +57,13 @@ from jaxpos.schemes.rope import (
     interleaved_to_half,
     rope_frequencies,
 )
+from jaxpos.schemes.rope.angles import (
+    apply_rope_angles,
+    check_rotary_dim,
+    default_inv_freq,
+    rope_angles,
+    rotate,
+)
 from jaxpos.schemes.rope.scaling import (
     DynamicNTKScaling,
     LinearScaling,
@@ -60,29 +71,54 @@ from jaxpos.schemes.rope.scaling import (
     LongRoPEScaling,
     ProportionalScaling,
     YaRNScaling,
+    depends_on_length,
+    frequencies_for_length,
+    scaled_frequencies,
+    scaling_from_dict,
+    yarn_get_mscale,
 )
-from jaxpos.schemes.sandwich import Sandwich
-from jaxpos.schemes.shaw import Shaw, shaw_attention
-from jaxpos.schemes.sinusoidal import relative_head_W, shift_matrix, sinusoidal_pe
-from jaxpos.schemes.ssmax import SSMax
-from jaxpos.schemes.stick_breaking import stick_breaking_attention
-from jaxpos.schemes.t5 import T5Bias, relative_bias_attention, t5_bias, t5_bucket
-from jaxpos.schemes.xpos import XPos
+from jaxpos.schemes.rope.tables import (
+    RopeTables,
+    check_rope_tables,
+    rope_tables,
+    rotate_with_tables,
+)
+from jaxpos.schemes.rope.variants import (
+    apply_axial_rope,
+    apply_mrope,
+    axial_rope_angles,
+    axial_rope_frequencies,
+    check_mrope_section,
+    mrope_angles,
+    mrope_frequency_axes,
+    p_rope_frequencies,
+)
+from jaxpos.schemes.sandwich import Sandwich, sandwich_bias, sandwich_head_scales, sandwich_inv_freq
+from jaxpos.schemes.shaw import Shaw, check_shaw_table, shaw_clipped_index, shaw_logits, shaw_values
+from jaxpos.schemes.sinusoidal import (
+    relative_head_W,
+    shift_matrix,
+    sinusoidal_frequencies,
+    sinusoidal_pe,
+)
+from jaxpos.schemes.ssmax import SSMax, ssmax_multiplier
+from jaxpos.schemes.stick_breaking import StickBreaking
+from jaxpos.schemes.t5 import T5Bias, check_bucket_args, t5_bias, t5_bucket
+from jaxpos.schemes.xpos import XPos, apply_xpos, xpos_scale, xpos_zeta
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ALL_IMPLEMENTATIONS",
-    "FIRE",
-    "IMPLEMENTATIONS",
-    "KERPLE",
-    "REGISTRY",
     "ALiBi",
     "BlockMask",
     "CoPE",
     "ChunkedAttentionMask",
     "DynamicNTKScaling",
+    "FIRE",
     "FoX",
+    "IMPLEMENTATIONS",
+    "KERPLE",
     "KERPLELog",
     "KERPLEPower",
     "LinearScaling",
@@ -95,42 +131,97 @@ __all__ = [
     "PositionScheme",
     "PrefixLMMask",
     "ProportionalScaling",
+    "REGISTRY",
     "RoPE",
+    "RopeTables",
     "SSMax",
     "Sandwich",
     "Shaw",
     "SlidingWindowMask",
+    "StickBreaking",
     "T5Bias",
     "TemperatureTunedNoPE",
     "XPos",
     "YaRNScaling",
     "alibi_bias",
+    "alibi_score_mod",
     "alibi_slopes",
     "and_masks",
+    "apply_axial_rope",
+    "apply_mrope",
+    "apply_pope",
     "apply_rope",
+    "apply_rope_angles",
+    "apply_xpos",
     "as_scheme",
     "attention",
     "cope_attention",
+    "attention_temperature",
+    "axial_rope_angles",
+    "axial_rope_frequencies",
+    "check_bucket_args",
+    "check_mrope_section",
+    "check_rope_tables",
+    "check_rotary_dim",
+    "check_shaw_table",
+    "clamp_phase_bias",
     "create_block_mask",
     "default_implementation",
+    "default_inv_freq",
+    "depends_on_length",
+    "fire_bias",
+    "fire_normalized_distance",
     "flax_attention_fn",
+    "forget_gate",
+    "fox_bias",
+    "fox_cumulative",
+    "frequencies_for_length",
     "get_scheme",
     "half_to_interleaved",
     "interleaved_to_half",
+    "kerple_bias",
     "learned_positions",
+    "mla_attention",
+    "mla_qk",
+    "mla_softmax_scale",
+    "mrope_angles",
+    "mrope_frequency_axes",
+    "no_rope_layers",
     "or_masks",
     "path_attention",
+    "p_rope_frequencies",
+    "pope_frequencies",
+    "register_engine",
     "relative_bias_attention",
     "relative_head_W",
     "rnope_swa_layers",
+    "rope_angles",
     "rope_frequencies",
     "rope_from_hf_config",
+    "rope_tables",
+    "rotate",
+    "rotate_with_tables",
+    "sandwich_bias",
+    "sandwich_head_scales",
+    "sandwich_inv_freq",
+    "scaled_frequencies",
+    "scaling_from_dict",
     "shaw_attention",
+    "shaw_clipped_index",
+    "shaw_logits",
+    "shaw_values",
     "shift_matrix",
+    "sinusoidal_frequencies",
     "sinusoidal_pe",
+    "split_nope_rope",
+    "ssmax_multiplier",
     "stick_breaking_attention",
+    "stick_breaking_weights",
     "t5_bias",
     "t5_bucket",
+    "xpos_scale",
+    "xpos_zeta",
+    "yarn_get_mscale",
 ]
 
 # Subpackages imported on first use, so that ``import jaxpos`` stays light (no Flax, no

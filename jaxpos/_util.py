@@ -3,6 +3,8 @@ powers of two, and ``shard_map``'s varying-axis types (one home for each)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,8 @@ __all__ = ["cast_varying", "match_vma", "pad_axis", "pow2_at_least", "sink_gradi
            "varying_axes", "zero_cotangent"]
 
 
-def pad_axis(x, axis: int, size: int, value=0, mode: str = "constant"):
+def pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0,
+             mode: str = "constant") -> jax.Array:
     """Pad ``axis`` of ``x`` at the end to ``size`` (with ``value``, or ``mode="edge"``)."""
     pad = size - x.shape[axis]
     if pad == 0:
@@ -28,7 +31,7 @@ def pow2_at_least(n: int, lo: int = 1) -> int:
     return max(lo, 1 << max(0, int(n) - 1).bit_length())
 
 
-def varying_axes(x) -> frozenset:
+def varying_axes(x: Any) -> frozenset:
     """Mesh axes ``x`` varies over inside ``shard_map`` (empty outside and for non-arrays):
     the abstract value's ``manual_axis_type.varying`` (``vma`` where a JAX spells it so)."""
     if not isinstance(x, jax.Array):
@@ -40,7 +43,7 @@ def varying_axes(x) -> frozenset:
     return frozenset(vma or ())
 
 
-def cast_varying(x, axes):
+def cast_varying(x: Any, axes: frozenset | tuple | set) -> Any:
     """``x`` marked as varying over ``axes`` too (``lax.pcast(..., to="varying")``). A
     no-op on the values: each device keeps its own."""
     axes = tuple(sorted(frozenset(axes) - varying_axes(x)))
@@ -49,7 +52,7 @@ def cast_varying(x, axes):
     return jax.lax.pcast(jnp.asarray(x), axes, to="varying")
 
 
-def match_vma(g, x):
+def match_vma(g: Any, x: Any) -> Any:
     """Under ``shard_map``, sum the cotangent ``g`` over the mesh axes it varies over but
     its primal ``x`` does not: the gradient of a replicated input (a scheme table, a
     captured array, keys all-gathered for sequence parallelism) is the sum of the
@@ -60,7 +63,7 @@ def match_vma(g, x):
     return jax.lax.psum(g, extra) if extra else g
 
 
-def zero_cotangent(x):
+def zero_cotangent(x: Any) -> Any:
     """The zero cotangent of a non-differentiable input (float0 for integers and bools;
     ``None`` for ``None``)."""
     if x is None:
@@ -70,7 +73,8 @@ def zero_cotangent(x):
     return np.zeros(jnp.shape(x), jax.dtypes.float0)
 
 
-def sink_gradient(sinks, lse, delta, head_axis: int):
+def sink_gradient(sinks: jax.Array, lse: jax.Array, delta: jax.Array,
+                  head_axis: int) -> jax.Array:
     """``d sink_h = -sum exp(sink_h - lse) * delta``, summed over every axis but
     ``head_axis`` of ``lse`` and ``delta`` (``rowsum(dout * out)``): the sink's softmax
     weight times ``delta`` is the whole gradient of a logit that carries no value vector.

@@ -13,6 +13,7 @@
 """
 
 from jaxpos.core.xla import attention_via_xla
+from jaxpos.kernels.config import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
 from jaxpos.kernels.convenience import alibi_score_mod, fused_attention, offset_bias_score_mod
 from jaxpos.kernels.dispatch import (
     DENSE_BIAS_BUDGET_BYTES,
@@ -20,7 +21,6 @@ from jaxpos.kernels.dispatch import (
     choose_implementation,
     supports_scheme,
 )
-from jaxpos.kernels.fused import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
 
 __all__ = [
     "DEFAULT_BLOCK_K",

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxpos import _checks
-from jaxpos.kernels.fused import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, kernel_attention, resolve_mode
+from jaxpos.kernels.config import resolve_mode
+from jaxpos.kernels.fused import kernel_call, run_call
 from jaxpos.mods import BlockMask, compose_score_mods, offset_score_mod
 from jaxpos.schemes.alibi import alibi_score_mod
 from jaxpos.schemes.rope import ANGLE_PRECISIONS, LAYOUTS, apply_rope
@@ -105,21 +106,16 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: Ar
         unknown ``rope_layout`` / ``angle_precision``, ``interpret`` not a bool or None,
         ``rope_on_load`` with ``rope_layout="interleaved"``.
     """
-    _checks.check_qkv(q, k, v)
-    B, Tq, N, H = _checks.shape_of(q)
-    Tk = _checks.shape_of(k)[1]
     _checks.check_choice("rope_layout", rope_layout, LAYOUTS)
     _checks.check_choice("angle_precision", angle_precision, ANGLE_PRECISIONS)
-    resolve_mode(interpret)
-    for name, blk in (("block_q", block_q), ("block_k", block_k)):
-        if blk is not None:
-            blk = _checks.check_positive_int(name, blk)
-            if blk & (blk - 1):
-                raise ValueError(f"{name} must be a power of two (Triton tiles; TPU needs "
-                                 f"block_q a multiple of 8 and block_k a multiple of 128); "
-                                 f"got {blk}.")
-    q_pos = _checks.positions_2d("q_positions", q_positions, B, Tq)
-    kv_pos = _checks.positions_2d("kv_positions", kv_positions, B, Tk)
+    mode = resolve_mode(interpret)
+    call = kernel_call(q, k, v, q_positions=q_positions, kv_positions=kv_positions,
+                       score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                       sinks=sinks, causal=causal, segment_ids=segment_ids,
+                       kv_segment_ids=kv_segment_ids, scale=scale, block_q=block_q,
+                       block_k=block_k)
+    q, k, q_pos, kv_pos = call.q, call.k, call.q_positions, call.kv_positions
+    _, _, N, H = q.shape
     mods = []
     tables = None
     if inv_freq is not None:
@@ -154,13 +150,6 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: Ar
             raise ValueError(f"offset_bias must have shape [{N}, 2R + 1] (odd length, entry R "
                              f"is offset 0); got {(nh, length)}.")
         mods.append(offset_bias_score_mod(offset_bias))
-    mod = compose_score_mods(*mods, score_mod)
-    if block_mask is None:
-        block_q = DEFAULT_BLOCK_Q if block_q is None else block_q
-        block_k = DEFAULT_BLOCK_K if block_k is None else block_k
-    out = kernel_attention(q, k, v, score_mod=mod, mask_mod=mask_mod, block_mask=block_mask,
-                           sinks=sinks, q_positions=q_pos, kv_positions=kv_pos, causal=causal,
-                           segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, scale=scale,
-                           block_q=block_q, block_k=block_k, interpret=interpret,
-                           rope_tables=tables)
-    return cast(jax.Array, out)  # return_lse=False: the output alone
+    call = call.replace(q=q, k=k, score_mod=compose_score_mods(*mods, call.score_mod),
+                        rope_tables=tables)
+    return cast(jax.Array, run_call(call, mode=mode))  # return_lse=False: the output alone

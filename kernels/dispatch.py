@@ -1,10 +1,13 @@
-"""The kernel's adapter (``implementation="pallas"``) and the rule that picks an
-implementation per backend (the ``"xla"`` engine lives in :mod:`jaxpos.core.xla`).
+"""The kernel's engine (``implementation="pallas"``, registered here) and the measured rule
+that picks a built-in engine per backend (the ``"xla"`` engine lives in
+:mod:`jaxpos.core.xla`).
 
-* :func:`attention_via_kernel`: ``jaxpos.attention(..., implementation="pallas")``, the
-  fused Pallas kernel (:mod:`jaxpos.kernels.fused`) on already-transformed q and k.
+* :class:`PallasEngine`: the ``"pallas"`` engine of :mod:`jaxpos.core.engines`.
+* :func:`attention_via_kernel`: the fused Pallas kernel (:mod:`jaxpos.kernels.fused`) on
+  already-transformed q and k, as a public function.
 * :func:`choose_implementation`: which of ``"pallas"``, ``"xla"``, ``"chunked"`` is the
-  fastest correct path on a backend (``docs/kernel.md`` has the measurements behind it).
+  fastest correct path on a backend for a call's features (``docs/kernel.md`` has the
+  measurements behind it); the engines' preference lists and cost rules follow it.
 * :func:`supports_scheme`: whether the kernel can run a scheme (the scheme protocol's
   ``fusable``).
 
@@ -17,8 +20,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, cast
 
 from jaxpos import _checks
-from jaxpos.core.xla import GPU_BACKENDS
-from jaxpos.kernels.fused import kernel_attention
+from jaxpos.core import engines
+from jaxpos.core.xla import DENSE_BIAS_BUDGET_BYTES, GPU_BACKENDS, xla_preferred
+from jaxpos.kernels.fused import kernel_attention, run_call
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -30,13 +34,8 @@ if TYPE_CHECKING:
     from jaxpos.core.call import AttentionCall
     from jaxpos.mods import BlockMask
 
-__all__ = ["DENSE_BIAS_BUDGET_BYTES", "attention_via_kernel",
+__all__ = ["DENSE_BIAS_BUDGET_BYTES", "PallasEngine", "attention_via_kernel",
            "choose_implementation", "run_kernel", "supports_scheme"]
-
-#: Largest dense bias (or mask) :func:`jaxpos.core.xla.attention_via_xla` may materialise when
-#: :func:`choose_implementation` picks it over the kernel: ``B * N * Tq * Tk * 4`` bytes.
-#: 1 GiB per attention call (e.g. B=1, N=16, T=4096); see ``docs/kernel.md``.
-DENSE_BIAS_BUDGET_BYTES = 1 << 30
 
 
 def supports_scheme(scheme) -> bool:
@@ -114,12 +113,9 @@ def choose_implementation(*, backend: str, fusable: bool, has_score_mod: bool,
     if backend == "tpu":
         return "pallas"
     if backend in GPU_BACKENDS:
-        if has_score_mod:
-            return "pallas"
-        if not has_mask_mod:
-            return "xla"
         dense_bytes = int(batch) * int(num_heads) * int(Tq) * int(Tk) * 4
-        return "xla" if dense_bytes <= budget else "pallas"
+        return "xla" if xla_preferred(has_score_mod=has_score_mod, has_mask_mod=has_mask_mod,
+                                      dense_bytes=dense_bytes, budget=budget) else "pallas"
     return "pallas"
 
 
@@ -174,7 +170,6 @@ def attention_via_kernel(q: jax.Array, k: jax.Array, v: jax.Array, *,
         of two; a block mask built for other lengths or blocks; sinks not ``[N]``; a
         score_mod / mask_mod that returns the wrong shape or dtype.
     """
-    _checks.check_qkv(q, k, v)
     out = kernel_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
                            block_mask=block_mask, sinks=sinks, q_positions=q_positions,
                            kv_positions=kv_positions, causal=causal, segment_ids=segment_ids,
@@ -183,17 +178,42 @@ def attention_via_kernel(q: jax.Array, k: jax.Array, v: jax.Array, *,
     return cast("jax.Array", out)  # return_lse=False: the output alone
 
 
-def run_kernel(call: AttentionCall) -> jax.Array:
-    """The ``"pallas"`` runner of :func:`jaxpos.attention`: the fused kernel on a validated,
-    transformed call (:func:`jaxpos.core.call.validate_call`,
-    :func:`jaxpos.core.call.transform_call`;
-    q, k and v are not checked again here). ``[B, Tq, N, H_v]`` in q's dtype."""
-    out = kernel_attention(call.q, call.k, call.v, score_mod=call.score_mod,
-                           mask_mod=call.mask_mod, block_mask=call.block_mask, sinks=call.sinks,
-                           q_positions=call.q_positions, kv_positions=call.kv_positions,
-                           causal=call.causal, segment_ids=call.segment_ids,
-                           kv_segment_ids=call.kv_segment_ids, scale=call.scale,
-                           block_q=call.block_q, block_k=call.block_k, interpret=None,
-                           kv_lengths=call.kv_lengths, rope_tables=call.rope_tables,
-                           dropout=call.dropout)
-    return cast("jax.Array", out)  # return_lse=False: the output alone
+def run_kernel(call: AttentionCall, *, return_lse: bool = False
+               ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The ``"pallas"`` engine's run: the fused kernel on a validated, transformed call
+    (:func:`jaxpos.core.call.validate_call`, :func:`jaxpos.core.call.transform_call`;
+    nothing is checked again here). ``[B, Tq, N, H_v]`` in q's dtype, or ``(out, lse
+    float32 [B, N, Tq])`` with ``return_lse``."""
+    return run_call(call, return_lse=return_lse)
+
+
+# ------------------------------------------------------------------ the engine
+class PallasEngine:
+    """``implementation="pallas"``: the fused Pallas kernel (FlashAttention-2 style with
+    FlexAttention's programming model; Triton on GPU, Mosaic on TPU, the interpreter on
+    CPU). It rotates RoPE tables on load and bounds its loops by ``kv_lengths``."""
+
+    name = "pallas"
+    rotates_on_load = True
+
+    def refuses(self, call: AttentionCall) -> str | TypeError | None:
+        """What :func:`jaxpos.core.engines.fused_refusal` refuses, and a boolean mask
+        array."""
+        mask = None if call.mask is None else (
+            f"implementation='pallas' does not take a boolean mask array (got shape "
+            f"{tuple(call.mask.shape)}): express it as a mask_mod from positions (with "
+            f"jaxpos.create_block_mask to skip empty tiles), with causal=, positions or "
+            f"segment_ids, or use implementation='chunked'.")
+        return engines.fused_refusal(self.name, "the fused Pallas kernel", call) or mask
+
+    def run(self, call: AttentionCall) -> jax.Array:
+        """:func:`run_kernel`."""
+        return cast("jax.Array", run_kernel(call))
+
+    def run_with_lse(self, call: AttentionCall) -> tuple[jax.Array, jax.Array]:
+        """``(out [B, Tq, N, H_v], lse float32 [B, N, Tq])`` from the kernel (the sinks in
+        the lse; both differentiable)."""
+        return cast("tuple[jax.Array, jax.Array]", run_kernel(call, return_lse=True))
+
+
+engines.register_engine(PallasEngine())

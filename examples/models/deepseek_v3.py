@@ -257,9 +257,9 @@ class DeepseekV3Attention(nnx.Module):
         S = latent.shape[1]
         kv = self.kv_b_proj(latent).reshape(B, S, N, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kv[..., :c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
-        out = mla.mla_attention(q_nope, q_rope, k_nope, k_rope, v, rope=rope, scale=scale,
-                                q_positions=positions, kv_positions=kv_positions, causal=True,
-                                segment_ids=segments, kv_segment_ids=kv_segments, **attn_kw)
+        out = jaxpos.mla_attention(q_nope, q_rope, k_nope, k_rope, v, rope=rope, scale=scale,
+                                   q_positions=positions, kv_positions=kv_positions, causal=True,
+                                   segment_ids=segments, kv_segment_ids=kv_segments, **attn_kw)
         return self.o_proj(out.reshape(B, T, N * c.v_head_dim)), written
 
 

@@ -19,11 +19,11 @@ from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos.core.dropout import check_dropout
-from jaxpos.mods import BlockMask, compose_score_mods, convert_mod
+from jaxpos.mods import BlockMask, ConvertedMod, compose_score_mods, convert_mod
 from jaxpos.schemes.base import PositionScheme, as_scheme
 
-__all__ = ["AttentionCall", "apply_rope_tables", "check_attention_inputs", "decode_positions",
-           "transform_call", "validate_call"]
+__all__ = ["AttentionCall", "apply_rope_tables", "check_attention_inputs", "converted_mods",
+           "decode_positions", "transform_call", "validate_call"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +50,10 @@ class AttentionCall:
         unrotated and the engine rotates them (on load where it can).
       dropout: a :class:`jaxpos.core.dropout.Dropout` (rate, seed, broadcast) or None: attention
         dropout on the softmax probabilities.
+      score_conv, mask_conv: ``score_mod`` and ``mask_mod`` converted
+        (:func:`jaxpos.mods.convert_mod`) at the tile ``mod_tile`` (the call's
+        ``[Tq, Tk]``, at least 1 x 1) by the validation; :func:`converted_mods` hands them
+        to the engines.
     """
 
     q: Any
@@ -72,6 +76,9 @@ class AttentionCall:
     kv_lengths: jax.Array | None = None
     rope_tables: Any = None
     dropout: Any = None
+    score_conv: ConvertedMod | None = None
+    mask_conv: ConvertedMod | None = None
+    mod_tile: tuple[int, int] = (0, 0)
 
     @property
     def batch(self) -> int:
@@ -294,15 +301,24 @@ def _check_block_mask(block_mask, mask_mod, shape: tuple[int, int, int, int], bl
     return block_mask.mask_mod, block_mask.block_q, block_mask.block_k
 
 
-def _check_mods(scheme: PositionScheme, score_mod, mask_mod):
-    """The scheme's score_mod composed with the user's; both mods traced once at a small
-    tile, so a bad return shape or dtype is reported at the call whatever the
-    implementation."""
+def _check_mods(scheme: PositionScheme, score_mod, mask_mod, tile: tuple[int, int]):
+    """The scheme's score_mod composed with the user's, and both mods converted at
+    ``tile`` (traced once: a bad return shape or dtype is reported at the call whatever
+    the engine): ``(score_mod, score_conv, mask_conv)``."""
     all_score_mods = compose_score_mods(scheme.score_mod(), score_mod)
-    for fn, kind in ((all_score_mods, "score"), (mask_mod, "mask")):
-        if fn is not None:
-            convert_mod(fn, kind, 2, 3)
-    return all_score_mods
+    conv = lambda fn, kind: None if fn is None else convert_mod(fn, kind, *tile)
+    return all_score_mods, conv(all_score_mods, "score"), conv(mask_mod, "mask")
+
+
+def converted_mods(call: AttentionCall, tq: int, tk: int
+                   ) -> tuple[ConvertedMod | None, ConvertedMod | None]:
+    """The call's ``(score_mod, mask_mod)`` converted at a ``[tq, tk]`` tile: the ones the
+    validation traced when the tile is theirs (a dense engine, a tiled one whose tile is
+    the whole call), else traced once at this tile (the jaxprs are shape-specific)."""
+    if (tq, tk) == call.mod_tile:
+        return call.score_conv, call.mask_conv
+    conv = lambda fn, kind: None if fn is None else convert_mod(fn, kind, tq, tk)
+    return conv(call.score_mod, "score"), conv(call.mask_mod, "mask")
 
 
 def validate_call(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
@@ -353,7 +369,8 @@ def validate_call(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
                                                        block_q, block_k, q_pos, kv_pos)
     sinks = _check_sinks(sinks, N)
     scale = _check_scale(scale, H)
-    all_score_mods = _check_mods(scheme, score_mod, mask_mod)
+    tile = (max(Tq, 1), max(Tk, 1))
+    all_score_mods, score_conv, mask_conv = _check_mods(scheme, score_mod, mask_mod, tile)
     kv_lengths = None if kv_lengths is None else _checks.check_kv_lengths(kv_lengths, B, Tk)
     rope_tables = _check_rope_tables(rope_tables, scheme, B, Tq, Tk, H)
     dropout = check_dropout(dropout_rate, dropout_rng, broadcast_dropout)
@@ -362,7 +379,8 @@ def validate_call(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
                          q_positions=q_pos, kv_positions=kv_pos, segment_ids=seg_q,
                          kv_segment_ids=seg_kv, mask=mask4, causal=causal, scale=scale,
                          block_q=block_q, block_k=block_k, kv_lengths=kv_lengths,
-                         rope_tables=rope_tables, dropout=dropout)
+                         rope_tables=rope_tables, dropout=dropout, score_conv=score_conv,
+                         mask_conv=mask_conv, mod_tile=tile)
 
 
 def _check_rope_tables(tabs, scheme: PositionScheme, B: int, Tq: int, Tk: int, H: int):

@@ -15,7 +15,7 @@ the same forward and backward per passing key/value block.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -24,20 +24,22 @@ from jaxpos._util import match_vma, pad_axis, sink_gradient, zero_cotangent
 from jaxpos.core.call import AttentionCall, apply_rope_tables
 from jaxpos.core.decode import decode_shaped, run_chunked_decode
 from jaxpos.core.dropout import Dropout, keep_tile
+from jaxpos.core.engines import register_engine
 from jaxpos.core.reference import (
     Masking,
     Terms,
+    call_terms,
     heads_major,
-    make_terms,
     tile_output,
     tile_scores,
     visible,
 )
+from jaxpos.core.tiles import online_softmax_step, softmax_finish, softmax_start
 from jaxpos.mods import EMPTY, FULL, PARTIAL, BlockMask
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "NEG_INF", "ChunkCfg", "blocks", "chunk_inputs",
-           "chunked_attention", "chunked_backward", "chunked_forward", "merge_terms",
-           "run_chunked", "split_terms", "tile_kind", "unblocks",
+__all__ = ["BLOCK_K", "BLOCK_Q", "NEG_INF", "Blocked", "ChunkCfg", "ChunkedEngine", "blocks",
+           "chunk_inputs", "chunked_attention", "chunked_backward", "chunked_forward",
+           "merge_terms", "run_chunked", "split_terms", "tile_kind", "unblocks",
            "varying_zero"]
 
 NEG_INF = -jnp.inf
@@ -97,6 +99,32 @@ def tile_kind(causal: bool, always_mask: bool, qp, kp, kval, sq, skv, bm_kind):
     return jnp.where(live, jnp.where(full, FULL, PARTIAL), EMPTY).astype(jnp.int32)
 
 
+class Blocked(NamedTuple):
+    """The chunked engine's inputs cut into tiles (block index first; an axis of size 1
+    broadcast to every block), a pytree. The field names are the Pallas kernel's
+    operands' (``q_seg``, ``kv_seg``, ``drop_seed``).
+
+    Fields: ``qs`` scaled queries float32 ``[nq, B, N, bq, H]``; ``k`` ``[nk, B, N, bk, H]``,
+    ``v`` ``[nk, B, N, bk, H_v]``; ``q_pos`` int32 ``[nq, B|1, bq]``, ``kv_pos`` ``[nk, B|1,
+    bk]``; ``kv_valid`` bool ``[nk, B|1, bk]`` (False on padding and unfilled slots);
+    ``q_seg`` / ``kv_seg`` int32 ``[nq, B, bq]`` / ``[nk, B, bk]`` or None; ``mask`` bool
+    ``[B|1, N|1, Tq_p|1, Tk_p|1]`` (padded, not blocked) or None; ``bm_kinds`` the block
+    mask's tile kinds ``[B|1, N|1, nq, nk]`` or None; ``drop_seed`` the dropout seed or
+    None. ``qs``, ``k`` and ``v`` are None in the integer part handed around separately."""
+
+    qs: Any
+    k: Any
+    v: Any
+    q_pos: Any
+    kv_pos: Any
+    kv_valid: Any
+    q_seg: Any = None
+    kv_seg: Any = None
+    mask: Any = None
+    bm_kinds: Any = None
+    drop_seed: Any = None
+
+
 class ChunkCfg(NamedTuple):
     causal: bool
     nq: int
@@ -106,7 +134,7 @@ class ChunkCfg(NamedTuple):
     float_mask: tuple  # which leaves of the terms are floating (differentiable)
     terms_def: object  # treedef of the terms
     # attention dropout: (threshold, scale, broadcast) of a jaxpos.core.dropout.Dropout, whose
-    # seed travels in the blocked inputs as "dropout_seed"; None without dropout
+    # seed travels in the blocked inputs as drop_seed; None without dropout
     dropout: tuple | None = None
 
 
@@ -124,7 +152,9 @@ def merge_terms(cfg: ChunkCfg, fl, il) -> Terms:
     return jax.tree_util.tree_unflatten(cfg.terms_def, leaves)
 
 
-def chunk_inputs(qs, k, v, m: Masking, block_q: int, block_k: int):
+def chunk_inputs(qs, k, v, m: Masking, block_q: int,
+                 block_k: int) -> tuple[Blocked, int, int]:
+    """The heads-major inputs padded to whole tiles and blocked: ``(Blocked, nq, nk)``."""
     _B, _N, Tq, _H = qs.shape
     Tk = k.shape[2]
     nq, nk = -(-Tq // block_q), -(-Tk // block_k)
@@ -134,17 +164,17 @@ def chunk_inputs(qs, k, v, m: Masking, block_q: int, block_k: int):
     if mask is not None:
         mask = mask if mask.shape[2] == 1 else pad_axis(mask, 2, Tq_p, False)
         mask = mask if mask.shape[3] == 1 else pad_axis(mask, 3, Tk_p, False)
-    blocked = {
-        "qs": blocks(pad_axis(qs, 2, Tq_p), 2, nq),
-        "k": blocks(pad_axis(k, 2, Tk_p), 2, nk),
-        "v": blocks(pad_axis(v, 2, Tk_p), 2, nk),
-        "q_pos": blocks(pad_axis(m.q_pos, 1, Tq_p), 1, nq),
-        "kv_pos": blocks(pad_axis(m.kv_pos, 1, Tk_p), 1, nk),
-        "kv_valid": blocks(pad_axis(kv_valid, 1, Tk_p, False), 1, nk),
-        "seg_q": blocks(pad_axis(m.seg_q, 1, Tq_p), 1, nq) if m.seg_q is not None else None,
-        "seg_kv": blocks(pad_axis(m.seg_kv, 1, Tk_p, -1), 1, nk) if m.seg_kv is not None else None,
-        "mask": mask,
-    }
+    blocked = Blocked(
+        qs=blocks(pad_axis(qs, 2, Tq_p), 2, nq),
+        k=blocks(pad_axis(k, 2, Tk_p), 2, nk),
+        v=blocks(pad_axis(v, 2, Tk_p), 2, nk),
+        q_pos=blocks(pad_axis(m.q_pos, 1, Tq_p), 1, nq),
+        kv_pos=blocks(pad_axis(m.kv_pos, 1, Tk_p), 1, nk),
+        kv_valid=blocks(pad_axis(kv_valid, 1, Tk_p, False), 1, nk),
+        q_seg=blocks(pad_axis(m.seg_q, 1, Tq_p), 1, nq) if m.seg_q is not None else None,
+        kv_seg=blocks(pad_axis(m.seg_kv, 1, Tk_p, -1), 1, nk) if m.seg_kv is not None else None,
+        mask=mask,
+    )
     return blocked, nq, nk
 
 
@@ -164,17 +194,17 @@ def _tile(terms: Terms, qs_i, k_j, qp_i, kp_j, vis):
     return s if vis is None else jnp.where(vis, s, NEG_INF)
 
 
-def _tile_visibility(cfg: ChunkCfg, terms: Terms, b, i, j, qp_i, kp_j, kval_j, sq_i, skv_j,
+def _tile_visibility(cfg: ChunkCfg, terms: Terms, b: Blocked, i, j, qp_i, kp_j, kval_j, sq_i, skv_j,
                      masked: bool):
     if not masked:
         return None
-    heads = b["qs"].shape[1:3]
+    heads = b.qs.shape[1:3]
     return visible(cfg.causal, qp_i, kp_j, kval_j,
-                    _mask_block(b["mask"], i, j, cfg.block_q, cfg.block_k), sq_i, skv_j,
-                    terms.mask, heads)
+                   _mask_block(b.mask, i, j, cfg.block_q, cfg.block_k), sq_i, skv_j,
+                   terms.mask, heads)
 
 
-def _tile_dropout(cfg: ChunkCfg, b, i, j):
+def _tile_dropout(cfg: ChunkCfg, b: Blocked, i, j):
     """float32 ``[B|1, N|1, bq, bk]``: ``keep / (1 - rate)`` on tile ``(i, j)``, from the
     counter-based keep decisions of :func:`jaxpos.core.dropout.keep_tile` at the tile's global
     query and key indices (the reference's mask, tile by tile); None without dropout."""
@@ -186,10 +216,10 @@ def _tile_dropout(cfg: ChunkCfg, b, i, j):
     if broadcast:
         batch = head = jnp.zeros((1, 1, 1, 1), jnp.int32)
     else:
-        B, N = b["qs"].shape[1], b["qs"].shape[2]
+        B, N = b.qs.shape[1], b.qs.shape[2]
         batch = jnp.arange(B, dtype=jnp.int32)[:, None, None, None]
         head = jnp.arange(N, dtype=jnp.int32)[None, :, None, None]
-    keep = keep_tile(b["dropout_seed"], threshold, batch, head, q_index, kv_index)
+    keep = keep_tile(b.drop_seed, threshold, batch, head, q_index, kv_index)
     return jnp.where(keep, jnp.float32(scale), jnp.float32(0.0))
 
 
@@ -197,9 +227,8 @@ def _dropped(p, drop):
     return p if drop is None else p * drop
 
 
-def _block_kind(b, i, j):
-    bm = b.get("bm_kinds")
-    return None if bm is None else bm[:, :, i, j]
+def _block_kind(b: Blocked, i, j):
+    return None if b.bm_kinds is None else b.bm_kinds[:, :, i, j]
 
 
 def varying_zero(*trees):
@@ -213,15 +242,15 @@ def varying_zero(*trees):
     return z
 
 
-def _always_mask(b, terms: Terms) -> bool:
-    return b["mask"] is not None or (terms.mask is not None and b.get("bm_kinds") is None)
+def _always_mask(b: Blocked, terms: Terms) -> bool:
+    return b.mask is not None or (terms.mask is not None and b.bm_kinds is None)
 
 
-def chunked_forward(terms: Terms, sinks, b, cfg: ChunkCfg):
+def chunked_forward(terms: Terms, sinks, b: Blocked, cfg: ChunkCfg):
     """Returns out ``[nq, B, N, bq, H]`` and lse ``[nq, B, N, bq]`` (``-inf`` on empty rows
-    without sinks; the sink is part of the normaliser)."""
-    B, N = b["qs"].shape[1], b["qs"].shape[2]
-    H = b["v"].shape[-1]
+    without sinks; the sink is part of the normaliser): the tile library's online softmax
+    (:mod:`jaxpos.core.tiles`) over the key tiles of each query tile, EMPTY tiles skipped."""
+    B, N = b.qs.shape[1], b.qs.shape[2]
     always = _always_mask(b, terms)
 
     def q_block(args):
@@ -230,63 +259,49 @@ def chunked_forward(terms: Terms, sinks, b, cfg: ChunkCfg):
         def k_step(carry, xs):
             j, k_j, v_j, kp_j, kval_j, skv_j = xs
 
-            def compute(carry, masked):
-                mx, l, acc = carry
+            def compute(state, masked):
                 vis = _tile_visibility(cfg, terms, b, i, j, qp_i, kp_j, kval_j, sq_i, skv_j,
                                        masked)
                 s = _tile(terms, qs_i, k_j, qp_i, kp_j, vis)
-                m_new = jnp.maximum(mx, jnp.max(s, axis=-1))
-                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-                p = jnp.exp(s - m_safe[..., None])
-                corr = jnp.exp(mx - m_safe)
-                l = l * corr + jnp.sum(p, axis=-1)  # the normaliser: undropped
-                p = _dropped(p, _tile_dropout(cfg, b, i, j))
-                acc = acc * corr[..., None] + tile_output(terms, p, v_j, qp_i, kp_j)
-                return m_new, l, acc
+                drop = _tile_dropout(cfg, b, i, j)  # the normaliser stays undropped
+                return online_softmax_step(
+                    state, s, lambda p: tile_output(terms, _dropped(p, drop), v_j, qp_i, kp_j))
 
             kind = tile_kind(cfg.causal, always, qp_i, kp_j, kval_j, sq_i, skv_j,
-                              _block_kind(b, i, j))
+                             _block_kind(b, i, j))
             branches = (lambda c: c, functools.partial(compute, masked=False),
                         functools.partial(compute, masked=True))
             return jax.lax.switch(kind, branches, carry), None
 
         z = varying_zero(b, terms, sinks, qs_i, qp_i, sq_i)
-        if sinks is None:
-            m0 = jnp.full((B, N, cfg.block_q), NEG_INF, jnp.float32)
-            l0 = jnp.zeros((B, N, cfg.block_q), jnp.float32)
-        else:  # the sink is a key every row sees: the softmax starts from it
-            m0 = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], (B, N, cfg.block_q))
-            l0 = jnp.ones((B, N, cfg.block_q), jnp.float32)
-        init = (m0 + z, l0 + z, jnp.zeros((B, N, cfg.block_q, H), jnp.float32) + z)
-        xs = (jnp.arange(cfg.nk), b["k"], b["v"], b["kv_pos"], b["kv_valid"], b["seg_kv"])
-        (mx, l, acc), _ = jax.lax.scan(k_step, init, xs)
-        # l is exactly 0 for a row with no visible key; NaN (a NaN/inf input) must pass
-        # through as NaN, as in the reference, never be mistaken for an empty row.
-        nonempty = l != 0
-        out = jnp.where(nonempty[..., None], acc / jnp.where(nonempty, l, 1.0)[..., None], 0.0)
-        lse = jnp.where(nonempty, mx + jnp.log(jnp.where(nonempty, l, 1.0)), NEG_INF)
-        return out, lse
+        init = softmax_start((B, N, cfg.block_q), b.v.shape[-1], sinks, zero=z)
+        xs = (jnp.arange(cfg.nk), b.k, b.v, b.kv_pos, b.kv_valid, b.kv_seg)
+        state, _ = jax.lax.scan(k_step, init, xs)
+        return softmax_finish(state)
 
-    return jax.lax.map(q_block, (jnp.arange(cfg.nq), b["qs"], b["q_pos"], b["seg_q"]))
+    return jax.lax.map(q_block, (jnp.arange(cfg.nq), b.qs, b.q_pos, b.q_seg))
 
 
-def chunked_backward(cfg: ChunkCfg, fl, il, b, out, lse, dout):
+def chunked_backward(cfg: ChunkCfg, fl, il, b: Blocked, out, lse, dout, dlse=None):
     """FlashAttention-2 style recomputing backward (Dao 2023, Alg. 2), tile by tile.
+
+    ``dlse`` (or None): the cotangent of the lse output; since ``d lse / d s = p``, it
+    enters as ``ds = p (dp - (rowsum(dout o out) - dlse))``.
 
     Returns ``dq, dk, dv`` (blocked) and the gradients of the floating leaves ``fl`` of
     the terms."""
     terms0 = merge_terms(cfg, fl, il)
     always = _always_mask(b, terms0)
-    delta = jnp.sum(dout * out, axis=-1)  # [nq, B, N, bq]
+    delta = _delta(out, dout, dlse)  # [nq, B, N, bq]
     z = varying_zero(b, fl, lse, dout)
     # Under shard_map, differentiate w.r.t. copies that vary over every axis, so the tile
     # VJPs below never psum inside the (per-device) skip/compute switch; the one sum over
     # the axes a primal does not vary over happens in _chunked_core_bwd (match_vma).
     vary = lambda x: x + z.astype(x.dtype)
     fl = [vary(x) for x in fl]
-    b = dict(b, qs=vary(b["qs"]), k=vary(b["k"]), v=vary(b["v"]))
-    dk0 = jnp.zeros(b["k"].shape, jnp.float32) + z
-    dv0 = jnp.zeros(b["v"].shape, jnp.float32) + z
+    b = b._replace(qs=vary(b.qs), k=vary(b.k), v=vary(b.v))
+    dk0 = jnp.zeros(b.k.shape, jnp.float32) + z
+    dv0 = jnp.zeros(b.v.shape, jnp.float32) + z
     dfl0 = [jnp.zeros(jnp.shape(x), jnp.float32) + z for x in fl]
     terms = merge_terms(cfg, fl, il)
 
@@ -326,42 +341,46 @@ def chunked_backward(cfg: ChunkCfg, fl, il, b, out, lse, dout):
                         functools.partial(compute, masked=True))
             return jax.lax.switch(kind, branches, carry)
 
-        ys = (jnp.arange(cfg.nk), b["k"], b["v"], b["kv_pos"], b["kv_valid"], b["seg_kv"])
+        ys = (jnp.arange(cfg.nk), b.k, b.v, b.kv_pos, b.kv_valid, b.kv_seg)
         (dq_i, dfl), (dk_i, dv_i) = jax.lax.scan(
             k_step, (jnp.zeros(qs_i.shape, jnp.float32) + z, dfl), ys)
         return (dk_all + dk_i, dv_all + dv_i, dfl), dq_i
 
-    xs = (jnp.arange(cfg.nq), b["qs"], b["q_pos"], b["seg_q"], lse, dout, delta)
+    xs = (jnp.arange(cfg.nq), b.qs, b.q_pos, b.q_seg, lse, dout, delta)
     (dk, dv, dfl), dq = jax.lax.scan(q_step, (dk0, dv0, dfl0), xs)
     return dq, dk, dv, dfl
 
 
-def _assemble(qs, k, v, ints):
-    b = dict(ints)
-    b.update(qs=qs, k=k, v=v)
-    return b
+def _delta(out, dout, dlse):
+    """``rowsum(dout o out) - dlse``: the backward pass's per-row term (``dlse`` may be None
+    or a symbolic zero's materialisation)."""
+    delta = jnp.sum(dout * out, axis=-1)
+    return delta if dlse is None else delta - dlse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked_core(cfg, fl, il, sinks, qs, k, v, ints):
-    out, _ = chunked_forward(merge_terms(cfg, fl, il), sinks, _assemble(qs, k, v, ints), cfg)
-    return out
+def _chunked_core(cfg, fl, il, sinks, qs, k, v, ints: Blocked):
+    return chunked_forward(merge_terms(cfg, fl, il), sinks, ints._replace(qs=qs, k=k, v=v), cfg)
 
 
-def _chunked_core_fwd(cfg, fl, il, sinks, qs, k, v, ints):
-    out, lse = chunked_forward(merge_terms(cfg, fl, il), sinks, _assemble(qs, k, v, ints), cfg)
-    return out, (fl, il, sinks, qs, k, v, ints, out, lse)
+def _chunked_core_fwd(cfg, fl, il, sinks, qs, k, v, ints: Blocked):
+    out, lse = chunked_forward(merge_terms(cfg, fl, il), sinks, ints._replace(qs=qs, k=k, v=v),
+                               cfg)
+    return (out, lse), (fl, il, sinks, qs, k, v, ints, out, lse)
 
 
-def _chunked_core_bwd(cfg, res, dout):
+def _chunked_core_bwd(cfg, res, cotangents):
     fl, il, sinks, qs, k, v, ints, out, lse = res
-    dq, dk, dv, dfl = chunked_backward(cfg, fl, il, _assemble(qs, k, v, ints), out, lse, dout)
+    dout, dlse = cotangents
+    dlse = jnp.where(jnp.isfinite(lse), dlse, 0.0)  # an empty row's -inf is a constant
+    dq, dk, dv, dfl = chunked_backward(cfg, fl, il, ints._replace(qs=qs, k=k, v=v), out, lse,
+                                       dout, dlse)
     dfl = [match_vma(g.astype(jnp.result_type(x)), x) for g, x in zip(dfl, fl)]
     dq, dk, dv = match_vma(dq, qs), match_vma(dk, k), match_vma(dv, v)
     dsinks = None
     if sinks is not None:  # lse/out: [nq, B, N, bq(, H)]; padded rows have dout = 0
-        delta = jnp.sum(dout * out, axis=-1)
-        dsinks = match_vma(sink_gradient(sinks, lse, delta, 2).astype(sinks.dtype), sinks)
+        dsinks = match_vma(sink_gradient(sinks, lse, _delta(out, dout, dlse), 2)
+                           .astype(sinks.dtype), sinks)
     dil = [zero_cotangent(x) for x in il]
     dints = jax.tree_util.tree_map(zero_cotangent, ints)
     return dfl, dil, dsinks, dq, dk, dv, dints
@@ -372,44 +391,78 @@ _chunked_core.defvjp(_chunked_core_fwd, _chunked_core_bwd)
 
 def chunked_attention(terms_fn, qs, k, v, m: Masking, causal: bool, block_q: int, block_k: int,
                       sinks, block_mask: BlockMask | None, dropout: Dropout | None = None):
-    """Chunked attention in the heads-major layout: float32 ``[B, N, Tq, H_v]`` from the
-    inputs of :func:`jaxpos.core.reference.reference_attention`; ``terms_fn(tq, tk)`` builds
-    the terms at the tile shape. ``dropout``: the reference's keep mask, generated per
-    tile in the forward pass and again in the backward pass (FlashAttention, Dao et al.
-    2022, Alg. 2 with dropout: ``dV = (P o Z)^T dO``, ``dP = Z o (dO V^T)``)."""
+    """Chunked attention in the heads-major layout: ``(out float32 [B, N, Tq, H_v], lse
+    float32 [B, N, Tq])`` from the inputs of
+    :func:`jaxpos.core.reference.reference_attention`, both differentiable;
+    ``terms_fn(tq, tk)`` builds the terms at the tile shape. ``dropout``: the reference's
+    keep mask, generated per tile in the forward pass and again in the backward pass
+    (FlashAttention, Dao et al. 2022, Alg. 2 with dropout: ``dV = (P o Z)^T dO``, ``dP = Z
+    o (dO V^T)``)."""
     _B, _N, Tq, _H = qs.shape
     if block_mask is None:
         block_q = min(block_q, Tq)
         block_k = min(block_k, k.shape[2])
     terms = terms_fn(block_q, block_k)
     b, nq, nk = chunk_inputs(qs, k, v, m, block_q, block_k)
-    ints = {n: b[n] for n in ("q_pos", "kv_pos", "kv_valid", "seg_q", "seg_kv", "mask")}
-    if block_mask is not None:
-        ints["bm_kinds"] = block_mask.kinds
-    drop_cfg = None
-    if dropout is not None:
-        ints["dropout_seed"] = dropout.seed
-        drop_cfg = (dropout.threshold, dropout.scale, dropout.broadcast)
+    ints = b._replace(qs=None, k=None, v=None,
+                      bm_kinds=None if block_mask is None else block_mask.kinds,
+                      drop_seed=None if dropout is None else dropout.seed)
+    drop_cfg = None if dropout is None else (dropout.threshold, dropout.scale,
+                                             dropout.broadcast)
     fl, il, is_f, treedef = split_terms(terms)
     cfg = ChunkCfg(causal, nq, nk, block_q, block_k, is_f, treedef, drop_cfg)
     if sinks is not None:
         sinks = jnp.asarray(sinks)
-    out = _chunked_core(cfg, fl, il, sinks, b["qs"], b["k"], b["v"], ints)
-    return unblocks(out, 2)[:, :, :Tq]
+    # (custom_vjp hides the return type from type checkers)
+    out, lse = cast("tuple[jax.Array, jax.Array]",
+                    _chunked_core(cfg, fl, il, sinks, b.qs, b.k, b.v, ints))
+    return unblocks(out, 2)[:, :, :Tq], unblocks(lse, 2)[:, :, :Tq]
+
+
+def _tiled(call: AttentionCall):
+    """``(out [B, N, Tq, H_v], lse [B, N, Tq])`` float32 of the tiled path; ``rope_tables``
+    rotate q and k once before the loops (training shapes)."""
+    call = apply_rope_tables(call)
+    qs, kk, vv, m = heads_major(call)
+    terms_at = functools.partial(call_terms, call)
+    return chunked_attention(terms_at, qs, kk, vv, m, call.causal, call.block_q or BLOCK_Q,
+                             call.block_k or BLOCK_K, call.sinks, call.block_mask,
+                             call.dropout)
 
 
 def run_chunked(call: AttentionCall) -> jax.Array:
-    """The ``"chunked"`` runner: ``[B, Tq, N, H_v]`` in q's dtype from a transformed call
+    """The ``"chunked"`` engine: ``[B, Tq, N, H_v]`` in q's dtype from a transformed call
     (:func:`jaxpos.core.call.transform_call`); tiles of ``block_q x block_k`` (default
     :data:`BLOCK_Q` x :data:`BLOCK_K`; the block mask's when given). A decode-shaped call
     with ``kv_lengths`` or ``rope_tables`` runs :func:`jaxpos.core.decode.run_chunked_decode`;
     otherwise ``rope_tables`` rotate q and k once before the loops and ``kv_lengths`` make
     the key blocks past each row's length EMPTY."""
-    if decode_shaped(call) and call.dropout is None:  # a few queries against a cache
+    if decode_shaped(call):  # a few queries against a cache
         return run_chunked_decode(call)
-    call = apply_rope_tables(call)  # training shapes: once per call, before the loops
-    qs, kk, vv, m = heads_major(call)
-    terms_at = functools.partial(make_terms, call.scheme, call.score_mod, call.mask_mod)
-    out = chunked_attention(terms_at, qs, kk, vv, m, call.causal, call.block_q or BLOCK_Q,
-                            call.block_k or BLOCK_K, call.sinks, call.block_mask, call.dropout)
-    return jnp.swapaxes(out, 1, 2).astype(call.q.dtype)
+    return jnp.swapaxes(_tiled(call)[0], 1, 2).astype(call.q.dtype)
+
+
+class ChunkedEngine:
+    """``implementation="chunked"``: the online softmax over ``block_q x block_k`` tiles
+    with FlashAttention's recomputing backward (every feature, ``O(T)`` memory), and its
+    decode path for a few queries against a filled cache. The default on CPU."""
+
+    name = "chunked"
+    rotates_on_load = True  # the decode path rotates each key block as it slices it
+
+    def refuses(self, call: AttentionCall) -> None:
+        """Nothing: the chunked engine runs every validated call."""
+        return None
+
+    def run(self, call: AttentionCall) -> jax.Array:
+        """:func:`run_chunked`."""
+        return run_chunked(call)
+
+    def run_with_lse(self, call: AttentionCall) -> tuple[jax.Array, jax.Array]:
+        """``(out [B, Tq, N, H_v], lse float32 [B, N, Tq])`` by the tiled path (the sinks
+        in the lse; both differentiable)."""
+        out, lse = _tiled(call)
+        return jnp.swapaxes(out, 1, 2).astype(call.q.dtype), lse
+
+
+register_engine(ChunkedEngine())

@@ -33,6 +33,7 @@ position logits ``q . e`` ``[B, N, T, npos]``, custom VJP).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,9 +43,11 @@ from jax.typing import ArrayLike
 from jaxpos import _checks
 from jaxpos._util import pad_axis
 from jaxpos.core.carried import carried_attention, from_blocks, to_blocks
-from jaxpos.core.path import compute_dtype
+from jaxpos.core.path import compute_dtype, refuse_softmax_options
+from jaxpos.schemes.base import register_attention
 
-__all__ = ["IMPLEMENTATIONS", "cope_attention", "cope_positions", "interpolate_logits"]
+__all__ = ["IMPLEMENTATIONS", "cope_attention", "cope_positions", "interpolate_logits",
+           "scheme_attention"]
 
 IMPLEMENTATIONS = ("reference", "chunked")
 _BLOCK = 128
@@ -235,3 +238,30 @@ def cope_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, pos_emb: ArrayLike,
                        pad_axis(pos_logits, 2, nq), pad_axis(qp3, 2, nq),
                        pad_axis(kp3, 2, nk), segp, scale, npos, (bq, bk))[:, :, :Tq]
     return jnp.swapaxes(out, 1, 2).astype(dtype)
+
+
+@register_attention("cope")
+def scheme_attention(scheme, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                     position: Any = None, q_positions: Any = None, kv_positions: Any = None,
+                     causal: bool = True, mask: Any = None, segment_ids: Any = None,
+                     kv_segment_ids: Any = None, scale: float | None = None,
+                     mask_mod: Any = None, sinks: Any = None,
+                     implementation: str | None = None, **extra: Any) -> jax.Array:
+    """:func:`cope_attention` with ``scheme.pos_emb`` (a :class:`jaxpos.schemes.cope.CoPE`)
+    and the keywords the Flax modules pass to :func:`jaxpos.attention` (a KV cache's
+    fill counts are not needed: the segment ids hide the empty slots).
+
+    Returns:
+      ``[B, Tq, N, H_v]`` in q's dtype.
+
+    Raises:
+      ValueError: a ``mask``, ``mask_mod``, ``sinks``, attention dropout; the errors of
+        :func:`cope_attention` (an implementation other than ``"reference"`` /
+        ``"chunked"``, naming the two).
+    """
+    refuse_softmax_options("CoPE attention", mask, mask_mod, sinks, extra)
+    scheme.check_causal(causal)
+    return cope_attention(q, k, v, scheme.pos_emb.astype(q.dtype), q_positions=q_positions,
+                          kv_positions=kv_positions, segment_ids=segment_ids,
+                          kv_segment_ids=kv_segment_ids, scale=scale,
+                          implementation=implementation)

@@ -16,9 +16,9 @@ Used by :func:`jaxpos.core.chunked.run_chunked` when the call carries ``kv_lengt
 * with ``rope_tables`` the queries are rotated once and each key block as it is sliced
   (no pass over the unfilled cache, no sin/cos: the tables are computed once per call).
 
-The online softmax is the chunked engine's (Rabe & Staats 2021; Milakov & Gimelshein
-2018); the score_mod, mask_mod, masks, segments, sinks and a scheme's content bias and
-value term are applied per block by :mod:`jaxpos.core.reference`'s tile functions.
+The online softmax is the tile library's (:mod:`jaxpos.core.tiles`; Rabe & Staats 2021;
+Milakov & Gimelshein 2018); the score_mod, mask_mod, masks, segments, sinks and a scheme's
+content bias and value term are applied per block by :mod:`jaxpos.core.reference`'s tile functions.
 Differentiable (``lax.scan`` over ``lax.cond``).
 """
 
@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxpos.core.call import AttentionCall
-from jaxpos.core.reference import make_terms, visible
+from jaxpos.core.reference import call_terms, visible
+from jaxpos.core.tiles import online_softmax_step, softmax_finish, softmax_start
 from jaxpos.mods import apply_mod
 from jaxpos.schemes.rope import rotate
 
@@ -74,11 +75,10 @@ def run_chunked_decode(call: AttentionCall) -> jax.Array:
     lim = (jnp.full((B,), Tk, jnp.int32) if call.kv_lengths is None
            else call.kv_lengths.astype(jnp.int32))
     stop = jnp.max(lim)
-    terms = make_terms(call.scheme, call.score_mod, call.mask_mod, Tq, bk)
+    terms = call_terms(call, Tq, bk)
     q_pos = call.q_positions
 
     def block(j, carry):
-        m, l, acc = carry
         start = jnp.minimum(j * bk, Tk - bk)  # the last block may overlap the one before
         idx = start + jnp.arange(bk, dtype=jnp.int32)
         valid = (idx >= j * bk)[None, :] & (idx[None, :] < lim[:, None])  # [B, bk]
@@ -106,29 +106,18 @@ def run_chunked_decode(call: AttentionCall) -> jax.Array:
         assert vis is not None  # (valid is always given)
         vis = jnp.broadcast_to(vis & (s != -jnp.inf), s.shape)
         s = jnp.where(vis, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.where(vis, jnp.exp(s - m_safe[..., None]), 0.0)
-        corr = jnp.exp(m - m_safe)
-        l = l * corr + jnp.sum(p, axis=-1)
-        o = jnp.einsum("bkqt,bkth->bkqh", p.reshape(B, Nk, g * Tq, bk), vg,
-                       preferred_element_type=jnp.float32).reshape(B, N, Tq, Hv)
-        vt = call.scheme.value_term(p, q_pos, kp_j)
-        if vt is not None:
-            o = o + vt
-        return m_new, l, acc * corr[..., None] + o
+
+        def values(p):
+            o = jnp.einsum("bkqt,bkth->bkqh", p.reshape(B, Nk, g * Tq, bk), vg,
+                           preferred_element_type=jnp.float32).reshape(B, N, Tq, Hv)
+            vt = call.scheme.value_term(p, q_pos, kp_j)
+            return o if vt is None else o + vt
+
+        return online_softmax_step(carry, s, values)
 
     def step(carry, j):
         return jax.lax.cond(j * bk < stop, block, lambda j, c: c, j, carry), None
 
-    if call.sinks is None:
-        m0 = jnp.full((B, N, Tq), -jnp.inf, jnp.float32)
-        l0 = jnp.zeros((B, N, Tq), jnp.float32)
-    else:  # the sink is a key every row sees: the softmax starts from it
-        m0 = jnp.broadcast_to(jnp.asarray(call.sinks, jnp.float32)[None, :, None], (B, N, Tq))
-        l0 = jnp.ones((B, N, Tq), jnp.float32)
-    init = (m0, l0, jnp.zeros((B, N, Tq, Hv), jnp.float32))
-    (_, l, acc), _ = jax.lax.scan(step, init, jnp.arange(nb, dtype=jnp.int32))
-    nonempty = l != 0
-    out = jnp.where(nonempty[..., None], acc / jnp.where(nonempty, l, 1.0)[..., None], 0.0)
-    return jnp.swapaxes(out, 1, 2).astype(call.q.dtype)
+    init = softmax_start((B, N, Tq), Hv, call.sinks)
+    state, _ = jax.lax.scan(step, init, jnp.arange(nb, dtype=jnp.int32))
+    return jnp.swapaxes(softmax_finish(state)[0], 1, 2).astype(call.q.dtype)

@@ -1,23 +1,20 @@
-"""One attention function for every position scheme, with interchangeable
-implementations.
+"""One attention function for every position scheme, with interchangeable engines.
 
 :func:`attention` validates its arguments once (:func:`jaxpos.core.call.validate_call`, an
-immutable :class:`jaxpos.core.call.AttentionCall`), picks an implementation
-(:func:`choose_implementation`), applies the scheme's per-token transform once
-(:func:`jaxpos.core.call.transform_call`) and hands the record to one runner of
-:data:`RUNNERS`:
+immutable :class:`jaxpos.core.call.AttentionCall`), applies the scheme's per-token
+transform once (:func:`jaxpos.core.call.transform_call`), picks an engine
+(:func:`jaxpos.core.engines.select_engine`: the requested one, or the first of the
+backend's preference list that takes the call) and runs it. The engines are registered in
+:mod:`jaxpos.core.engines`: ``"reference"`` (the dense ground truth), ``"chunked"`` (the
+online softmax over key blocks, Rabe & Staats 2021, with FlashAttention's recomputing
+backward, ``O(T)`` memory), ``"xla"`` (``jax.nn.dot_product_attention``, cuDNN on NVIDIA
+GPUs, with the score term as a dense bias), ``"pallas"`` (the fused Pallas kernel), and any
+engine a user registers with :func:`jaxpos.register_engine`.
 
-* ``"reference"``: :func:`jaxpos.core.reference.run_reference`, the dense ground truth;
-* ``"chunked"``: :func:`jaxpos.core.chunked.run_chunked`, the online softmax over key blocks
-  (Rabe & Staats 2021) with FlashAttention's recomputing backward, ``O(T)`` memory;
-* ``"pallas"``: ``jaxpos.kernels.dispatch.run_kernel``, the fused Pallas kernel;
-* ``"xla"``: :func:`jaxpos.core.xla.run_xla`, ``jax.nn.dot_product_attention`` (cuDNN on
-  NVIDIA GPUs) with the score term as a dense bias.
-
-All implementations ask a scheme the same questions (the protocol of
-:mod:`jaxpos.schemes.base`): its per-token transform of q and k, applied once per call, and its
-score term as a score_mod (:mod:`jaxpos.mods`), which the paths apply tile by tile with
-the user's own ``score_mod`` and ``mask_mod``. Nothing here names a scheme.
+All engines ask a scheme the same questions (the protocol of :mod:`jaxpos.schemes.base`):
+its per-token transform of q and k, applied once per call, and its score term as a
+score_mod (:mod:`jaxpos.mods`), which the engines apply tile by tile with the user's own
+``score_mod`` and ``mask_mod``. Nothing here names a scheme or an engine.
 """
 
 from __future__ import annotations
@@ -28,21 +25,18 @@ from typing import Any, Literal
 import jax
 from jax.typing import ArrayLike
 
-from jaxpos import _checks
-from jaxpos.core.call import AttentionCall, apply_rope_tables, transform_call, validate_call
-from jaxpos.core.chunked import run_chunked
-from jaxpos.core.reference import run_reference
-from jaxpos.core.xla import run_xla
+from jaxpos.core import engines
+from jaxpos.core.call import transform_call, validate_call
 from jaxpos.mods import BlockMask
 from jaxpos.schemes.base import PositionScheme, as_scheme
 
-__all__ = ["ALL_IMPLEMENTATIONS", "IMPLEMENTATIONS", "RUNNERS", "attention",
-           "choose_implementation", "default_implementation"]
+__all__ = ["ALL_IMPLEMENTATIONS", "IMPLEMENTATIONS", "attention", "default_implementation"]
 
-#: The tiled implementations (every scheme, mask and feature; compared in the tests).
+#: The built-in tiled engines (every scheme, mask and feature; compared in the tests).
 IMPLEMENTATIONS = ("reference", "chunked", "pallas")
-#: Every value ``implementation=`` takes: the tiled ones and ``"xla"``, which hands the
-#: transformed q and k to ``jax.nn.dot_product_attention`` (cuDNN on NVIDIA GPUs).
+#: The built-in engines: the tiled ones and ``"xla"``, which hands the transformed q and k
+#: to ``jax.nn.dot_product_attention`` (cuDNN on NVIDIA GPUs).
+#: :func:`jaxpos.core.engines.engine_names` lists these and the registered ones.
 ALL_IMPLEMENTATIONS = IMPLEMENTATIONS + ("xla",)
 
 
@@ -50,18 +44,24 @@ def default_implementation(position: PositionScheme | None = None, *,
                            score_mod: Callable[..., Any] | None = None,
                            mask_mod: Callable[..., Any] | None = None, q_len: int = 0,
                            kv_len: int = 0, num_heads: int = 1, batch: int = 1) -> str:
-    """The implementation ``attention(implementation=None)`` runs, by the measured rule of
-    :func:`jaxpos.kernels.choose_implementation` (``docs/kernel.md``): ``"chunked"`` on
-    CPU and for schemes the kernel cannot fuse (Shaw); on an NVIDIA GPU ``"xla"``
-    (``jax.nn.dot_product_attention``, cuDNN) when there is no score term, or for a
-    mask_mod alone while its dense mask fits the budget; else ``"pallas"`` (a score term
-    never goes to cuDNN: it would round the bias); ``"pallas"`` on TPU.
+    """The built-in engine ``attention(implementation=None)`` runs for a call with these
+    features, by the measured rule of :func:`jaxpos.kernels.choose_implementation`
+    (``docs/kernel.md``): ``"chunked"`` on CPU and for schemes the kernel cannot fuse
+    (Shaw); on an NVIDIA GPU ``"xla"`` (``jax.nn.dot_product_attention``, cuDNN) when
+    there is no score term, or for a mask_mod alone while its dense mask fits the
+    budget; else ``"pallas"`` (a score term never goes to cuDNN: it would round the
+    bias); ``"pallas"`` on TPU. A call with a boolean mask array, mixed dtypes or a traced
+    scale, kv_lengths or dropout is then handed on as
+    :func:`jaxpos.core.engines.select_engine` says.
 
     Args:
       position: the scheme (its own score_mod counts as a score term).
       score_mod, mask_mod: the call's (``None`` if absent).
       q_len, kv_len, num_heads, batch: the call's shape (0 / 1 when unknown: the
         dense-bias budget is then not the deciding factor).
+
+    Returns:
+      ``"chunked"``, ``"xla"`` or ``"pallas"``.
 
     Raises:
       TypeError: ``position`` is not a scheme, ``None`` or ``"none"`` (on every backend).
@@ -76,99 +76,6 @@ def default_implementation(position: PositionScheme | None = None, *,
     return choose_implementation(backend=backend, fusable=scheme.fusable,
                                  has_score_mod=has_score, has_mask_mod=mask_mod is not None,
                                  Tq=q_len, Tk=kv_len, num_heads=num_heads, batch=batch)
-
-
-def _run_kernel(call: AttentionCall) -> jax.Array:
-    # imported at the call: jaxpos.kernels loads Pallas, and its convenience layer imports
-    # scheme modules that import this one
-    from jaxpos.kernels.dispatch import run_kernel
-
-    return run_kernel(call)
-
-
-#: Implementation name -> runner: a function of a validated, transformed
-#: :class:`jaxpos.core.call.AttentionCall` returning ``[B, Tq, N, H_v]`` in q's dtype.
-RUNNERS: dict[str, Callable[[AttentionCall], jax.Array]] = {
-    "reference": run_reference,
-    "chunked": run_chunked,
-    "pallas": _run_kernel,
-    "xla": run_xla,
-}
-
-
-def _dense_only(call: AttentionCall) -> bool:
-    """What neither the kernel nor ``dot_product_attention`` takes: a boolean mask array,
-    mixed dtypes, a traced scale."""
-    return call.mask is not None or not (call.q.dtype == call.k.dtype == call.v.dtype) or \
-        not _checks.is_concrete(call.scale)
-
-
-def choose_implementation(call: AttentionCall, requested: str | None) -> str:
-    """The runner for ``call``: ``requested`` when given, else
-    :func:`default_implementation`, falling back to ``"chunked"`` for what the kernel and
-    ``dot_product_attention`` cannot take (a boolean mask array, mixed dtypes, a traced
-    scale, a v wider or narrower than q for ``"xla"``).
-
-    Raises:
-      TypeError: ``"pallas"`` / ``"xla"`` requested with a traced scale.
-    """
-    name = requested
-    if name is None:
-        name = default_implementation(call.scheme, score_mod=call.score_mod,
-                                      mask_mod=call.mask_mod, q_len=call.q_len,
-                                      kv_len=call.kv_len, num_heads=call.num_heads,
-                                      batch=call.batch)
-        width_differs = name == "xla" and call.v.shape[-1] != call.q.shape[-1]
-        if name == "xla" and call.kv_lengths is not None:
-            name = "pallas"  # the kernel bounds its loops by the lengths
-        if name in ("xla", "pallas") and (_dense_only(call) or width_differs):
-            name = "chunked"  # what the kernel / dot_product_attention cannot take
-        if name == "xla" and call.dropout is not None:
-            name = "pallas"  # attention dropout: in the kernel, not in dot_product_attention
-    if name in ("xla", "pallas") and not _checks.is_concrete(call.scale):
-        raise TypeError(f"implementation={name!r} needs a static scale (a Python or "
-                        f"concrete number: it is compiled into the kernel); got a traced "
-                        f"scale. Use implementation='chunked' or 'reference' to differentiate "
-                        f"or trace the scale.")
-    return name
-
-
-def _check_runner(name: str, call: AttentionCall, head_dim: int) -> None:
-    """Refuse what the kernel / ``dot_product_attention`` cannot run (after the transform:
-    ``head_dim`` is q's width before it)."""
-    if name not in ("pallas", "xla"):
-        return
-    if name == "xla" and call.dropout is not None:
-        raise ValueError(
-            f"implementation='xla' (jax.nn.dot_product_attention, which has no dropout) "
-            f"does not apply attention dropout (dropout_rate={call.dropout.rate}); use "
-            f"implementation='chunked' (the same keep mask, tile by tile), 'pallas' or "
-            f"'reference', or implementation=None, which picks the kernel (chunked on CPU).")
-    if not call.scheme.fusable:
-        what = "the fused Pallas kernel" if name == "pallas" else \
-            "implementation='xla' (jax.nn.dot_product_attention)"
-        raise ValueError(
-            f"{what} does not support the position scheme {type(call.scheme).__name__} (its "
-            f"content bias or value term depends on the query content or the weights); use "
-            f"implementation='chunked' or 'reference'.")
-    if name == "xla" and call.kv_lengths is not None:
-        raise ValueError(
-            "implementation='xla' (jax.nn.dot_product_attention) does not take kv_lengths; "
-            "use implementation='pallas' or 'chunked' (they never visit the unfilled keys).")
-    if name == "xla" and call.mask is not None:
-        raise ValueError(
-            "implementation='xla' (jax.nn.dot_product_attention) does not take a boolean "
-            "mask array; express the mask as a mask_mod, or use implementation='chunked'.")
-    if name == "xla" and call.v.shape[-1] != head_dim:
-        raise ValueError(
-            f"implementation='xla' (jax.nn.dot_product_attention) needs v's head_dim to "
-            f"equal q's ({head_dim}); got v {call.v.shape}. Use implementation='chunked'.")
-    if name == "pallas" and call.mask is not None:
-        raise ValueError(
-            f"implementation='pallas' does not take a boolean mask array (got shape "
-            f"{tuple(call.mask.shape)}): express it as a mask_mod from positions (with "
-            f"jaxpos.create_block_mask to skip empty tiles), with causal=, positions or "
-            f"segment_ids, or use implementation='chunked'.")
 
 
 def attention(
@@ -230,10 +137,13 @@ def attention(
       segment_ids, kv_segment_ids: integer ``[B, Tq]`` / ``[B, Tk]``; only equal ids
         attend (packed sequences). ``kv_segment_ids`` defaults to ``segment_ids``.
       scale: score scale, default ``1 / sqrt(H)``. T5 uses ``scale=1.0``.
-      implementation: ``"reference"``, ``"chunked"``, ``"pallas"``, ``"xla"``
+      implementation: an engine name (:func:`jaxpos.core.engines.engine_names`):
+        ``"reference"``, ``"chunked"``, ``"pallas"``, ``"xla"``
         (``jax.nn.dot_product_attention`` on the transformed q and k, with the score term
-        materialised as a dense bias: cuDNN on NVIDIA GPUs), or ``None`` for
-        :func:`default_implementation`.
+        materialised as a dense bias: cuDNN on NVIDIA GPUs), one registered with
+        :func:`jaxpos.register_engine`, or ``None``: the first engine of the backend's
+        preference list that takes the call (:func:`jaxpos.core.engines.select_engine`;
+        :func:`default_implementation` gives the measured rule).
       block_q, block_k: tile sizes for ``"chunked"`` (default 256 x 256; any positive size)
         and ``"pallas"`` (the kernel's 128 x 128 defaults; powers of two). T need not be a
         multiple.
@@ -270,7 +180,8 @@ def attention(
         other lengths or blocks, sinks of the wrong shape, a dropout_rate outside
         ``[0, 1)`` or without dropout_rng, dropout with ``"xla"``.
     """
-    _checks.check_choice("implementation", implementation, ALL_IMPLEMENTATIONS + (None,))
+    if implementation is not None:
+        engines.get_engine(implementation)  # an unknown name fails before anything else
     call = validate_call(q, k, v, position=position, score_mod=score_mod, mask_mod=mask_mod,
                          block_mask=block_mask, sinks=sinks, q_positions=q_positions,
                          kv_positions=kv_positions, causal=causal, mask=mask,
@@ -278,14 +189,8 @@ def attention(
                          block_q=block_q, block_k=block_k, kv_lengths=kv_lengths,
                          rope_tables=rope_tables, dropout_rate=dropout_rate,
                          dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout)
-    name = choose_implementation(call, implementation)
+    call = transform_call(call)
+    engine = engines.select_engine(call, implementation)
     if call.batch == 0 or call.q_len == 0 or call.kv_len == 0:
         return call.zeros()  # nothing to attend from, or no visible key
-    head_dim = call.q.shape[-1]
-    call = transform_call(call)
-    if name in ("reference", "xla"):  # the engines that do not rotate on load
-        call = apply_rope_tables(call)
-    if implementation is None and name == "xla" and call.q.shape[-1] != call.v.shape[-1]:
-        name = "pallas"  # a transform that widens q and k (PoPE); cuDNN cannot
-    _check_runner(name, call, head_dim)
-    return RUNNERS[name](call)
+    return engines.run(engine, call)

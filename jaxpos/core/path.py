@@ -37,6 +37,7 @@ be contiguous (the transforms between two tokens are those of the tokens between
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,8 +47,10 @@ from jax.typing import ArrayLike
 from jaxpos import _checks
 from jaxpos._util import pad_axis
 from jaxpos.core.carried import carried_attention, from_blocks, to_blocks
+from jaxpos.schemes.base import register_attention
 
-__all__ = ["IMPLEMENTATIONS", "compute_dtype", "path_attention", "path_scores", "wy_blocks"]
+__all__ = ["IMPLEMENTATIONS", "compute_dtype", "path_attention", "refuse_softmax_options",
+           "scheme_attention", "path_scores", "wy_blocks"]
 
 #: The implementations of :func:`path_attention`.
 IMPLEMENTATIONS = ("reference", "chunked")
@@ -303,3 +306,60 @@ def path_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, w: ArrayLike, beta:
         out = _chunked(pad(qq, 2), pad(kk, 2), pad(vv, 2), pad(ww, 2), pad(bb, 2),
                        pad_axis(G, 2, n, mode="edge"), segp, scale, C)[:, :, :T]
     return jnp.swapaxes(out, 1, 2).astype(dtype)
+
+
+def refuse_softmax_options(what: str, mask, mask_mod, sinks, extra: dict) -> None:
+    """``ValueError`` for the keywords of :func:`jaxpos.attention` that the schemes
+    replacing softmax attention do not take (a mask array, a mask_mod, sinks, attention
+    dropout); a dropout key without a rate and the cache's fill counts pass (the segment
+    ids hide the empty slots)."""
+    extra = dict(extra)
+    rate = extra.pop("dropout_rate", 0.0)
+    for key in ("dropout_rng", "broadcast_dropout", "kv_lengths"):
+        extra.pop(key, None)
+    named = {"mask": mask, "mask_mod": mask_mod, "sinks": sinks,
+             "attention dropout": rate or None, **extra}
+    for name, val in named.items():
+        if val is not None:
+            raise ValueError(f"{what} takes no {name} (a softmax-attention option of "
+                             f"jaxpos.attention); got {name}={val!r}.")
+
+
+@register_attention("path")
+@register_attention("path_fox")
+def scheme_attention(scheme, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                     position: Any = None, q_positions: Any = None, kv_positions: Any = None,
+                     causal: bool = True, mask: Any = None, segment_ids: Any = None,
+                     kv_segment_ids: Any = None, scale: float | None = None,
+                     mask_mod: Any = None, sinks: Any = None,
+                     implementation: str | None = None, **extra: Any) -> jax.Array:
+    """:func:`path_attention` for the Flax modules: ``scheme`` (a
+    :class:`jaxpos.schemes.path.PaTH`) gives the transforms (its ``directions`` from the
+    call's segments, ``beta``, the forget gates), the rest are the keywords the modules
+    pass to :func:`jaxpos.attention` (positions are not used: PaTH's position is the order
+    of the tokens). ``implementation`` ``"reference"`` or ``"chunked"`` (None: chunked).
+
+    Returns:
+      ``[B, T, N, H_v]`` in q's dtype.
+
+    Raises:
+      ValueError: a ``mask``, ``mask_mod``, ``sinks``, attention dropout; ``kv_segment_ids``
+        other than ``segment_ids``; keys with other than the scheme's ``num_kv_heads``
+        heads; the errors of :func:`path_attention` (an implementation other than
+        ``"reference"`` / ``"chunked"``, naming the two).
+    """
+    refuse_softmax_options("PaTH attention", mask, mask_mod, sinks, extra)
+    scheme.check_causal(causal)
+    if kv_segment_ids is not None and kv_segment_ids is not segment_ids:
+        raise ValueError("PaTH attention is self-attention: kv_segment_ids must be None or "
+                         "segment_ids.")
+    if k.shape[2] != scheme.num_kv_heads:
+        raise ValueError(f"the layer's keys have {k.shape[2]} heads but "
+                         f"{type(scheme).__name__} was built for num_kv_heads="
+                         f"{scheme.num_kv_heads}; pass scheme_options={{'num_kv_heads': "
+                         f"{k.shape[2]}}}.")
+    w = scheme.directions(segment_ids)
+    lf = scheme.log_forget
+    return path_attention(q, k, v, w.astype(q.dtype), scheme.beta.astype(q.dtype),
+                          log_forget=None if lf is None else lf.astype(q.dtype),
+                          segment_ids=segment_ids, scale=scale, implementation=implementation)

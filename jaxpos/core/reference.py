@@ -10,18 +10,19 @@ v`` and the scheme's value term (Shaw's ``sum p_ij a^V_ij``).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 
-from jaxpos.core.call import AttentionCall
+from jaxpos.core.call import AttentionCall, converted_mods
 from jaxpos.core.dropout import Dropout, keep_mask
+from jaxpos.core.engines import register_engine
 from jaxpos.mods import ConvertedMod, apply_mod, convert_mod
 from jaxpos.schemes.base import PositionScheme
 
-__all__ = ["Masking", "Terms", "heads_major", "make_terms", "reference_attention",
-           "run_reference", "tile_output", "tile_scores", "visible"]
+__all__ = ["Masking", "ReferenceEngine", "Terms", "call_terms", "heads_major", "make_terms",
+           "reference_attention", "run_reference", "tile_output", "tile_scores", "visible"]
 
 
 class Masking(NamedTuple):
@@ -49,6 +50,12 @@ def make_terms(scheme: PositionScheme, score_mod, mask_mod, tq: int, tk: int) ->
     """The terms of a call, with the mods traced at a ``[tq, tk]`` tile."""
     conv = lambda fn, kind: None if fn is None else convert_mod(fn, kind, tq, tk)
     return Terms(scheme, conv(score_mod, "score"), conv(mask_mod, "mask"))
+
+
+def call_terms(call: AttentionCall, tq: int, tk: int) -> Terms:
+    """The terms of a validated call at a ``[tq, tk]`` tile (its mods as converted by the
+    validation when the tile is the call's shape: :func:`jaxpos.core.call.converted_mods`)."""
+    return Terms(call.scheme, *converted_mods(call, tq, tk))
 
 
 def visible(causal: bool, q_pos, kv_pos, kv_valid, mask, seg_q, seg_kv, mask_mod=None,
@@ -98,34 +105,37 @@ def tile_output(terms: Terms, p, v, q_pos, kv_pos):
 
 
 def reference_attention(terms: Terms, qs, k, v, m: Masking, causal: bool, sinks,
-                        dropout: Dropout | None = None):
+                        dropout: Dropout | None = None, *, with_lse: bool = False):
     """Dense attention in the heads-major layout: float32 ``[B, N, Tq, H_v]`` from scaled
     queries ``qs [B, N, Tq, H]``, ``k [B, N, Tk, H]``, ``v [B, N, Tk, H_v]`` (float32, key/
     value heads already repeated to the query heads). ``dropout``: the probabilities are
     multiplied by the keep mask of :func:`jaxpos.core.dropout.keep_mask` and ``1 / (1 - rate)``
-    before ``p @ v`` and the value term."""
+    before ``p @ v`` and the value term. ``with_lse``: also the log-sum-exp of each row's
+    visible scores and its sink, float32 ``[B, N, Tq]`` (``-inf`` for an empty row)."""
     s = tile_scores(terms, qs, k, m.q_pos, m.kv_pos)
     vis = visible(causal, m.q_pos, m.kv_pos, m.kv_valid, m.mask, m.seg_q, m.seg_kv,
                   terms.mask, s.shape[:2])
     # A score_mod may hide a pair with -inf: such a pair is hidden like a masked one (a row
     # hidden everywhere gives zeros, as in the tiled implementations, not 0/0).
-    vis = s != -jnp.inf if vis is None else vis & (s != -jnp.inf)
-    if vis is not None:
-        vis = jnp.broadcast_to(vis, s.shape)
-        # A finite fill keeps fully masked rows NaN-free in both passes; they are zeroed.
-        s = jnp.where(vis, s, jnp.finfo(jnp.float32).min)
+    vis = jnp.broadcast_to(s != -jnp.inf if vis is None else vis & (s != -jnp.inf), s.shape)
+    # A finite fill keeps fully masked rows NaN-free in both passes; they are zeroed.
+    s = jnp.where(vis, s, jnp.finfo(jnp.float32).min)
     if sinks is not None:  # the sink takes part in the normalisation only
         col = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32)[None, :, None, None],
                                s.shape[:3] + (1,))
-        p = jax.nn.softmax(jnp.concatenate([s, col], axis=-1), axis=-1)[..., :-1]
-    else:
-        p = jax.nn.softmax(s, axis=-1)
-    if vis is not None:
-        p = jnp.where(vis, p, 0.0)
+        s = jnp.concatenate([s, col], axis=-1)
+        vis = jnp.concatenate([vis, jnp.ones(col.shape, bool)], axis=-1)
+    p = jnp.where(vis, jax.nn.softmax(s, axis=-1), 0.0)[..., :k.shape[2]]
     if dropout is not None:
-        keep = keep_mask(dropout, *s.shape)
+        keep = keep_mask(dropout, *p.shape)
         p = jnp.where(keep, p * jnp.float32(dropout.scale), 0.0)
-    return tile_output(terms, p, v, m.q_pos, m.kv_pos)
+    out = tile_output(terms, p, v, m.q_pos, m.kv_pos)
+    if not with_lse:
+        return out
+    seen = jnp.any(vis, axis=-1)  # s is finite where hidden: no inf - inf below
+    mx = jax.lax.stop_gradient(jnp.max(s, axis=-1))
+    den = jnp.sum(jnp.where(vis, jnp.exp(s - mx[..., None]), 0.0), axis=-1)
+    return out, jnp.where(seen, mx + jnp.log(jnp.where(seen, den, 1.0)), -jnp.inf)
 
 
 def heads_major(call: AttentionCall, *, repeat_kv: bool = True):
@@ -147,10 +157,38 @@ def heads_major(call: AttentionCall, *, repeat_kv: bool = True):
     return qs, kk, vv, m
 
 
-def run_reference(call: AttentionCall) -> jax.Array:
-    """The ``"reference"`` runner: ``[B, Tq, N, H_v]`` in q's dtype from a transformed
-    call (:func:`jaxpos.core.call.transform_call`)."""
+def _reference(call: AttentionCall, with_lse: bool):
     qs, kk, vv, m = heads_major(call)
-    terms = make_terms(call.scheme, call.score_mod, call.mask_mod, call.q_len, call.kv_len)
-    out = reference_attention(terms, qs, kk, vv, m, call.causal, call.sinks, call.dropout)
+    terms = call_terms(call, call.q_len, call.kv_len)
+    return reference_attention(terms, qs, kk, vv, m, call.causal, call.sinks, call.dropout,
+                               with_lse=with_lse)
+
+
+def run_reference(call: AttentionCall) -> jax.Array:
+    """The ``"reference"`` engine: ``[B, Tq, N, H_v]`` in q's dtype from a transformed
+    call (:func:`jaxpos.core.call.transform_call`)."""
+    out = cast("jax.Array", _reference(call, False))
     return jnp.swapaxes(out, 1, 2).astype(call.q.dtype)
+
+
+class ReferenceEngine:
+    """``implementation="reference"``: the dense ground truth (every feature; ``O(Tq Tk)``
+    memory), never the default."""
+
+    name = "reference"
+
+    def refuses(self, call: AttentionCall) -> None:
+        """Nothing: the reference runs every validated call."""
+        return None
+
+    def run(self, call: AttentionCall) -> jax.Array:
+        """:func:`run_reference`."""
+        return run_reference(call)
+
+    def run_with_lse(self, call: AttentionCall) -> tuple[jax.Array, jax.Array]:
+        """``(out [B, Tq, N, H_v], lse float32 [B, N, Tq])`` (the sinks in the lse)."""
+        out, lse = _reference(call, True)
+        return jnp.swapaxes(out, 1, 2).astype(call.q.dtype), lse
+
+
+register_engine(ReferenceEngine())

@@ -4,8 +4,12 @@ semantics: the score_mod materialised as a dense bias (or, when it is not a pure
 term, dense attention in XLA), the mask_mod and segments as a dense boolean mask, sinks as
 one extra key.
 
-* :func:`attention_via_xla`: the runner's engine (also ``jaxpos.kernels.attention_via_xla``).
-* :func:`sdpa`: ``jax.nn.dot_product_attention`` with the cuDNN-then-XLA fallback.
+* :class:`XlaEngine`: the ``"xla"`` engine (registered here) on a validated call;
+* :func:`attention_via_xla`: the same computation as a public function that checks its own
+  arguments (also ``jaxpos.kernels.attention_via_xla``);
+* :func:`xla_preferred`: the engine's cost rule (cuDNN beats the kernel without a score
+  term; a mask only while its dense array fits :data:`DENSE_BIAS_BUDGET_BYTES`);
+* :func:`sdpa`: ``jax.nn.dot_product_attention`` with the cuDNN-then-XLA fallback;
 * :func:`dense_attention`: dense XLA attention for a score_mod that is not an added term.
 """
 
@@ -21,13 +25,40 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxpos import _checks
-from jaxpos.mods import apply_mod, convert_mod, is_additive, reads_input
+from jaxpos.core import engines
+from jaxpos.core.call import AttentionCall, converted_mods
+from jaxpos.core.tiles import online_softmax_step, softmax_finish, softmax_start
+from jaxpos.mods import ConvertedMod, apply_mod, convert_mod, is_additive, reads_input
 
-__all__ = ["GPU_BACKENDS", "adds_a_term", "attention_via_xla", "cudnn_allowed",
-           "dense_attention", "is_arange", "run_xla", "sdpa"]
+__all__ = ["DENSE_BIAS_BUDGET_BYTES", "GPU_BACKENDS", "XlaEngine", "adds_a_term",
+           "attention_via_xla", "cudnn_allowed", "dense_attention", "is_arange", "run_xla",
+           "sdpa", "xla_preferred", "xla_refusal"]
 
 #: ``jax.default_backend()`` names of NVIDIA GPUs (where cuDNN is available).
 GPU_BACKENDS = ("gpu", "cuda")
+#: Largest dense mask :func:`xla_preferred` lets the ``"xla"`` engine materialise rather
+#: than hand a mask_mod to the kernel: ``B * N * Tq * Tk * 4`` bytes. 1 GiB per attention
+#: call (e.g. B=1, N=16, T=4096); see ``docs/kernel.md``.
+DENSE_BIAS_BUDGET_BYTES = 1 << 30
+
+
+def xla_preferred(*, has_score_mod: bool, has_mask_mod: bool, dense_bytes: int,
+                  budget: int | None = None) -> bool:
+    """The ``"xla"`` engine's cost rule on an NVIDIA GPU (measured on an H200, bf16, causal,
+    B=4 N=16 H=128, T=8192; ``docs/kernel.md``): cuDNN's flash attention (500 TFLOP/s
+    forward, 483 forward+backward) beats the Pallas kernel (171 / 172) when the call has
+    no score term; a mask_mod alone is materialised as a dense mask while it fits
+    ``budget`` (default :data:`DENSE_BIAS_BUDGET_BYTES`); a score term never goes to cuDNN
+    (:func:`cudnn_allowed`), so the kernel, which applies it in float32, runs it.
+
+    Args:
+      has_score_mod, has_mask_mod: the call has a score term (the scheme's included) / a
+        mask_mod. dense_bytes: ``B * N * Tq * Tk * 4``. budget: bytes, or None.
+    """
+    if has_score_mod:
+        return False
+    limit = DENSE_BIAS_BUDGET_BYTES if budget is None else budget
+    return not has_mask_mod or dense_bytes <= limit
 
 
 def is_arange(pos, T) -> bool:
@@ -112,45 +143,84 @@ def attention_via_xla(q: jax.Array, k: jax.Array, v: jax.Array, *,
     """
     _checks.check_qkv(q, k, v)
     B, Tq, N, H = _checks.shape_of(q)
-    Tk, Nk = _checks.shape_of(k)[1:3]
+    Tk = _checks.shape_of(k)[1]
     if _checks.shape_of(v)[3] != H:
         raise ValueError(f"attention_via_xla needs v's head_dim equal to q's ({H}); got "
                          f"{_checks.shape_of(v)[3]} (use implementation='pallas' or 'chunked').")
-    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
-    arange = is_arange(q_positions, Tq) and is_arange(kv_positions, Tk)
-    q_pos = _checks.positions_2d("q_positions", q_positions, B, Tq)
-    kv_pos = _checks.positions_2d("kv_positions", kv_positions, B, Tk)
     if (segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("segment_ids and kv_segment_ids must be given together; got one.")
-    smod = convert_mod(score_mod, "score", Tq, Tk) if score_mod is not None else None
-    mmod = convert_mod(mask_mod, "mask", Tq, Tk) if mask_mod is not None else None
     if sinks is not None:
         _checks.check_rank("sinks", sinks, (1,), "[num_heads]")
         if _checks.shape_of(sinks)[0] != N:
             raise ValueError(f"sinks must have shape [{N}]; got {_checks.shape_of(sinks)}.")
-        sinks = jnp.asarray(sinks, jnp.float32)
+    seg = None if segment_ids is None else (
+        _checks.positions_2d("segment_ids", segment_ids, B, Tq),
+        _checks.positions_2d("kv_segment_ids", kv_segment_ids, B, Tk))
+    conv = lambda fn, kind: None if fn is None else convert_mod(fn, kind, Tq, Tk)
+    return _xla_attention(
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), conv(score_mod, "score"),
+        conv(mask_mod, "mask"), _checks.positions_2d("q_positions", q_positions, B, Tq),
+        _checks.positions_2d("kv_positions", kv_positions, B, Tk), bool(causal), seg,
+        1.0 / math.sqrt(H) if scale is None else float(scale), sinks, implementation,
+        is_arange(q_positions, Tq) and is_arange(kv_positions, Tk))
 
-    mask = None  # bool [B|1, N|1, Tq, Tk]
+
+def _visibility(B, N, Tq, Tk, mmod, q_pos, kv_pos, causal, seg, is_causal):
+    """``(mask, row_vis)``: the dense boolean mask ``[B|1, N|1, Tq, Tk]`` handed to
+    ``dot_product_attention`` (None: none), and what decides whether a row has a visible
+    key (the mask with causality, even where causality goes to XLA as ``is_causal``)."""
+    mask = None
 
     def conj(m, x):
         return x if m is None else m & x
 
-    is_causal = bool(causal) and arange and Tq == Tk and sinks is None
     if causal and not is_causal:
         mask = conj(mask, kv_pos[:, None, None, :] <= q_pos[:, None, :, None])
-    if segment_ids is not None:
-        sq = _checks.positions_2d("segment_ids", segment_ids, B, Tq)
-        skv = _checks.positions_2d("kv_segment_ids", kv_segment_ids, B, Tk)
-        mask = conj(mask, sq[:, None, :, None] == skv[:, None, None, :])
+    if seg is not None:
+        mask = conj(mask, seg[0][:, None, :, None] == seg[1][:, None, None, :])
     if mmod is not None:
         mask = conj(mask, apply_mod(mmod, q_pos, kv_pos, batch_index=(B, N)))
-
-    # what decides whether a row has a visible key: the mask, with causality even where
-    # it goes to XLA as is_causal (a causal row may lose every key to segments/mask_mod)
     row_vis = mask
     if is_causal and mask is not None:
         row_vis = mask & jnp.tril(jnp.ones((Tq, Tk), bool))[None, None]
+    return mask, row_vis
+
+
+def _bias(smod: ConvertedMod, B, N, Tq, Tk, q_pos, kv_pos):
+    """``(bias, hidden)``: the added term of ``smod`` as a float32 ``[B|1, N, Tq, Tk]``
+    bias (``B`` is 1 when the mod ignores ``batch`` and the positions are shared), an added
+    ``-inf`` replaced by a finite fill, and where it was ``-inf`` (hidden pairs)."""
+    per_row = reads_input(smod.jaxpr, 1) or q_pos.shape[0] > 1 or kv_pos.shape[0] > 1
+    bb = B if per_row else 1
+    bias = apply_mod(smod, q_pos, kv_pos, score=jnp.zeros((bb, N, Tq, Tk), jnp.float32))
+    # an added -inf hides the pair, as a mask does: a finite fill keeps a row hidden
+    # everywhere free of NaN (it is zeroed after); gradients stay 0 there
+    hidden = bias == -jnp.inf
+    return jnp.where(hidden, jnp.finfo(jnp.float32).min, bias), hidden
+
+
+def _with_sink_key(k, v, bias, mask, sinks, N, Tq, Tk):
+    """k, v, bias and mask with one extra key: k = 0, v = 0, bias = the sink logit."""
+    B, _, Nk, H = k.shape
+    zk = jnp.zeros((B, 1, Nk, H), k.dtype)
+    zv = jnp.zeros((B, 1, Nk, v.shape[-1]), v.dtype)
+    base = jnp.zeros((1, N, Tq, Tk), jnp.float32) if bias is None else bias
+    col = jnp.broadcast_to(sinks[None, :, None, None], base.shape[:3] + (1,))
+    if mask is not None:
+        mask = jnp.concatenate([mask, jnp.ones(mask.shape[:3] + (1,), bool)], axis=-1)
+    return (jnp.concatenate([k, zk], 1), jnp.concatenate([v, zv], 1),
+            jnp.concatenate([base, col], axis=-1), mask)
+
+
+def _xla_attention(q, k, v, smod, mmod, q_pos, kv_pos, causal: bool, seg, scale: float,
+                   sinks, implementation, arange: bool) -> jax.Array:
+    """The ``"xla"`` computation on checked inputs: converted mods at ``[Tq, Tk]``, int32
+    positions ``[B|1, T]``, ``seg`` a pair of int32 ``[B, T]`` or None, a float scale."""
+    B, Tq, N, _ = q.shape
+    Tk = k.shape[1]
+    sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
+    is_causal = causal and arange and Tq == Tk and sinks is None
+    mask, row_vis = _visibility(B, N, Tq, Tk, mmod, q_pos, kv_pos, causal, seg, is_causal)
     # jax.nn.dot_product_attention's float16 gradient asks for a dot precision
     # (F16_F16_F32) the CPU backend lacks: jaxpos's own dense attention runs there instead
     f16_cpu = q.dtype == jnp.float16 and jax.default_backend() == "cpu"
@@ -159,26 +229,13 @@ def attention_via_xla(q: jax.Array, k: jax.Array, v: jax.Array, *,
     else:
         bias = None
         if smod is not None:
-            per_row = reads_input(smod.jaxpr, 1) or q_pos.shape[0] > 1 or kv_pos.shape[0] > 1
-            bb = B if per_row else 1
-            bias = apply_mod(smod, q_pos, kv_pos, score=jnp.zeros((bb, N, Tq, Tk), jnp.float32))
-            # an added -inf hides the pair, as a mask does: a finite fill keeps a row
-            # hidden everywhere free of NaN (it is zeroed below); gradients stay 0 there
-            hidden = bias == -jnp.inf
+            bias, hidden = _bias(smod, B, N, Tq, Tk, q_pos, kv_pos)
             row_vis = ~hidden if row_vis is None else row_vis & ~hidden
-            bias = jnp.where(hidden, jnp.finfo(jnp.float32).min, bias)
-        kk, vv, m2 = k, v, mask
-        if sinks is not None:  # one extra key: k = 0, v = 0, bias = the sink logit
-            zk = jnp.zeros((B, 1, Nk, H), k.dtype)
-            kk, vv = jnp.concatenate([k, zk], 1), jnp.concatenate([v, zk], 1)
-            base = jnp.zeros((1, N, Tq, Tk), jnp.float32) if bias is None else bias
-            col = jnp.broadcast_to(sinks[None, :, None, None], base.shape[:3] + (1,))
-            bias = jnp.concatenate([base, col], axis=-1)
-            if m2 is not None:
-                m2 = jnp.concatenate([m2, jnp.ones(m2.shape[:3] + (1,), bool)], axis=-1)
-        if sinks is not None and implementation is None:
-            implementation = "xla"  # the extra key makes Tk + 1 keys, which cuDNN may refuse
-        out = sdpa(q, kk, vv, bias, m2, is_causal, scale, implementation)
+        if sinks is not None:
+            k, v, bias, mask = _with_sink_key(k, v, bias, mask, sinks, N, Tq, Tk)
+            if implementation is None:
+                implementation = "xla"  # Tk + 1 keys, which cuDNN may refuse
+        out = sdpa(q, k, v, bias, mask, is_causal, scale, implementation)
     if row_vis is not None:  # rows with no visible key: zeros (and no gradient)
         seen = jnp.any(row_vis, axis=-1)  # [B|1, N|1, Tq]
         seen = jnp.broadcast_to(jnp.swapaxes(seen, 1, 2)[..., None], (B, Tq, N, 1))
@@ -239,26 +296,72 @@ def dense_attention(q, k, v, smod, mask, is_causal, q_pos, kv_pos, scale, sinks)
         vis = c if vis is None else vis & c
     if vis is not None:
         s = jnp.where(vis, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    if sinks is not None:
-        m = jnp.maximum(m, sinks[None, :, None, None])
-    m = jnp.where(jnp.isneginf(m), 0.0, m)
-    e = jnp.exp(s - m)
-    den = jnp.sum(e, axis=-1, keepdims=True)
-    if sinks is not None:
-        den = den + jnp.exp(sinks[None, :, None, None] - m)
-    p = e / jnp.where(den == 0, 1.0, den)
-    out = jnp.einsum("bnqk,bknh->bqnh", p.astype(v.dtype), vv, precision=prec,
-                     preferred_element_type=jnp.float32)
-    return out.astype(q.dtype)
+    values = lambda p: jnp.einsum("bnqk,bknh->bnqh", p.astype(v.dtype), vv, precision=prec,
+                                  preferred_element_type=jnp.float32)
+    state = online_softmax_step(softmax_start(s.shape[:3], v.shape[-1], sinks), s, values)
+    return jnp.swapaxes(softmax_finish(state)[0], 1, 2).astype(q.dtype)
 
 
-def run_xla(call) -> jax.Array:
-    """The ``"xla"`` runner of :func:`jaxpos.attention`: :func:`attention_via_xla` on a
-    validated, transformed :class:`jaxpos.core.call.AttentionCall`. ``[B, Tq, N, H]`` in q's
-    dtype."""
-    return attention_via_xla(call.q, call.k, call.v, score_mod=call.score_mod,
-                             mask_mod=call.mask_mod, q_positions=call.q_positions,
-                             kv_positions=call.kv_positions, causal=call.causal,
-                             segment_ids=call.segment_ids, kv_segment_ids=call.kv_segment_ids,
-                             scale=call.scale, sinks=call.sinks)
+def run_xla(call: AttentionCall) -> jax.Array:
+    """The ``"xla"`` engine on a validated, transformed call (nothing checked or converted
+    again: the record's mods, positions and segments are used as they are). ``[B, Tq, N,
+    H]`` in q's dtype."""
+    smod, mmod = converted_mods(call, call.q_len, call.kv_len)
+    seg = None if call.segment_ids is None else (call.segment_ids, call.kv_segment_ids)
+    arange = is_arange(call.q_positions, call.q_len) and is_arange(call.kv_positions,
+                                                                    call.kv_len)
+    return _xla_attention(jnp.asarray(call.q), jnp.asarray(call.k), jnp.asarray(call.v), smod,
+                          mmod, call.q_positions, call.kv_positions, call.causal, seg,
+                          float(call.scale), call.sinks, None, arange)
+
+
+def xla_refusal(call: AttentionCall) -> str | None:
+    """Why ``jax.nn.dot_product_attention`` cannot run ``call``: dropout, kv_lengths, a
+    boolean mask array, a v narrower or wider than the (transformed) q; else None."""
+    if call.dropout is not None:
+        return (f"implementation='xla' (jax.nn.dot_product_attention, which has no dropout) "
+                f"does not apply attention dropout (dropout_rate={call.dropout.rate}); use "
+                f"implementation='chunked' (the same keep mask, tile by tile), 'pallas' or "
+                f"'reference', or implementation=None, which picks the kernel (chunked on "
+                f"CPU).")
+    if call.kv_lengths is not None:
+        return ("implementation='xla' (jax.nn.dot_product_attention) does not take "
+                "kv_lengths; use implementation='pallas' or 'chunked' (they never visit the "
+                "unfilled keys).")
+    if call.mask is not None:
+        return ("implementation='xla' (jax.nn.dot_product_attention) does not take a boolean "
+                "mask array; express the mask as a mask_mod, or use implementation='chunked'.")
+    if call.v.shape[-1] != call.q.shape[-1]:
+        return (f"implementation='xla' (jax.nn.dot_product_attention) needs v's head_dim to "
+                f"equal q's ({call.q.shape[-1]}, after the scheme's transform); got v "
+                f"{tuple(call.v.shape)}. Use implementation='chunked' or 'pallas'.")
+    return None
+
+
+class XlaEngine:
+    """``implementation="xla"``: ``jax.nn.dot_product_attention`` (cuDNN's fused attention on
+    NVIDIA GPUs) with the score term as a dense float32 bias; the default on an NVIDIA GPU
+    for calls without a score term (:func:`xla_preferred`)."""
+
+    name = "xla"
+    takes_kv_lengths = False
+
+    def refuses(self, call: AttentionCall) -> str | TypeError | None:
+        """What :func:`jaxpos.core.engines.fused_refusal` refuses, and what
+        :func:`xla_refusal` says ``dot_product_attention`` lacks."""
+        return engines.fused_refusal(
+            self.name, "implementation='xla' (jax.nn.dot_product_attention)", call
+        ) or xla_refusal(call)
+
+    def prefers(self, call: AttentionCall) -> bool:
+        """:func:`xla_preferred` for the call's score term, mask_mod and dense size."""
+        dense = call.batch * call.num_heads * call.q_len * call.kv_len * 4
+        return xla_preferred(has_score_mod=call.score_mod is not None,
+                             has_mask_mod=call.mask_mod is not None, dense_bytes=dense)
+
+    def run(self, call: AttentionCall) -> jax.Array:
+        """:func:`run_xla`."""
+        return run_xla(call)
+
+
+engines.register_engine(XlaEngine())

@@ -58,14 +58,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
-from jaxpos.core.entry import ALL_IMPLEMENTATIONS, attention
+from jaxpos.core.engines import engine_names
+from jaxpos.core.entry import attention
 from jaxpos.schemes.base import PositionScheme, as_scheme
 
 __all__ = ["flax_attention_fn"]
@@ -190,6 +191,48 @@ def _precision_name(precision) -> str | None:
     return name.lower() if isinstance(precision, jax.lax.Precision) else name
 
 
+def _refuse_flax_extras(module: Any, qk_einsum: Any, av_einsum: Any) -> None:
+    """Refuse Flax's ``sow_weights`` module and Linen's quantised einsums.
+
+    Raises:
+      ValueError: ``module`` is given (``sow_weights=True``) or either einsum is set.
+    """
+    if module is not None:
+        raise ValueError(
+            "module: Flax passes the module to attention_fn when sow_weights=True, to sow "
+            "the attention weights; jaxpos's attention never materialises them. Call the "
+            "module without sow_weights (or use flax.nnx.dot_product_attention to "
+            "inspect the weights).")
+    if qk_einsum is not None or av_einsum is not None:
+        raise ValueError(
+            "qk_attn_weights_einsum / attn_weights_value_einsum (Linen's quantised "
+            "einsums) cannot replace jaxpos's fused products; leave them unset.")
+
+
+def _promoted(query: Any, key: Any, value: Any, dtype: Any,
+              promote_dtype: Callable | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``query, key, value`` in one dtype, as Flax promotes them (``promote_dtype`` when
+    given, else ``dtype`` or their common type).
+
+    Raises:
+      ValueError: an operand of rank under 3, or batch dimensions that differ.
+    """
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if jnp.ndim(x) < 3:
+            raise ValueError(f"{name} must have shape [batch..., length, num_heads, "
+                             f"head_dim]; got shape {jnp.shape(x)}.")
+    if promote_dtype is not None:
+        query, key, value = promote_dtype((query, key, value), dtype=dtype)
+    else:
+        dt = dtype if dtype is not None else jnp.result_type(query, key, value)
+        query, key, value = (jnp.asarray(x).astype(dt) for x in (query, key, value))
+    batch = query.shape[:-3]
+    if key.shape[:-3] != batch or value.shape[:-3] != batch:
+        raise ValueError(f"query, key and value must share their batch dimensions; got "
+                         f"query {query.shape}, key {key.shape}, value {value.shape}.")
+    return query, key, value
+
+
 def flax_attention_fn(
     position: PositionScheme | Literal["none", "nope"] | None = None,
     *,
@@ -236,7 +279,7 @@ def flax_attention_fn(
         and whatever :func:`jaxpos.attention` refuses.
     """
     scheme = as_scheme(position)
-    _checks.check_choice("implementation", implementation, ALL_IMPLEMENTATIONS + (None,))
+    _checks.check_choice("implementation", implementation, engine_names() + (None,))
     if score_mod is not None and not callable(score_mod):
         raise TypeError(f"score_mod must be callable; got {type(score_mod).__name__}.")
     if mask_mod is not None and not callable(mask_mod):
@@ -248,29 +291,9 @@ def flax_attention_fn(
                      dtype=None, precision=None, module=None, promote_dtype=None,
                      is_causal: bool = False, force_fp32_for_softmax: bool = False,
                      qk_attn_weights_einsum=None, attn_weights_value_einsum=None):
-        if module is not None:
-            raise ValueError(
-                "module: Flax passes the module to attention_fn when sow_weights=True, to sow "
-                "the attention weights; jaxpos's attention never materialises them. Call the "
-                "module without sow_weights (or use flax.nnx.dot_product_attention to "
-                "inspect the weights).")
-        if qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None:
-            raise ValueError(
-                "qk_attn_weights_einsum / attn_weights_value_einsum (Linen's quantised "
-                "einsums) cannot replace jaxpos's fused products; leave them unset.")
-        for name, x in (("query", query), ("key", key), ("value", value)):
-            if jnp.ndim(x) < 3:
-                raise ValueError(f"{name} must have shape [batch..., length, num_heads, "
-                                 f"head_dim]; got shape {jnp.shape(x)}.")
-        if promote_dtype is not None:
-            query, key, value = promote_dtype((query, key, value), dtype=dtype)
-        else:
-            dt = dtype if dtype is not None else jnp.result_type(query, key, value)
-            query, key, value = (jnp.asarray(x).astype(dt) for x in (query, key, value))
+        _refuse_flax_extras(module, qk_attn_weights_einsum, attn_weights_value_einsum)
+        query, key, value = _promoted(query, key, value, dtype, promote_dtype)
         batch = query.shape[:-3]
-        if key.shape[:-3] != batch or value.shape[:-3] != batch:
-            raise ValueError(f"query, key and value must share their batch dimensions; got "
-                             f"query {query.shape}, key {key.shape}, value {value.shape}.")
         Tq, N, _ = query.shape[-3:]
         Tk = key.shape[-3]
         B = math.prod(batch)

@@ -4,8 +4,9 @@
   arguments; building a scheme from the registry (``init_params`` / ``from_params``).
 * :mod:`jaxpos.layers.functional`: pure functions of the model math (embeddings,
   projections, RMSNorm, MLP, logits) on plain arrays.
-* :mod:`jaxpos.layers.cache`: the KV cache (:class:`~jaxpos.layers.cache.KVCache`), its
-  writes and the scheme's ``cache_write``.
+* :mod:`jaxpos.layers.cache`: the KV caches behind one protocol
+  (:class:`~jaxpos.layers.cache.Cache`): the dense :class:`~jaxpos.layers.cache.KVCache`
+  and the StreamingLLM :class:`~jaxpos.layers.cache.StreamingKVCache`, one file each.
 * :mod:`jaxpos.layers.cores`: the ``*Core`` classes, the computations of the modules,
   inherited by the NNX classes and their Linen twins (which only declare parameters).
 * :mod:`jaxpos.layers.stack`: where a stack's scheme lives and the one builder of a

@@ -11,26 +11,18 @@ hyper-parameters through small hooks that each twin gives (``_dims()``, ``_posit
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
+from jaxpos.core.engines import takes_kv_lengths
 from jaxpos.core.entry import attention
-from jaxpos.layers.cache import (
-    KVCache,
-    StreamingKVCache,
-    cache_token_count,
-    check_cache,
-    init_kv_cache,
-    init_streaming_cache,
-    poison_rows,
-    rotate_at_write,
-    update_kv_cache,
-    update_streaming_cache,
-)
+from jaxpos.layers.cache import Cache, CacheRead, check_cache, new_cache, poison_rows
 from jaxpos.layers.functional import (
     attention_inputs,
     check_attention_input,
@@ -47,9 +39,9 @@ from jaxpos.layers.functional import (
     rms_norm,
     sinusoidal_embedding,
     tied_logits,
-    visible_top,
 )
 from jaxpos.layers.options import (
+    ABSOLUTE_POSITIONS,
     build_scheme,
     check_learned_length,
     check_mask_mod,
@@ -57,7 +49,6 @@ from jaxpos.layers.options import (
 )
 from jaxpos.schemes.base import NoPE, PositionScheme
 from jaxpos.schemes.learned import learned_positions
-from jaxpos.schemes.rope import RoPE
 
 __all__ = [
     "AttentionCore",
@@ -77,20 +68,6 @@ def attention_for(scheme):
     softmax attention (``replaces_softmax``: :class:`jaxpos.schemes.stick_breaking.StickBreaking`);
     both take the same keywords."""
     return scheme.attention if getattr(scheme, "replaces_softmax", False) else attention
-
-
-def reads_positions_at_once(scheme) -> bool:
-    """True for a scheme that, read from a KV cache, transforms the whole cached q/k from
-    the call's positions at once (xPos: its scales are measured from the centre of the
-    call's positions): cached decoding then fills the hidden slots' positions."""
-    return type(scheme).transform_qk is not PositionScheme.transform_qk and not \
-        rotates_on_load(scheme)
-
-
-def rotates_on_load(scheme) -> bool:
-    """True for a RoPE read from a cache of raw keys (``cache_rotation="read"``): the decode
-    step passes rope tables and the engines rotate each key block as it is loaded."""
-    return isinstance(scheme, RoPE) and scheme.cache_rotation == "read"
 
 
 def param_value(v):
@@ -201,7 +178,7 @@ class AttentionCore:
         return (self._proj(self.q_proj, x, N), self._proj(self.k_proj, src, Nk),
                 self._proj(self.v_proj, src, Nk))
 
-    def _scheme(self, scheme, rope_scaling, x, positions):
+    def _scheme(self, scheme, rope_scaling, x, positions) -> PositionScheme:
         if scheme is not None:
             return scheme
         return position_scheme(self._position(), rope_scaling, x=x, positions=positions)
@@ -244,30 +221,6 @@ class AttentionCore:
                       **self._attention_dropout(deterministic, rngs))
         return self._out(self._gated(o, x))
 
-    def _decode_streaming(self, x, q, k, v, cache, pos, pad, scheme, implementation,
-                          mask_mod):
-        """:meth:`decode` into a :class:`StreamingKVCache`: positions are places in the
-        cache (Xiao et al. 2024, §3.2), RoPE keys stored raw and rotated at read with them
-        (rope tables: the engines rotate each key block as it is loaded)."""
-        if not isinstance(scheme, RoPE):
-            q, k, scheme = rotate_at_write(scheme, q, k, pos)
-        cache, seg, kv_seg, q_pos, kv_pos, evicting = update_streaming_cache(cache, k, v, pos,
-                                                                             pad)
-        extra: dict[str, Any] = {}
-        if isinstance(scheme, RoPE):
-            extra["rope_tables"] = scheme.read_tables(q_pos, kv_pos)
-            scheme = NoPE()
-        attend_fn = attention_for(scheme)
-        impl = implementation or self.implementation
-        if attend_fn is attention and impl != "xla":
-            extra["kv_lengths"] = cache.length
-        o = attend_fn(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), position=scheme,
-                      q_positions=q_pos, kv_positions=kv_pos, causal=self.causal,
-                      segment_ids=seg, kv_segment_ids=kv_seg, scale=self.scale,
-                      mask_mod=self._mask_mod(mask_mod), sinks=self._sinks(),
-                      implementation=impl, **extra)
-        return poison_rows(self._out(self._gated(o, x)), evicting), cache
-
     def _padding(self, x, context, attention_mask):
         """The call's padding mask, bool ``[B, T]`` (None without one); self-attention
         only."""
@@ -280,28 +233,58 @@ class AttentionCore:
         check_attention_input("x", x, self._dims()[0])
         return check_attention_mask(attention_mask, *x.shape[:2])
 
-    def init_cache(self, batch: int, max_len: int, dtype=None, *,
-                   keep_first: int | None = None) -> KVCache | StreamingKVCache:
+    def init_cache(self, batch: int, max_len: int, dtype: Any = None, *,
+                   keep_first: int | None = None, **cache_options: Any) -> Cache:
         """An empty :class:`KVCache` of ``max_len`` slots for ``batch`` rows (no parameters
         needed); with ``keep_first`` a :class:`StreamingKVCache` (StreamingLLM, Xiao et al.
-        2024, §3.2: the first ``keep_first`` tokens and the most recent ones, positions
-        within the cache; generation runs unboundedly in fixed memory)."""
-        _, _, Nk, H = self._dims()
-        if keep_first is not None:
-            return init_streaming_cache(batch, max_len, Nk, H, dtype or self.dtype, keep_first)
-        return init_kv_cache(batch, max_len, Nk, H, dtype or self.dtype)
+        2024, §3.2: each row's first ``keep_first`` tokens and its most recent ones,
+        positions within the cache; generation runs unboundedly in fixed memory).
 
-    def decode(self, x, cache: KVCache, *, positions=None, scheme=None, rope_scaling=None,
-               implementation=None, mask_mod=None, attention_mask=None):
+        Args:
+          batch, max_len: positive ints, rows and slots per row; dtype: of the keys and
+            values (default the layer's ``dtype``); keep_first: int in ``[0, max_len)``.
+          **cache_options: the options of another registered cache type
+            (:func:`jaxpos.layers.cache.register_cache`), which they select.
+
+        Raises:
+          ValueError / TypeError: sizes that are not positive ints, a bad ``keep_first``,
+            options that select no cache type or two.
+        """
+        _, _, Nk, H = self._dims()
+        return new_cache(batch, max_len, Nk, H, dtype or self.dtype, keep_first=keep_first,
+                         **cache_options)
+
+    def _attend_cache(self, read: CacheRead, implementation, mask_mod) -> jax.Array:
+        """One attention call of a decode step on what the cache handed
+        (:class:`jaxpos.layers.cache.CacheRead`), whatever the cache type."""
+        attend_fn = attention_for(read.scheme)
+        impl = implementation or self.implementation
+        extra = read.keywords()
+        if attend_fn is attention and takes_kv_lengths(impl):
+            # the cache's fill counts bound the loop over keys (the segment ids hide the
+            # empty slots too, for an engine that takes no lengths)
+            extra["kv_lengths"] = read.kv_lengths
+        q = read.q
+        return attend_fn(q, read.k.astype(q.dtype), read.v.astype(q.dtype),
+                         position=read.scheme, q_positions=read.q_positions,
+                         kv_positions=read.kv_positions, causal=self.causal,
+                         segment_ids=read.segment_ids, kv_segment_ids=read.kv_segment_ids,
+                         scale=self.scale, mask_mod=self._mask_mod(mask_mod),
+                         sinks=self._sinks(), implementation=impl, **extra)
+
+    def decode(self, x: jax.Array, cache: Cache, *, positions: ArrayLike | None = None,
+               scheme: PositionScheme | None = None, rope_scaling: Any = None,
+               implementation: str | None = None, mask_mod: Callable | None = None,
+               attention_mask: ArrayLike | None = None) -> tuple[jax.Array, Cache]:
         """Attend from ``x [B, T, D]`` (new tokens) to the cache plus themselves.
 
         ``attention_mask`` (bool or int ``[B, T]``, 1 = token, 0 = padding, Hugging Face's
-        convention; default all tokens) is stored in the cache (``valid``): no token sees
+        convention; default all tokens) is remembered by the cache: no token sees
         padding, in this step or a later one. ``positions`` default to each row's count of
         cached tokens (padding excluded) ``+ cumsum(attention_mask) - 1`` (padding at
         position 1), Hugging Face's positions. The layer's
         mask_mod (or the call's ``mask_mod``) and sinks apply as in the full pass: the
-        mask_mod sees the global positions of the new tokens and of the cached keys, so a
+        mask_mod sees the positions of the new tokens and of the cached keys, so a
         sliding window keeps its width at every step. The scheme's
         :meth:`~jaxpos.PositionScheme.cache_write` decides what the cache stores (RoPE keys
         rotated once, at write; raw keys for the schemes applied inside attention from the
@@ -318,39 +301,12 @@ class AttentionCore:
         pad = check_attention_mask(attention_mask, B, T)
         if positions is None:
             positions = positions_from_mask(jnp.ones((B, T), bool) if pad is None else pad,
-                                            cache_token_count(cache))
+                                            cache.token_count())
         pos = _checks.positions_2d("positions", positions, B, T)
         scheme = self._scheme(scheme, rope_scaling, x, pos)
-        if isinstance(cache, StreamingKVCache):
-            return self._decode_streaming(x, q, k, v, cache, pos, pad, scheme, implementation,
-                                          mask_mod)
-        q, k, scheme = rotate_at_write(scheme, q, k, pos)
-        cache, seg, kv_seg, overflow = update_kv_cache(cache, k, v, pos, pad)
-        kv_pos, q_pos = cache.positions, pos
-        extra: dict[str, Any] = {}
-        if reads_positions_at_once(scheme):
-            # Empty and padding slots are hidden by the segment ids; their positions are set
-            # to a token's so that they do not widen the call's positions (xPos's centre).
-            # Only a scheme that transforms the whole cache at read needs this pass.
-            top = visible_top(cache.positions, cache.valid != 0)
-            kv_pos = fill_hidden_positions(cache.positions, cache.valid != 0, top)
-            q_pos = pos if pad is None else fill_hidden_positions(pos, pad, top)
-        elif isinstance(scheme, RoPE) and rotates_on_load(scheme):
-            # raw keys: RoPE rotated as each key block is loaded
-            extra = {"rope_tables": scheme.read_tables(pos, cache.positions)}
-            scheme = NoPE()
-        attend_fn = attention_for(scheme)
-        impl = implementation or self.implementation
-        if attend_fn is attention and impl != "xla":
-            # the cache's fill counts bound the loop over keys (the segment ids hide the
-            # empty slots too, for "xla", which takes no lengths)
-            extra["kv_lengths"] = jnp.minimum(cache.length, cache.k.shape[1])
-        o = attend_fn(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), position=scheme,
-                      q_positions=q_pos, kv_positions=kv_pos, causal=self.causal,
-                      segment_ids=seg, kv_segment_ids=kv_seg, scale=self.scale,
-                      mask_mod=self._mask_mod(mask_mod), sinks=self._sinks(),
-                      implementation=impl, **extra)
-        return poison_rows(self._out(self._gated(o, x)), overflow), cache
+        cache, read = cache.write(scheme, q, k, v, pos, pad)
+        o = self._attend_cache(read, implementation, mask_mod)
+        return poison_rows(self._out(self._gated(o, x)), read.poison), cache
 
 
 class BlockCore:
@@ -383,7 +339,7 @@ class BlockCore:
         x = x + self._residual_dropout(a, deterministic, rngs)
         return self._mlp(x, deterministic, rngs)
 
-    def decode(self, x, cache: KVCache, **kw):
+    def decode(self, x: jax.Array, cache: Cache, **kw: Any) -> tuple[jax.Array, Cache]:
         """As :meth:`jaxpos.nnx.MultiHeadAttention.decode`, then the MLP: ``(y, cache)``."""
         a, cache = self.attn.decode(rms_norm(x, param_value(self.attn_norm.scale)), cache, **kw)
         return self._mlp(x + a), cache
@@ -477,24 +433,48 @@ class DecoderCore(StackCore):
                          deterministic=deterministic, rngs=rngs)
         return tied_logits(h, param_value(self.embed.embedding))
 
-    def init_cache(self, batch: int, max_len: int, dtype=None, *,
-                   keep_first: int | None = None
-                   ) -> tuple[KVCache, ...] | tuple[StreamingKVCache, ...]:
+    def init_cache(self, batch: int, max_len: int, dtype: Any = None, *,
+                   keep_first: int | None = None, **cache_options: Any
+                   ) -> tuple[Cache, ...]:
         """One empty :class:`KVCache` per layer, ``max_len`` slots for ``batch`` rows (no
         parameters needed). With ``keep_first``: a StreamingLLM cache per layer
-        (:class:`StreamingKVCache`, Xiao et al. 2024, §3.2) that keeps the first
-        ``keep_first`` tokens (attention sinks) and the ``max_len - keep_first`` most recent
-        ones, positions being places in the cache, so decoding runs unboundedly in fixed
-        memory (one token per step once full)."""
-        L, Nk, H = self._cache_dims()
-        if keep_first is not None:
-            return tuple(init_streaming_cache(batch, max_len, Nk, H, dtype or self.dtype,
-                                              keep_first) for _ in range(L))
-        return tuple(init_kv_cache(batch, max_len, Nk, H, dtype or self.dtype)
-                     for _ in range(L))
+        (:class:`StreamingKVCache`, Xiao et al. 2024, §3.2) that keeps each row's first
+        ``keep_first`` tokens (attention sinks; padding takes no slot) and its
+        ``max_len - keep_first`` most recent ones, positions being places in the cache, so
+        decoding runs unboundedly in fixed memory (one token per step once full). Other
+        keyword options select another registered cache type
+        (:func:`jaxpos.layers.cache.register_cache`).
 
-    def decode_step(self, tokens, cache, *, positions=None, rope_scaling=None,
-                    implementation=None, attention_mask=None):
+        Raises:
+          ValueError: ``keep_first`` with ``position="sinusoidal"`` or ``"learned"``
+            (positions added to the embeddings cannot be re-numbered as places in the
+            cache, so no step could equal a fresh pass over the kept tokens); bad sizes.
+        """
+        L, Nk, H = self._cache_dims()
+        caches = tuple(new_cache(batch, max_len, Nk, H, dtype or self.dtype,
+                                 keep_first=keep_first, **cache_options) for _ in range(L))
+        given = {"keep_first": keep_first, **cache_options}
+        self._check_cache_positions(caches[0], "init_cache(" + ", ".join(
+            f"{n}={val!r}" for n, val in given.items() if val is not None) + ")")
+        return caches
+
+    def _check_cache_positions(self, cache: Cache, what: str) -> None:
+        """``ValueError`` for a cache that re-numbers positions (StreamingLLM) in a model
+        whose positions are added to the token embeddings."""
+        name = self._position_name()
+        if not cache.text_positions and name in ABSOLUTE_POSITIONS:
+            raise ValueError(
+                f"{what}: a StreamingLLM cache re-numbers the kept tokens as places in the "
+                f"cache (Xiao et al. 2024, §3.2), but position={name!r} adds each token's "
+                f"position to its embedding once, at the input, where no later step can "
+                f"re-number it: decoding could not equal a pass over the kept tokens. Use a "
+                f"relative scheme (rope, alibi, t5, nope, ...) or a dense cache "
+                f"(keep_first=None).")
+
+    def decode_step(self, tokens: ArrayLike, cache: tuple[Cache, ...], *,
+                    positions: ArrayLike | None = None, rope_scaling: Any = None,
+                    implementation: str | None = None, attention_mask: ArrayLike | None = None
+                    ) -> tuple[jax.Array, tuple[Cache, ...]]:
         """Run ``tokens [B, T]`` (one or more new tokens per row) against the cache.
 
         ``attention_mask``: bool or int ``[B, T]`` for the new tokens, 1 = token, 0 =
@@ -521,11 +501,11 @@ class DecoderCore(StackCore):
                              f"{type(cache).__name__}.")
         _checks.check_rank("tokens", tokens, (2,), "[batch, seq] token ids")
         B, T = _checks.shape_of(tokens)
-        check_cache(cache[0], B)
+        self._check_cache_positions(check_cache(cache[0], B), "decode_step")
         pad = check_attention_mask(attention_mask, B, T)
         if positions is None:
             positions = positions_from_mask(jnp.ones((B, T), bool) if pad is None else pad,
-                                            cache_token_count(cache[0]))
+                                            cache[0].token_count())
         pos = _checks.positions_2d("positions", positions, B, T)
         x = self._embed(tokens, pos)
         scheme, layer_scaling = self._scheme(rope_scaling, x, pos)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
-from jaxpos.core.entry import ALL_IMPLEMENTATIONS
+from jaxpos.core.engines import engine_names
 from jaxpos.schemes.base import REGISTRY, PositionScheme
 
 __all__ = [
@@ -279,10 +279,10 @@ def build_scheme(position: str, params: dict, *, num_heads, head_dim, causal, op
 
 def check_attention_options(implementation, use_bias) -> None:
     """An attention layer's options, checked when it is built (not only at its first call):
-    ``implementation`` ``None`` or one of :data:`jaxpos.ALL_IMPLEMENTATIONS`, ``use_bias`` a
-    bool."""
+    ``implementation`` ``None`` or a registered engine's name
+    (:func:`jaxpos.core.engines.engine_names`), ``use_bias`` a bool."""
     if implementation is not None:
-        _checks.check_choice("implementation", implementation, ALL_IMPLEMENTATIONS)
+        _checks.check_choice("implementation", implementation, engine_names())
     if not isinstance(use_bias, bool):
         raise TypeError(f"use_bias must be a bool; got {type(use_bias).__name__} {use_bias!r}.")
 

@@ -16,7 +16,8 @@ every term is computed from positions and the positions travel with their block:
   FIRE, Sandwich, FoX, captured tables, sliding windows, ...) and Shaw's content bias and
   value term are evaluated per tile by the chunked path's machinery
   (``jaxpos.core.chunked.chunked_forward`` / ``chunked_backward``), with the passing
-  block's global key positions;
+  block's global key positions (with ``implementation="pallas"``, each block is one call
+  of the fused kernel instead: :mod:`jaxpos.parallel.engine_ring`);
 * the per-block outputs and log-sum-exps are merged exactly by log-sum-exp (the online
   softmax of Milakov & Gimelshein 2018 applied across blocks), the attention sinks
   joining the normaliser once, at the end.
@@ -59,6 +60,7 @@ from jaxpos.core.call import AttentionCall, validate_call
 from jaxpos.core.chunked import (
     BLOCK_K,
     BLOCK_Q,
+    Blocked,
     ChunkCfg,
     chunk_inputs,
     chunked_backward,
@@ -70,6 +72,7 @@ from jaxpos.core.chunked import (
     varying_zero,
 )
 from jaxpos.core.reference import heads_major, make_terms
+from jaxpos.core.tiles import lse_merge
 from jaxpos.mods import EMPTY
 from jaxpos.schemes.base import PositionScheme
 
@@ -79,7 +82,7 @@ __all__ = ["from_zigzag", "ring_attention", "shard_map", "to_zigzag", "zigzag_pe
 shard_map = jax.shard_map
 
 _NEG_INF = -jnp.inf
-RING_IMPLEMENTATIONS = ("chunked", "reference")
+RING_IMPLEMENTATIONS = ("chunked", "reference", "pallas")
 
 
 # ----------------------------------------------------------------------------- zigzag
@@ -144,7 +147,7 @@ def _zigzag_permutation_checked(T, num_devices, t_name):
     return zigzag_permutation(T, num_devices)
 
 
-def to_zigzag(x, axis: int, num_devices: int) -> jax.Array:
+def to_zigzag(x: ArrayLike, axis: int, num_devices: int) -> jax.Array:
     """Reorder the sequence axis of ``x`` into the zigzag layout (see
     :func:`zigzag_permutation`): sharding the result's ``axis`` over ``num_devices``
     devices gives device ``i`` chunks ``i`` and ``2P - 1 - i``.
@@ -168,7 +171,7 @@ def to_zigzag(x, axis: int, num_devices: int) -> jax.Array:
     return _zigzag_take("x", x, axis, num_devices, inverse=False)
 
 
-def from_zigzag(x, axis: int, num_devices: int) -> jax.Array:
+def from_zigzag(x: ArrayLike, axis: int, num_devices: int) -> jax.Array:
     """The inverse of :func:`to_zigzag`: zigzag order back to sequence order (e.g. the
     output of :func:`ring_attention` gathered from the devices).
 
@@ -187,8 +190,9 @@ def _bound_axes() -> tuple:
         return ()
 
 
-def _ring_size(axis_name) -> int:
-    """The size of the bound mesh axis ``axis_name``, or a clear ValueError/TypeError."""
+def bound_axis_size(axis_name: Any, caller: str = "ring_attention") -> int:
+    """The size of the bound mesh axis ``axis_name``, or a clear ValueError/TypeError
+    naming ``caller`` (the public function that needs the axis)."""
     if not isinstance(axis_name, str):
         raise TypeError(f"axis_name must be the name (a str) of the mesh axis the sequence is "
                         f"sharded over; got {type(axis_name).__name__} {axis_name!r}.")
@@ -202,14 +206,15 @@ def _ring_size(axis_name) -> int:
                 f"(its axes: {list(bound)}); pass the name of the axis the sequence is sharded "
                 f"over.") from None
         raise ValueError(
-            f"ring_attention must be called inside jax.shard_map with axis_name={axis_name!r} "
+            f"{caller} must be called inside jax.shard_map with axis_name={axis_name!r} "
             f"an axis of its mesh (the sequence sharded over it); the axis is not bound here. "
             f"Wrap the call: jaxpos.parallel.shard_map(f, mesh=mesh, in_specs=..., "
             f"out_specs=...).") from None
 
 
 # ------------------------------------------------------------------ global transform
-def _transform_global(scheme: PositionScheme, q, k, q_pos, kv_pos, axis_name):
+def transform_global(scheme: PositionScheme, q: jax.Array, k: jax.Array, q_pos: jax.Array,
+                     kv_pos: jax.Array, axis_name: Any) -> tuple[jax.Array, jax.Array]:
     """``scheme.transform_qk`` on the local q and k at their global positions, as the
     single-device call applies it to the whole sequence.
 
@@ -248,10 +253,14 @@ class _RingCfg(NamedTuple):
     groups: int  # query heads per key/value head
 
 
-def _shift(tree, rc: _RingCfg):
+def shift(tree: Any, axis_name: str, size: int) -> Any:
     """Send every leaf to the next device of the ring (device i -> i + 1 mod P)."""
-    perm = [(i, (i + 1) % rc.size) for i in range(rc.size)]
-    return jax.tree_util.tree_map(lambda x: jax.lax.ppermute(x, rc.axis_name, perm), tree)
+    perm = [(i, (i + 1) % size) for i in range(size)]
+    return jax.tree_util.tree_map(lambda x: jax.lax.ppermute(x, axis_name, perm), tree)
+
+
+def _shift(tree, rc: _RingCfg):
+    return shift(tree, rc.axis_name, rc.size)
 
 
 def _expand(x, groups):
@@ -269,9 +278,9 @@ def _fold(dx, groups):
 
 def _block_inputs(rc: _RingCfg, qs, loc, kv):
     """The chunked path's blocked inputs for the local queries and one passing block."""
-    return {"qs": qs, "k": _expand(kv["k"], rc.groups), "v": _expand(kv["v"], rc.groups),
-            "q_pos": loc["q_pos"], "kv_pos": kv["kv_pos"], "kv_valid": loc["kv_valid"],
-            "seg_q": loc["seg_q"], "seg_kv": kv["seg_kv"], "mask": None}
+    return Blocked(qs=qs, k=_expand(kv["k"], rc.groups), v=_expand(kv["v"], rc.groups),
+                   q_pos=loc["q_pos"], kv_pos=kv["kv_pos"], kv_valid=loc["kv_valid"],
+                   q_seg=loc["seg_q"], kv_seg=kv["seg_kv"])
 
 
 def _block_live(rc: _RingCfg, terms, loc, kv):
@@ -283,14 +292,6 @@ def _block_live(rc: _RingCfg, terms, loc, kv):
                       flat(kv["kv_pos"]), flat(loc["kv_valid"]), flat(loc["seg_q"]),
                       flat(kv["seg_kv"]), None)
     return kind != EMPTY
-
-
-def _merge(o1, l1, o2, l2):
-    """Exact merge of two normalised partial outputs by their log-sum-exps."""
-    lse = jnp.logaddexp(l1, l2)
-    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    w1, w2 = jnp.exp(l1 - safe), jnp.exp(l2 - safe)
-    return o1 * w1[..., None] + o2 * w2[..., None], lse
 
 
 def _ring_forward(rc: _RingCfg, fl, il, sinks, qs, loc, kv):
@@ -321,7 +322,7 @@ def _ring_forward(rc: _RingCfg, fl, il, sinks, qs, loc, kv):
         kv, out, lse = carry
         o, l = block(kv)
         kv = _shift(kv, rc)  # independent of the block's compute: the two can overlap
-        out, lse = _merge(out, lse, o, l)
+        out, lse = lse_merge(out, lse, o, l)
         return (kv, out, lse), None
 
     # P steps, so the block compute is traced once; the P-th hop brings each block home.
@@ -465,10 +466,13 @@ def ring_attention(
       scale: score scale (default ``1 / sqrt(H)``).
       sinks: float ``[N]``, a logit per query head in every row's softmax denominator
         (replicated; gradient summed over the devices).
-      implementation: ``"chunked"`` (default: each (local queries, passing block) pair is
-        computed in ``block_q x block_k`` tiles) or ``"reference"`` (one tile per pair).
-        ``"pallas"`` is not supported here yet (the fused kernel can return its
-        log-sum-exp, ``return_lse=True``, but the ring does not use the kernel per block).
+      implementation: the engine of each (local queries, passing block) pair:
+        ``"chunked"`` (default: ``block_q x block_k`` tiles of the chunked path, its
+        backward given the global output and log-sum-exp), ``"reference"`` (one tile per
+        pair) or ``"pallas"`` (the fused kernel, which returns each block's log-sum-exp;
+        its own backward computes each block's share of the gradients, see
+        :mod:`jaxpos.parallel.engine_ring`; on CPU the Pallas interpreter, which needs
+        ``check_vma=False`` on ``shard_map``).
       block_q, block_k: chunked tile sizes (default 256, capped at the local lengths).
         For a zigzag layout, tiles that divide ``T / (2P)`` let hidden tiles be skipped.
 
@@ -479,19 +483,14 @@ def ring_attention(
     Raises:
       ValueError: called outside ``shard_map`` or with an axis name the mesh lacks;
         positions or segment ids whose length is not the local q/k length; missing
-        positions; ``implementation="pallas"``; and every error of
+        positions; ``implementation="pallas"`` with a scheme the kernel cannot run
+        (Shaw) or an engine that cannot return its log-sum-exp; and every error of
         :func:`jaxpos.attention` (shapes, scheme/head mismatches, bad mods, sinks).
       TypeError: a non-str ``axis_name``; float positions; non-bool ``causal``; ...
     """
-    P = _ring_size(axis_name)
+    P = bound_axis_size(axis_name)
     if implementation is None:
         implementation = "chunked"
-    if implementation == "pallas":
-        raise ValueError(
-            "implementation='pallas' is not supported by ring_attention yet: the ring merges "
-            "each block's output by its log-sum-exp and runs its blocks on the chunked path "
-            "(the fused kernel's return_lse=True is not yet used by the ring); use "
-            "implementation='chunked' (the default) or 'reference'.")
     _checks.check_choice("implementation", implementation, RING_IMPLEMENTATIONS)
     call = validate_call(q, k, v, position=position, score_mod=score_mod, mask_mod=mask_mod,
                          sinks=sinks, q_positions=q_positions, kv_positions=kv_positions,
@@ -504,10 +503,30 @@ def ring_attention(
 
 def _ring(call: AttentionCall, axis_name: str, P: int, implementation: str) -> jax.Array:
     """The ring on a validated call (positions global, sequence sharded over ``axis_name``)."""
+    q, k = transform_global(call.scheme, call.q, call.k, call.q_positions, call.kv_positions,
+                            axis_name)
+    return ring_core(call.replace(q=q, k=k), axis_name, P, implementation)
+
+
+def _check_engine(call: AttentionCall, implementation: str) -> None:
+    """Refuse, naming the reason, what the block engine cannot run."""
+    if implementation == "pallas" and not call.scheme.fusable:
+        raise ValueError(
+            f"implementation='pallas' (the fused kernel) does not support the position scheme "
+            f"{type(call.scheme).__name__} (its content bias or value term depends on the "
+            f"query content or the weights); use implementation='chunked' (the default).")
+
+
+def ring_core(call: AttentionCall, axis_name: str, P: int, implementation: str) -> jax.Array:
+    """The ring on a validated call whose scheme transform is already applied: this
+    device's ``[B, Tq, N, H_v]`` rows (q's dtype)."""
+    if implementation not in ("chunked", "reference"):  # an engine returning its lse
+        from jaxpos.parallel.engine_ring import engine_ring
+
+        _check_engine(call, implementation)
+        return engine_ring(call, axis_name, P, implementation)
     Tq, Tk = call.q_len, call.kv_len
-    q, k = _transform_global(call.scheme, call.q, call.k, call.q_positions, call.kv_positions,
-                             axis_name)
-    qs, kk, vv, m = heads_major(call.replace(q=q, k=k), repeat_kv=False)
+    qs, kk, vv, m = heads_major(call, repeat_kv=False)
     if implementation == "reference":
         bq, bk = Tq, Tk
     else:
@@ -520,10 +539,10 @@ def _ring(call: AttentionCall, axis_name: str, P: int, implementation: str) -> j
     # One varying type for everything that meets in a tile (positions may be replicated
     # and k/v may vary over fewer axes than q): ppermute, the loop carries and the traced
     # mods need it.
-    every = (b["k"], b["qs"], b["q_pos"], b["kv_pos"])
-    loc = _vary_like({"q_pos": b["q_pos"], "seg_q": b["seg_q"], "kv_valid": b["kv_valid"]}, every)
-    kv = _vary_like({"k": b["k"], "v": b["v"], "kv_pos": b["kv_pos"], "seg_kv": b["seg_kv"]},
+    every = (b.k, b.qs, b.q_pos, b.kv_pos)
+    loc = _vary_like({"q_pos": b.q_pos, "seg_q": b.q_seg, "kv_valid": b.kv_valid}, every)
+    kv = _vary_like({"k": b.k, "v": b.v, "kv_pos": b.kv_pos, "seg_kv": b.kv_seg},
                     every)
-    out = _ring_core(rc, fl, il, call.sinks, b["qs"], loc, kv)
+    out = _ring_core(rc, fl, il, call.sinks, b.qs, loc, kv)
     out = unblocks(out, 2)[:, :, :Tq]
     return jnp.swapaxes(out, 1, 2).astype(call.q.dtype)

@@ -14,7 +14,11 @@ same questions and nothing else; none of them names a scheme:
 * :meth:`PositionScheme.content_bias` and :meth:`PositionScheme.value_term`: terms that
   depend on the query content or on the attention weights (Shaw et al. 2018), which
   only the reference and chunked paths compute;
-* :meth:`PositionScheme.cache_write`: what a KV cache stores and which scheme reads it.
+* :meth:`PositionScheme.cache_write`: what a KV cache stores and which scheme reads it;
+* :meth:`PositionScheme.load_tables`: what the scheme needs where attention loads raw q
+  and k (RoPE's cos/sin tables), or ``None``;
+* ``replaces_softmax`` and :meth:`PositionScheme.attention`: a scheme that brings its own
+  attention (stick-breaking), whose engine registers it with :func:`register_attention`.
 
 Each scheme lives in its own module with its pure functions (``jaxpos.schemes.alibi``,
 ``jaxpos.schemes.t5``, ``jaxpos.schemes.rope``, ...) and registers itself under a name with
@@ -23,16 +27,21 @@ Each scheme lives in its own module with its pure functions (``jaxpos.schemes.al
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["REGISTRY", "NoPE", "PositionScheme", "as_scheme", "get_scheme", "register"]
+__all__ = ["ATTENTIONS", "REGISTRY", "NoPE", "PositionScheme", "as_scheme", "get_scheme",
+           "register", "register_attention"]
 
 #: name -> scheme class; filled by :func:`register` in each scheme's module.
 REGISTRY: dict[str, type] = {}
+#: scheme name -> the attention that replaces softmax attention for that scheme
+#: (``replaces_softmax``); filled by :func:`register_attention` in the engine's module.
+ATTENTIONS: dict[str, Callable[..., Any]] = {}
 
 
 def register(name: str):
@@ -45,6 +54,26 @@ def register(name: str):
         REGISTRY[name] = cls
         cls.registry_name = name
         return cls
+
+    return deco
+
+
+def register_attention(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Function decorator: make ``fn(scheme, q, k, v, **attention_keywords)`` the attention of
+    the scheme registered as ``name`` whose class sets ``replaces_softmax = True``
+    (:meth:`PositionScheme.attention`). The engine lives in the core room and registers
+    itself here, so the scheme's module never imports the core.
+
+    Raises:
+      ValueError: ``name`` already has another attention.
+    """
+
+    def deco(fn):
+        if name in ATTENTIONS and ATTENTIONS[name] is not fn:
+            raise ValueError(f"scheme name {name!r} already has an attention: "
+                             f"{ATTENTIONS[name].__qualname__}")
+        ATTENTIONS[name] = fn
+        return fn
 
     return deco
 
@@ -248,6 +277,46 @@ class PositionScheme:
         transforms at write time and returns a scheme without that transform.
         """
         return q, k, self
+
+    def load_tables(self, q_positions, kv_positions, seq_len=None) -> Any | None:
+        """What the scheme needs where attention loads q and k, for keys stored raw:
+        cos/sin tables (:class:`jaxpos.schemes.rope.tables.RopeTables`) that rotate
+        unrotated q and k as the engines load them, or ``None`` (the default: the scheme
+        has no on-load form and runs through :func:`jaxpos.attention`'s ``position``).
+
+        A caller that gets tables passes them as ``rope_tables=`` with ``position=NoPE()``.
+        RoPE has them (exact dynamic NTK with ``cache_rotation="read"``; a StreamingLLM cache
+        whose key positions are its slots, Xiao et al. 2024, §3.2).
+
+        Args:
+          q_positions: int ``[B|1, Tq]``; kv_positions: int ``[B|1, Tk]`` or ``[Tk]``.
+          seq_len: int scalar (may be traced) for a length-dependent transform, or None.
+        """
+        return None
+
+    @property
+    def rotates_on_load(self) -> bool:
+        """True when :meth:`load_tables` gives tables: a cache of raw keys is read with
+        them rather than with the scheme's per-token transform."""
+        return type(self).load_tables is not PositionScheme.load_tables
+
+    #: True for a scheme that brings its own attention in place of softmax attention
+    #: (stick-breaking): the Flax modules call :meth:`attention`, not :func:`jaxpos.attention`.
+    replaces_softmax: bool = False
+
+    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, **kwargs: Any) -> jax.Array:
+        """The attention of a ``replaces_softmax`` scheme: the function its engine registered
+        under the scheme's name (:func:`register_attention`), called as ``fn(self, q, k, v,
+        **kwargs)`` with :func:`jaxpos.attention`'s keywords.
+
+        Raises:
+          TypeError: the scheme replaces nothing, or no attention is registered for it.
+        """
+        fn = ATTENTIONS.get(self.registry_name or "")
+        if not self.replaces_softmax or fn is None:
+            raise TypeError(f"{type(self).__name__} has no attention of its own (it is applied "
+                            f"inside jaxpos.attention); registered: {sorted(ATTENTIONS)}.")
+        return fn(self, q, k, v, **kwargs)
 
 
 @register("nope")

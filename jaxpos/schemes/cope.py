@@ -15,14 +15,11 @@ cached keys at read time, so decoding equals the full pass.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxpos import _checks
-from jaxpos.core.cope import cope_attention
 from jaxpos.schemes.base import PositionScheme, register
 
 __all__ = ["CoPE"]
@@ -38,7 +35,8 @@ class CoPE(PositionScheme):
     Args:
       pos_emb: float ``[H, npos]`` or ``[N, H, npos]``.
 
-    ``replaces_softmax`` tells the modules to call :meth:`attention` instead of
+    ``replaces_softmax`` tells the modules to call :meth:`attention` (the engine registered
+    for ``"cope"``, :func:`jaxpos.core.cope.scheme_attention`) instead of
     :func:`jaxpos.attention` (which refuses the scheme: :meth:`transform_qk` raises).
 
     Raises:
@@ -85,32 +83,3 @@ class CoPE(PositionScheme):
                          "which no engine of jaxpos.attention computes; call "
                          "jaxpos.cope_attention (implementation 'reference' or 'chunked'; "
                          "the Flax modules do so for position='cope').")
-
-    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, *,
-                  position: PositionScheme | None = None, q_positions: Any = None,
-                  kv_positions: Any = None, causal: bool = True, mask: Any = None,
-                  segment_ids: Any = None, kv_segment_ids: Any = None,
-                  scale: float | None = None, mask_mod: Any = None, sinks: Any = None,
-                  implementation: str | None = None, **extra: Any) -> jax.Array:
-        """:func:`jaxpos.cope_attention` with the keywords the modules pass to
-        :func:`jaxpos.attention`; ``implementation`` ``"reference"`` / ``"chunked"``.
-
-        Raises:
-          ValueError: a ``mask``, ``mask_mod``, ``sinks``, attention dropout or an
-            implementation other than ``"reference"`` / ``"chunked"`` (naming them).
-        """
-        rate = extra.pop("dropout_rate", 0.0)
-        extra.pop("dropout_rng", None)
-        extra.pop("broadcast_dropout", None)
-        extra.pop("kv_lengths", None)  # the segment ids hide the empty slots
-        named = {"mask": mask, "mask_mod": mask_mod, "sinks": sinks,
-                 "attention dropout": rate or None, **extra}
-        for name, val in named.items():
-            if val is not None:
-                raise ValueError(f"CoPE attention takes no {name} (a softmax-attention option "
-                                 f"of jaxpos.attention); got {name}={val!r}.")
-        self.check_causal(causal)
-        return cope_attention(q, k, v, self.pos_emb.astype(q.dtype), q_positions=q_positions,
-                              kv_positions=kv_positions, segment_ids=segment_ids,
-                              kv_segment_ids=kv_segment_ids, scale=scale,
-                              implementation=implementation)

@@ -41,9 +41,9 @@ Example::
 
     q_nope, q_rope = mla.split_nope_rope(q, qk_nope_head_dim, qk_rope_head_dim)
     rope = jaxpos.interop.hf.rope_from_hf_config(hf_config)
-    out = mla.mla_attention(q_nope, q_rope, k_nope, k_rope, v, rope=rope,
-                            scale=mla.mla_softmax_scale(16, 8, rope_parameters=params),
-                            causal=True)
+    out = jaxpos.mla_attention(q_nope, q_rope, k_nope, k_rope, v, rope=rope,
+                               scale=mla.mla_softmax_scale(16, 8, rope_parameters=params),
+                               causal=True)
 """
 
 from __future__ import annotations
@@ -54,14 +54,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.typing import ArrayLike
 
 from jaxpos import _checks
-from jaxpos.core.entry import attention
-from jaxpos.schemes.rope import RoPE
 from jaxpos.schemes.rope.scaling import yarn_get_mscale
 
-__all__ = ["mla_attention", "mla_qk", "mla_softmax_scale", "split_nope_rope"]
+__all__ = ["mla_qk", "mla_softmax_scale", "split_nope_rope"]
 
 
 def mla_softmax_scale(qk_nope_head_dim: int, qk_rope_head_dim: int, *,
@@ -143,7 +140,7 @@ def mla_qk(q_nope: jax.Array, q_rope: jax.Array, k_nope: jax.Array,
     k_nope]``.
 
     Rotate them with ``RoPE(rotary_dim=qk_rope_head_dim)`` (inside :func:`jaxpos.attention`,
-    or :func:`mla_attention`): its first ``rotary_dim`` features are exactly the rope part.
+    or :func:`jaxpos.mla_attention`): its first ``rotary_dim`` features are exactly the rope part.
 
     All inputs are floating; ``Dn`` may be 0.
 
@@ -190,45 +187,3 @@ def mla_qk(q_nope: jax.Array, q_rope: jax.Array, k_nope: jax.Array,
                               (kn[0], kn[1], kn[2], kr[2]))
     k = jnp.concatenate([k_rope, jnp.asarray(k_nope, dtype)], axis=-1)
     return q, k
-
-
-def mla_attention(q_nope: jax.Array, q_rope: jax.Array, k_nope: jax.Array, k_rope: jax.Array,
-                  v: jax.Array, *, rope: RoPE | None, scale: ArrayLike | None = None,
-                  **attention_kwargs: Any) -> jax.Array:
-    """Decoupled-RoPE multi-head latent attention (DeepSeek-V2 §2.1.3) on
-    :func:`jaxpos.attention`.
-
-    ``softmax(scale * [q_nope; R q_rope] . [k_nope; R k_rope]) v`` per head, ``R`` the
-    rotation of ``rope`` at each token's position, ``k_rope`` shared by all heads.
-
-    Args:
-      q_nope, q_rope, k_nope, k_rope: as in :func:`mla_qk` (unrotated).
-      v: ``[B, Tk, N, Dv]``; ``Dv`` (``v_head_dim``) may differ from ``Dn + Dr``.
-      rope: a :class:`jaxpos.RoPE` with ``rotary_dim == Dr`` (e.g.
-        ``jaxpos.interop.hf.rope_from_hf_config(deepseek_config)``), or ``None`` for no rotation.
-      scale: the softmax scale; default ``(Dn + Dr) ** -0.5``. With YaRN's
-        ``mscale_all_dim`` pass :func:`mla_softmax_scale` (``rope_parameters=...``).
-      **attention_kwargs: passed to :func:`jaxpos.attention` (``q_positions``,
-        ``kv_positions``, ``causal``, ``segment_ids``, ``kv_segment_ids``, ``mask_mod``,
-        ``implementation``, ``block_q``, ``block_k``, ...).
-
-    Returns:
-      ``[B, Tq, N, Dv]``.
-
-    Raises:
-      TypeError: ``rope`` not a RoPE scheme or None; ``position`` given in
-        ``attention_kwargs`` (the rope is the position).
-      ValueError: ``rope.rotary_dim != Dr``; the errors of :func:`mla_qk` and
-        :func:`jaxpos.attention`.
-    """
-    if "position" in attention_kwargs:
-        raise TypeError("mla_attention takes its position scheme as rope=; got position= too.")
-    if rope is not None and not isinstance(rope, RoPE):
-        raise TypeError(f"rope must be a jaxpos.RoPE (rotary on the rope part of each head) "
-                        f"or None; got {type(rope).__name__}.")
-    dr = _checks.shape_of(q_rope)[-1] if _checks.shape_of(q_rope) else None
-    if rope is not None and rope.rotary_dim != dr:
-        raise ValueError(f"rope.rotary_dim must equal qk_rope_head_dim = q_rope's width {dr} "
-                         f"(only the rope part rotates); got rotary_dim={rope.rotary_dim}.")
-    q, k = mla_qk(q_nope, q_rope, k_nope, k_rope)
-    return attention(q, k, v, position=rope, scale=scale, **attention_kwargs)

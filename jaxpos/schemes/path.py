@@ -1,7 +1,8 @@
 """PaTH as a position name of the Flax modules: ``position="path"`` and ``"path_fox"``
 (Yang et al. 2025, "PaTH Attention: Position Encoding via Accumulating Householder
 Transformations", NeurIPS, arXiv:2505.16381, §3; the attention itself is
-:func:`jaxpos.core.path.path_attention`).
+:func:`jaxpos.core.path.path_attention`, which registers itself as these schemes'
+attention).
 
 The layer computes each token's transform ``H_t = I - beta_t w_t w_t^T`` from its input
 ``x_t`` with the paper's parameterisation (§3.1 and the authors' layer,
@@ -28,15 +29,12 @@ modules' KV cache keeps.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
 from jaxpos import _checks
-from jaxpos.core.path import path_attention
 from jaxpos.schemes.base import PositionScheme, register
 from jaxpos.schemes.fox import forget_gate
 
@@ -93,7 +91,8 @@ class PaTH(PositionScheme):
     low-rank projection of ``x`` before the convolution, ``conv`` ``[K, N_kv * H]``, ``beta``
     float32 ``[B, T, N_kv]``, ``log_forget`` float32 ``[B, T, N]`` or None (PaTH-FoX).
 
-    ``replaces_softmax`` tells the modules to call :meth:`attention` instead of
+    ``replaces_softmax`` tells the modules to call :meth:`attention` (the engine registered
+    for ``"path"`` and ``"path_fox"``, :func:`jaxpos.core.path.scheme_attention`) instead of
     :func:`jaxpos.attention` (which refuses the scheme: :meth:`transform_qk` raises).
 
     Raises:
@@ -205,46 +204,6 @@ class PaTH(PositionScheme):
             f"PaTH's inference rule (Yang et al. 2025, §3.2) multiplies every cached key by "
             f"each new token's transform and its short convolution needs the last inputs; the "
             f"cache keeps neither. Run the full sequence through the model instead.")
-
-    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, *,
-                  position: PositionScheme | None = None, q_positions: Any = None,
-                  kv_positions: Any = None, causal: bool = True, mask: Any = None,
-                  segment_ids: Any = None, kv_segment_ids: Any = None,
-                  scale: float | None = None, mask_mod: Any = None, sinks: Any = None,
-                  implementation: str | None = None, **extra: Any) -> jax.Array:
-        """:func:`jaxpos.path_attention` with the keywords the modules pass to
-        :func:`jaxpos.attention` (positions are not used: PaTH's position is the order of
-        the tokens). ``implementation`` ``"reference"`` or ``"chunked"`` (None: chunked).
-
-        Raises:
-          ValueError: a ``mask``, ``mask_mod``, ``sinks`` or other softmax-attention
-            option; ``kv_segment_ids`` other than ``segment_ids``; an implementation other
-            than ``"reference"`` / ``"chunked"`` (naming the two); keys with other than
-            ``num_kv_heads`` heads.
-        """
-        rate = extra.pop("dropout_rate", 0.0)
-        extra.pop("dropout_rng", None)
-        extra.pop("broadcast_dropout", None)
-        named = {"mask": mask, "mask_mod": mask_mod, "sinks": sinks,
-                 "attention dropout": rate or None, **extra}
-        for name, val in named.items():
-            if val is not None:
-                raise ValueError(f"PaTH attention takes no {name} (a softmax-attention option "
-                                 f"of jaxpos.attention); got {name}={val!r}.")
-        self.check_causal(causal)
-        if kv_segment_ids is not None and kv_segment_ids is not segment_ids:
-            raise ValueError("PaTH attention is self-attention: kv_segment_ids must be None "
-                             "or segment_ids.")
-        if k.shape[2] != self.num_kv_heads:
-            raise ValueError(f"the layer's keys have {k.shape[2]} heads but "
-                             f"{type(self).__name__} was built for num_kv_heads="
-                             f"{self.num_kv_heads}; pass scheme_options={{'num_kv_heads': "
-                             f"{k.shape[2]}}}.")
-        w = self.directions(segment_ids)
-        return path_attention(q, k, v, w.astype(q.dtype), self.beta.astype(q.dtype),
-                              log_forget=None if self.log_forget is None else
-                              self.log_forget.astype(q.dtype), segment_ids=segment_ids,
-                              scale=scale, implementation=implementation)
 
 
 @register("path_fox")

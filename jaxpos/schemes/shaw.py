@@ -27,7 +27,7 @@ from jaxpos import _checks
 from jaxpos._checks import relative_offsets
 from jaxpos.schemes.base import PositionScheme, register
 
-__all__ = ["Shaw", "check_shaw_table", "shaw_attention", "shaw_clipped_index", "shaw_logits",
+__all__ = ["Shaw", "check_shaw_table", "shaw_clipped_index", "shaw_logits",
            "shaw_values"]
 
 
@@ -125,44 +125,6 @@ def shaw_values(p: jax.Array, idx: jax.Array, rel_v: jax.Array) -> jax.Array:
     onehot = jax.nn.one_hot(idx, R, dtype=jnp.float32)  # [B|1, Tq, Tk, R]
     w = jnp.einsum("bnqk,bqkr->bnqr", p.astype(jnp.float32), onehot)
     return jnp.einsum("bnqr,rh->bnqh", w, rel_v.astype(jnp.float32))
-
-
-def shaw_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, rel_k: ArrayLike,
-                   rel_v: ArrayLike | None, *, q_positions: ArrayLike | None = None,
-                   kv_positions: ArrayLike | None = None, causal: bool = False,
-                   scale: ArrayLike | None = None, implementation: str | None = None,
-                   block_q: int | None = None, block_k: int | None = None) -> jax.Array:
-    """Multi-head attention with Shaw et al. relative keys and values (Shaw et al. 2018, §3).
-
-    ``e_mn = scale * q_m . (k_n + a_K[r])``, ``z_m = sum_n softmax(e)_mn (v_n + a_V[r])``
-    with ``r = clip(n - m, -K, K)``, computed in the efficient form of §3.3.
-
-    Args:
-      q: float ``[B, Tq, N, H]``; k, v: float ``[B, Tk, N_kv, H]``.
-      rel_k, rel_v: float ``[2K + 1, H]`` tables (row ``r + K`` is offset ``r``), shared
-        by every head as in the paper; ``rel_v`` may be ``None`` (keys only).
-      q_positions, kv_positions: integer ``[T]`` or ``[B, T]`` (default ``arange``).
-      causal, scale, implementation, block_q, block_k: as :func:`jaxpos.attention`
-        (``scale`` defaults to ``1/sqrt(H)``, as in the paper).
-
-    Returns:
-      ``[B, Tq, N, H]`` in q's dtype. A thin wrapper over :func:`jaxpos.attention` with
-      ``position=Shaw(rel_k, rel_v)``.
-
-    Raises:
-      ValueError: a table without ``2K + 1`` rows of width ``H``, ``rel_v`` of another
-        shape than ``rel_k``, positions whose shape does not match the sequence, and
-        everything :func:`jaxpos.attention` rejects.
-      TypeError: non-floating tables, float positions.
-    """
-    from jaxpos.core.entry import attention
-
-
-    if rel_v is not None:
-        check_shaw_table("rel_v", rel_v)
-    return attention(q, k, v, position=Shaw(rel_k, rel_v), q_positions=q_positions,
-                     kv_positions=kv_positions, causal=causal, scale=scale,
-                     implementation=implementation, block_q=block_q, block_k=block_k)
 
 
 @register("shaw")

@@ -24,7 +24,7 @@ from jaxpos._checks import relative_offsets
 from jaxpos.mods import offset_score_mod
 from jaxpos.schemes.base import PositionScheme, register
 
-__all__ = ["T5Bias", "check_bucket_args", "relative_bias_attention", "t5_bias", "t5_bucket"]
+__all__ = ["T5Bias", "check_bucket_args", "t5_bias", "t5_bucket"]
 
 
 def check_bucket_args(num_buckets, max_distance, bidirectional) -> None:
@@ -200,54 +200,6 @@ def t5_bias_from_offsets(rel, table, *, bidirectional, num_buckets, max_distance
     # is about 8x slower on CPU (5.1 ms vs 0.6 ms for a 256 x 256 tile of 8 heads).
     vals = jnp.asarray(table, jnp.float32).at[b].get(mode="promise_in_bounds")  # [..., Tq, Tk, N]
     return jnp.moveaxis(vals, -1, -3)
-
-
-def relative_bias_attention(Q: ArrayLike, K: ArrayLike, V: ArrayLike, bias_table: ArrayLike, *,
-                            scale: float = 1.0, causal: bool = False) -> jax.Array:
-    """Attention with the T5 bucketed bias in one call, bidirectional by default.
-
-    ``softmax(scale * Q K^T + bias) V`` per head with ``bias[h, i, j] =
-    bias_table[t5_bucket(j - i), h]`` (Raffel et al. 2020, §2.1), positions ``arange(T)``.
-
-    Args:
-      Q, K, V: float ``[..., T, N, H]`` (any leading axes, flattened into a batch).
-      bias_table: float ``[num_buckets, N]`` (the T5 checkpoint layout, 32 buckets);
-        ``max_distance`` is T5's 128.
-      scale: score scale; T5 uses 1.0 (no ``1/sqrt(H)``), the default here.
-      causal: use the causal (decoder) buckets and mask.
-
-    Returns:
-      ``[..., T, N, H]`` in Q's dtype (softmax in float32).
-
-    Raises:
-      ValueError: ``Q`` of rank < 3, ``bias_table`` not ``[num_buckets, N]``, an odd
-        ``num_buckets`` when bidirectional, or shapes :func:`jaxpos.attention` rejects.
-      TypeError: integer ``Q``, ``K`` or ``V``.
-    """
-    from jaxpos.core.entry import attention
-
-
-    Q = jnp.asarray(Q)
-    K = jnp.asarray(K)
-    V = jnp.asarray(V)
-    if Q.ndim < 3:
-        raise ValueError(f"Q must have shape [..., T, N, H] (rank >= 3); got shape {Q.shape}.")
-    _checks.check_rank("bias_table", bias_table, (2,), "[num_buckets, num_heads]")
-    if _checks.shape_of(bias_table)[1] != Q.shape[-2]:
-        raise ValueError(
-            f"bias_table must have shape [num_buckets, N] = [num_buckets, {Q.shape[-2]}] (one "
-            f"column per head of Q {Q.shape}); got shape {_checks.shape_of(bias_table)}."
-            f"{transposed_hint(_checks.shape_of(bias_table), num_heads=Q.shape[-2])}"
-        )
-    lead = Q.shape[:-3]
-    flat = lambda x: x.reshape((-1,) + x.shape[-3:])
-    out = attention(
-        flat(Q), flat(K), flat(V),
-        position=T5Bias(bias_table, bidirectional=not causal,
-                        num_buckets=_checks.shape_of(bias_table)[0]),
-        causal=causal, scale=scale, implementation="reference",
-    )
-    return out.reshape(lead + out.shape[1:])
 
 
 @register("t5")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxpos
-from jaxpos.schemes.stick_breaking import stick_breaking_attention, stick_breaking_weights
+from jaxpos.core.stick_breaking import stick_breaking_attention, stick_breaking_weights
 
 IMPLS = ["reference", "chunked"]
 TILES = {"block_q": 4, "block_k": 3}  # several tiles per axis, lengths not multiples

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
+import _dense_float32_engine  # noqa: F401  (registers the "dense_float32" engine)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -517,6 +518,22 @@ def _ring_takes(case: Case) -> bool:
     return case.Tq % 8 == 0 and case.Tk % 8 == 0
 
 
+#: The devices of Ulysses' axis in the conformance run (it must divide the heads).
+ULYSSES_DEVICES = 4
+#: USP's mesh in the conformance run: (ring, ulysses) devices.
+USP_MESH = (2, 2)
+
+
+def _ulysses_takes(case: Case) -> bool:
+    P = ULYSSES_DEVICES
+    return case.N % P == 0 and case.Tq % P == 0 and case.Tk % P == 0
+
+
+def _usp_takes(case: Case) -> bool:
+    R, U = USP_MESH
+    return case.N % U == 0 and case.Tq % (R * U) == 0 and case.Tk % (R * U) == 0
+
+
 #: Default-run cases of the Pallas interpreter (slow on CPU): the kernel's findings and
 #: one case per family; every case runs in the slow run.
 PALLAS_DEFAULT = ("training-alibi", "decode-none", "empty_rows_causal_segments-none",
@@ -535,6 +552,8 @@ IMPLEMENTATIONS: dict[str, Path] = {
     # eager, as most users call it: under jit the positions are traced and the
     # is_causal route (arange positions) is never taken
     "xla": Path(_via("xla"), jit=False),
+    # an engine registered by a test (tests/conformance/_dense_float32_engine.py)
+    "dense_float32": Path(_via("dense_float32"), takes=lambda case: case.dtype == "float32"),
     # kv_lengths: a cache with unfilled slots (k 1e4, v NaN) past the case's keys; the
     # chunked decode path (Tq <= 16) and the tiled path (longer Tq) skip them
     "chunked_kv_lengths": Path(_with_unfilled_slots("chunked", block_k=4),
@@ -546,6 +565,8 @@ IMPLEMENTATIONS: dict[str, Path] = {
                          default=lambda cid: cid in FLAX_ADAPTER_DEFAULT),
     # run by tests/conformance/_ring_conformance_worker.py in an 8-device subprocess
     "ring": Path(None, takes=_ring_takes, default=lambda cid: False),
+    "ulysses": Path(None, takes=_ulysses_takes, default=lambda cid: False),
+    "usp": Path(None, takes=_usp_takes, default=lambda cid: False),
 }
 
 

@@ -31,6 +31,8 @@ from _conformance_cases import (
 )
 
 CASES = dict(all_cases())
+#: The context-parallel paths, run by the 8-device worker.
+CONTEXT_PARALLEL = ("ring", "ulysses", "usp")
 
 
 def _params():
@@ -86,8 +88,8 @@ def _max_position(case):
 @pytest.mark.parametrize("impl,cid", _params())
 def test_implementation_follows_the_contract(impl, cid):
     path = IMPLEMENTATIONS[impl]
-    if impl == "ring":
-        res = _ring_results()[cid]
+    if impl in CONTEXT_PARALLEL:
+        res = _ring_results()[impl][cid]
         out = np.asarray(res["out"])
         grads = None if res["grads"] is None else {n: np.asarray(g)
                                                   for n, g in res["grads"].items()}
@@ -103,7 +105,8 @@ WORKER = _FsPath(__file__).with_name("_ring_conformance_worker.py")
 
 @functools.lru_cache(maxsize=1)
 def _ring_results():
-    """Run every ring case in one 8-device subprocess; ``{case_id: {"out", "grads"}}``."""
+    """Run every ring, Ulysses and USP case in one 8-device subprocess;
+    ``{path: {case_id: {"out", "grads"}}}``."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
     tests_dir = str(WORKER.parent.parent)

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from _kernel_dense import dense_attention
 
+from jaxpos.kernels import _testing as kernel_testing
 from jaxpos.kernels import fused
 from jaxpos.schemes.rope import rotate
 from jaxpos.schemes.rope.scaling import default_inv_freq
@@ -35,8 +36,9 @@ TOL = {"atol": 2e-5, "rtol": 2e-5}
 
 
 @pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch):
-    monkeypatch.setattr(fused, "POISON_OUTPUTS", True)
+def poison_outputs():
+    with kernel_testing.poison_outputs():
+        yield
 
 
 def _qkv(B, Tq, Tk, N, Nk, H, Hv=None, seed=0):
@@ -103,9 +105,9 @@ def test_kv_lengths_bound_the_tile_loops():
     B, Tq, Tk, N, H = 3, 1, 64, 2, 16
     q, k, v = _qkv(B, Tq, Tk, N, N, H)
     lens = jnp.asarray([21, 8, 0], jnp.int32)
-    fwd, dkv = fused.tile_visits(q, k, v, q_positions=jnp.asarray([63]),
-                                 kv_positions=jnp.arange(Tk), causal=True, kv_lengths=lens,
-                                 block_k=8, kv_splits=1)
+    fwd, dkv = kernel_testing.tile_visits(q, k, v, q_positions=jnp.asarray([63]),
+                                          kv_positions=jnp.arange(Tk), causal=True,
+                                          kv_lengths=lens, block_k=8, kv_splits=1)
     fwd, dkv = np.asarray(fwd), np.asarray(dkv)
     np.testing.assert_array_equal(fwd[:, 0, 0], [[1, 2], [0, 1], [0, 0]])
     np.testing.assert_array_equal(dkv[0, 0, :, 0] + dkv[0, 0, :, 1], [1, 1, 1] + [0] * 5)
@@ -116,9 +118,9 @@ def test_key_splits_cover_the_filled_tiles_once():
     """Four key splits of 2 tiles each over 8 tiles, length 21: split 0 visits tiles 0-1,
     split 1 tile 2 (masked), splits 2-3 nothing; the heads of a KV head share a program."""
     q, k, v = _qkv(1, 1, 64, 4, 2, 16)
-    fwd, _ = fused.tile_visits(q, k, v, q_positions=jnp.asarray([63]), kv_positions=jnp.arange(64),
-                               causal=True, kv_lengths=jnp.asarray([21]), block_k=8,
-                               kv_splits=4)
+    fwd, _ = kernel_testing.tile_visits(q, k, v, q_positions=jnp.asarray([63]),
+                                        kv_positions=jnp.arange(64), causal=True,
+                                        kv_lengths=jnp.asarray([21]), block_k=8, kv_splits=4)
     fwd = np.asarray(fwd)
     assert fwd.shape == (1, 2, 1, 4, 2)  # [B, N_kv programs (2 heads each), nq, splits, 2]
     np.testing.assert_array_equal(fwd[0, 0, 0], [[0, 2], [1, 0], [0, 0], [0, 0]])

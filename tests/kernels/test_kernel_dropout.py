@@ -164,10 +164,10 @@ def test_kernel_refuses_a_dropout_that_is_not_a_dropout_record():
 def test_implementation_none_routes_dropout_to_a_path_that_applies_it(monkeypatch, backend,
                                                                       plain, dropping):
     from jaxpos.core.call import validate_call
-    from jaxpos.core.entry import choose_implementation
+    from jaxpos.core.engines import select_engine
 
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
     q, k, v = (x.astype(jnp.bfloat16) for x in qkv())
-    assert choose_implementation(validate_call(q, k, v, causal=True), None) == plain
+    assert select_engine(validate_call(q, k, v, causal=True)).name == plain
     call = validate_call(q, k, v, causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(0))
-    assert choose_implementation(call, None) == dropping
+    assert select_engine(call).name == dropping

@@ -29,6 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.extend import core as jex
 
+from jaxpos.kernels import _testing as kernel_testing
 from jaxpos.kernels import attention_via_kernel, fused, fused_attention
 from jaxpos.kernels import schedule as sched_lib
 
@@ -146,8 +147,8 @@ def test_causal_loops_stop_and_start_at_the_diagonal():
     positions. Query tile i visits i + 1 key tiles, of which only the diagonal is masked;
     key tile j's dk/dv loop visits query tiles j..3, only the diagonal masked."""
     q = jax.random.normal(jax.random.PRNGKey(0), (B, T, N, H))
-    fwd, dkv = fused.tile_visits(q, q, q, q_positions=POS, kv_positions=POS, causal=True,
-                                 block_q=16, block_k=16)
+    fwd, dkv = kernel_testing.tile_visits(q, q, q, q_positions=POS, kv_positions=POS,
+                                          causal=True, block_q=16, block_k=16)
     fwd, dkv = np.asarray(fwd), np.asarray(dkv)  # [B, N, tiles, (masked, unmasked)]
     np.testing.assert_array_equal(fwd[0, 0], [[1, 0], [1, 1], [1, 2], [1, 3]])
     np.testing.assert_array_equal(dkv[0, 1], [[1, 3], [1, 2], [1, 1], [1, 0]])
@@ -158,8 +159,8 @@ def test_causal_loops_with_block_q_twice_block_k():
     """32 x 16 tiles: query tile i visits key tiles 0..2i+1 (the two on the diagonal
     masked); key tile j's loop starts at query tile j // 2."""
     q = jax.random.normal(jax.random.PRNGKey(0), (B, T, N, H))
-    fwd, dkv = fused.tile_visits(q, q, q, q_positions=POS, kv_positions=POS, causal=True,
-                                 block_q=32, block_k=16)
+    fwd, dkv = kernel_testing.tile_visits(q, q, q, q_positions=POS, kv_positions=POS,
+                                          causal=True, block_q=32, block_k=16)
     np.testing.assert_array_equal(np.asarray(fwd)[0, 0], [[2, 0], [2, 2]])
     np.testing.assert_array_equal(np.asarray(dkv)[0, 0], [[1, 1], [1, 1], [1, 0], [1, 0]])
 

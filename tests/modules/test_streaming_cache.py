@@ -80,3 +80,75 @@ def test_evicting_step_under_jit_gives_nan_logits():
     assert np.isfinite(np.asarray(logits)).all()
     np.testing.assert_allclose(logits, m.decode_step(jnp.asarray([[5]]), eager)[0],
                                rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------ left padding, token order, refusals
+SMALL = dict(d_model=16, num_layers=1, num_heads=2)
+
+
+def _fresh_pass_per_step(position, seqs, S, keep, steps, **kw):
+    """A left-padded prefill of ``seqs`` into a StreamingLLM cache, then ``steps`` decode
+    steps; at every step each row's logits must equal a fresh pass over the row's kept
+    *tokens* (its first ``keep`` tokens, then its most recent ``S - keep``, at positions
+    ``0 .. n - 1``): the definition of Xiao et al. 2024, §3.2. Returns the largest
+    difference seen (for a caller that expects one)."""
+    m = DecoderLM(40, position=position, rngs=nnx.Rngs(0), **SMALL, **kw)
+    T = max(len(s) for s in seqs)
+    tokens = np.zeros((len(seqs), T), np.int32)
+    mask = np.zeros((len(seqs), T), np.int32)
+    for i, s in enumerate(seqs):
+        tokens[i, T - len(s):], mask[i, T - len(s):] = s, 1
+    more = np.asarray(jax.random.randint(jax.random.key(7), (len(seqs), steps), 0, 40))
+    step = nnx.jit(lambda m, t, c, a=None: m.decode_step(t, c, attention_mask=a))
+    full = nnx.jit(lambda m, t: m(t))
+    logits, cache = step(m, jnp.asarray(tokens), m.init_cache(len(seqs), S, keep_first=keep),
+                         jnp.asarray(mask))
+    worst = 0.0
+    for i, s in enumerate(seqs):  # the prompt fits the cache: a pass over the row alone
+        want = full(m, jnp.asarray(s)[None])[0]
+        worst = max(worst, float(np.abs(np.asarray(logits[i, T - len(s):]) - want).max()))
+    text = [list(s) for s in seqs]
+    for t in range(steps):
+        logits, cache = step(m, jnp.asarray(more[:, t:t + 1]), cache)
+        for i in range(len(seqs)):
+            text[i].append(int(more[i, t]))
+            n = len(text[i])
+            kept = text[i][:min(keep, n)] + text[i][max(keep, n - (S - keep)):]
+            want = full(m, jnp.asarray(kept)[None])[0, -1]
+            worst = max(worst, float(np.abs(np.asarray(logits[i, 0]) - want).max()))
+    return worst
+
+
+@pytest.mark.parametrize("position", ["rope", pytest.param("ssmax", marks=pytest.mark.slow),
+                                      pytest.param("alibi", marks=pytest.mark.slow)])
+def test_left_padded_rows_keep_their_first_tokens_as_sinks(position):
+    """Row 1 has two pads: padding takes no slot, so the sinks are its first two tokens and
+    its places count tokens only (before the ring wraps and after)."""
+    seqs = (np.array([3, 4, 5, 6, 7]), np.array([8, 9, 10]))
+    assert _fresh_pass_per_step(position, seqs, S=6, keep=2, steps=6) < 2e-5
+
+
+def test_stick_breaking_reads_a_wrapped_ring_in_token_order():
+    """Stick-breaking weights follow the order of the keys along their axis (Tan et al.
+    2025, §2): once the ring wraps, slot order is not token order, so the cache hands the
+    keys in place order and every step equals the fresh pass over the kept tokens."""
+    seqs = (np.array([3, 4, 5]), np.array([8, 9, 10]))
+    assert _fresh_pass_per_step("stick_breaking", seqs, S=6, keep=2, steps=6) < 2e-5
+
+
+@pytest.mark.parametrize("position", ["sinusoidal", "learned"])
+def test_streaming_cache_with_absolute_positions_is_refused(position):
+    """Positions added to the embeddings cannot be re-numbered as places in the cache: a
+    StreamingLLM cache is refused at init_cache and at decode_step (a cache made by a
+    layer), in NNX and Linen."""
+    from jaxpos import linen as jl
+
+    m = DecoderLM(40, position=position, max_len=16, rngs=nnx.Rngs(0), **SMALL)
+    with pytest.raises(ValueError, match=rf"keep_first=2.*position='{position}'"):
+        m.init_cache(1, 6, keep_first=2)
+    layer_cache = (m.blocks[0].attn.init_cache(1, 6, keep_first=2),)
+    with pytest.raises(ValueError, match=rf"decode_step.*position='{position}'"):
+        m.decode_step(jnp.zeros((1, 2), jnp.int32), layer_cache)
+    with pytest.raises(ValueError, match=rf"keep_first=2.*position='{position}'"):
+        jl.DecoderLM(40, position=position, max_len=16, **SMALL).init_cache(1, 6, keep_first=2)
+    assert len(m.init_cache(1, 6)) == 1  # the dense cache stays available

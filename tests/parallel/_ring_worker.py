@@ -1,20 +1,25 @@
-"""Ring-attention checks, run by tests/parallel/test_ring.py in a subprocess with 8 CPU devices.
+"""Context-parallel checks (ring, Ulysses, USP), run by tests/parallel/test_ring.py and
+tests/parallel/test_ulysses.py in a subprocess with 8 CPU devices.
 
 ``--xla_force_host_platform_device_count`` must be in ``XLA_FLAGS`` before JAX starts,
 so these checks live in their own process (as tests/parallel/_sharding_worker.py). Usage::
 
-    python tests/parallel/_ring_worker.py [--full] OUT.json
+    python tests/parallel/_ring_worker.py [--quick | --full] OUT.json
 
-Every check compares :func:`jaxpos.parallel.ring_attention` inside ``jax.shard_map``
-(default ``check_vma`` on) over an 8-device ``seq`` axis with the single-device
-:func:`jaxpos.attention` (``implementation="reference"``, the whole score matrix) on the
-unsharded sequence: the forward output and the gradients of a random linear function of
-it with respect to q, k, v, every array of the scheme, a score_mod's captured table and
-the attention sinks. Written to OUT.json as ``{check: max difference}`` (gradients
-relative to ``max(1, max |gradient|)`` per array) plus a few other numbers.
+Every check compares :func:`jaxpos.parallel.ring_attention` or
+:func:`jaxpos.parallel.ulysses_attention` inside ``jax.shard_map`` (default ``check_vma``
+on, except for the Pallas interpreter) over an 8-device ``seq`` axis (USP: a 2 x 4
+``ring`` x ``uly`` mesh) with the single-device :func:`jaxpos.attention`
+(``implementation="reference"``, the whole score matrix) on the unsharded sequence: the
+forward output and the gradients of a random linear function of it with respect to q,
+k, v, every array of the scheme, a score_mod's captured table and the attention sinks.
+Written to OUT.json as ``{check: max difference}`` (gradients relative to ``max(1, max
+|gradient|)`` per array) plus a few other numbers.
 
-The default run is a subset chosen to cover every mechanism once (about a minute of
-CPU); ``--full`` runs every scheme in both layouts, with and without packed segments,
+``--quick`` (the default test run) covers Ulysses and USP (whose inner loop is the
+ring) once each; no flag
+runs a subset chosen to cover every mechanism once (about a minute of CPU); ``--full``
+runs every scheme in both layouts, with and without packed segments, with each method,
 and the two-axis mesh.
 """
 
@@ -38,7 +43,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpos import ALiBi, NoPE, RoPE, Shaw, T5Bias, YaRNScaling, attention
-from jaxpos.parallel import from_zigzag, ring_attention, shard_map, to_zigzag
+from jaxpos.parallel import from_zigzag, ring_attention, shard_map, to_zigzag, ulysses_attention
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -57,8 +62,8 @@ def rel_diff(a, b):
     return max_diff(a, b) / max(scale, 1.0) if np.size(b) else 0.0
 
 
-def optional_schemes():
-    """Schemes from modules that may not exist in every checkout."""
+def optional_schemes(N=N):
+    """Schemes from modules that may not exist in every checkout (``N`` query heads)."""
     out = {}
     try:
         from jaxpos.schemes.kerple import KERPLE
@@ -96,7 +101,7 @@ def optional_schemes():
     return out
 
 
-def make_scheme(name):
+def make_scheme(name, N=N):
     r = np.random.default_rng(1)
     f32 = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)
     base = {
@@ -108,11 +113,11 @@ def make_scheme(name):
         "t5_bidirectional": lambda: T5Bias(f32(32, N), bidirectional=True, max_distance=20),
         "shaw": lambda: Shaw(f32(2 * 5 + 1, H) * 0.3, f32(2 * 5 + 1, H) * 0.3),
     }
-    base.update(optional_schemes())
+    base.update(optional_schemes(N))
     return base[name]()
 
 
-def inputs(seed=0):
+def inputs(seed=0, N=N, NK=NK):
     r = np.random.default_rng(seed)
     q = jnp.asarray(r.normal(size=(B, T, N, H)), jnp.float32)
     k = jnp.asarray(r.normal(size=(B, T, NK, H)), jnp.float32)
@@ -149,14 +154,17 @@ def window_mask_mod(batch, head, q_pos, kv_pos):
 
 
 class Case:
-    """One comparison: a scheme and the options of the call."""
+    """One comparison: a scheme, the options of the call and the context-parallel method
+    (``"ring"``; ``"ulysses"`` over the 8-device axis; ``"usp"``: Ulysses over the 4-device
+    axis ``uly`` and the ring over the 2-device axis ``ring`` of a 2 x 4 mesh)."""
 
     def __init__(self, scheme, *, causal=True, zigzag=False, segments=False, table=False,
                  sinks=False, mask_mod=False, grad=True, batch_positions=False,
-                 implementation=None):
+                 implementation=None, method="ring", heads=(N, NK)):
         self.scheme, self.causal, self.zigzag, self.segments = scheme, causal, zigzag, segments
         self.table, self.sinks, self.mask_mod, self.grad = table, sinks, mask_mod, grad
         self.batch_positions, self.implementation = batch_positions, implementation
+        self.method, self.heads = method, heads
 
     @property
     def name(self):
@@ -167,19 +175,38 @@ class Case:
                 parts.append(flag)
         if self.implementation:
             parts.append(self.implementation)
+        if self.method != "ring":
+            parts.append(self.method)
+        if self.heads != (N, NK):
+            parts.append(f"heads{self.heads[0]}x{self.heads[1]}")
         return "/".join(parts)
 
 
-def run_case(case: Case, mesh, axis="seq", batch_axis=None, ndev=NDEV):
-    """{check: difference} for one case, the ring over the ``ndev`` devices of ``axis``."""
+def _method(case: Case, mesh, axis):
+    """(attention function inside shard_map, sequence mesh axes, zigzag device count,
+    check_vma) of a case."""
+    vma = case.implementation != "pallas"  # the Pallas interpreter cannot track vma
+    if case.method == "ring":
+        return functools.partial(ring_attention, axis_name=axis), axis, mesh.shape[axis], vma
+    if case.method == "ulysses":
+        return functools.partial(ulysses_attention, axis_name=axis), axis, mesh.shape[axis], vma
+    assert case.method == "usp"
+    return (functools.partial(ulysses_attention, axis_name="uly", ring_axis="ring"),
+            ("ring", "uly"), mesh.shape["ring"], True)
+
+
+def run_case(case: Case, mesh, axis="seq", batch_axis=None):
+    """{check: difference} for one case, over the devices of ``axis`` (or, for USP, of the
+    2 x 4 mesh's ``ring`` and ``uly`` axes)."""
     res = {}
-    q, k, v, w = inputs()
+    nh, nkv = case.heads
+    q, k, v, w = inputs(0, nh, nkv)
     r = np.random.default_rng(7)
-    params = {"scheme": make_scheme(case.scheme)}
+    params = {"scheme": make_scheme(case.scheme, nh)}
     if case.table:
-        params["table"] = jnp.asarray(r.normal(size=(N, 2 * R + 1)) * 0.5, jnp.float32)
+        params["table"] = jnp.asarray(r.normal(size=(nh, 2 * R + 1)) * 0.5, jnp.float32)
     if case.sinks:
-        params["sinks"] = jnp.asarray(r.normal(size=(N,)), jnp.float32)
+        params["sinks"] = jnp.asarray(r.normal(size=(nh,)), jnp.float32)
     if case.segments:
         seg, pos = packed()
         if case.scheme == "fox":  # FoX reads its gates at token indices: pack with arange
@@ -199,7 +226,8 @@ def run_case(case: Case, mesh, axis="seq", batch_axis=None, ndev=NDEV):
     def plain(prm, q, k, v):
         return call(attention, prm, q, k, v, pos, seg, implementation="reference")
 
-    # the ring, on the sequence laid out for the devices (zigzag or contiguous)
+    attn, axis, ndev, vma = _method(case, mesh, axis)
+    # the sequence laid out for the devices (zigzag or contiguous)
     zz = (lambda x, axis_: to_zigzag(x, axis_, ndev)) if case.zigzag else (lambda x, axis_: x)
     unzz = (lambda x: from_zigzag(x, 1, ndev)) if case.zigzag else (lambda x: x)
     pos_l = zz(pos, pos.ndim - 1)
@@ -208,14 +236,13 @@ def run_case(case: Case, mesh, axis="seq", batch_axis=None, ndev=NDEV):
     pos_spec = P(batch_axis, axis) if pos.ndim == 2 else P(axis)
 
     def local(prm, q, k, v, p, s):
-        return call(functools.partial(ring_attention, axis_name=axis, block_q=BLOCK,
-                                      block_k=BLOCK), prm, q, k, v, p, s,
+        return call(functools.partial(attn, block_q=BLOCK, block_k=BLOCK), prm, q, k, v, p, s,
                     implementation=case.implementation)
 
     ring_fn = shard_map(local, mesh=mesh,
                         in_specs=(P(), seq_spec, seq_spec, seq_spec, pos_spec,
                                   None if seg is None else seq_spec),
-                        out_specs=seq_spec)
+                        out_specs=seq_spec, check_vma=vma)
 
     def ring(prm, q, k, v):
         return unzz(ring_fn(prm, zz(q, 1), zz(k, 1), zz(v, 1), pos_l, seg_l))
@@ -288,50 +315,98 @@ DEFAULT_CASES = [
     Case("shaw", zigzag=True, segments=True),  # content bias + value term
     Case("nope", table=True, sinks=True, mask_mod=True),  # captured table, sinks, mask_mod
     Case("kerple", zigzag=True),  # learnable kernel parameters
+    # Ulysses over 8 devices needs 8 query heads; 2 KV heads are repeated 4 times
+    Case("t5", segments=True, table=True, sinks=True, method="ulysses", heads=(8, 2)),
+    Case("alibi", zigzag=True, mask_mod=True, method="ulysses", heads=(8, 8)),
+    Case("rope_yarn", zigzag=True, sinks=True, method="usp"),
+    # the ring's blocks on the fused kernel (the Pallas interpreter on CPU)
+    Case("t5", segments=True, table=True, sinks=True, implementation="pallas"),
 ]
+
+#: The default test run's cases (one subprocess, a few seconds each): the ring once, and
+#: Ulysses (per-head table, sinks, GQA repeat, a mask_mod, KV heads split) and USP once.
+QUICK_CASES = [  # (USP's inner loop is the ring)
+    Case("t5", segments=True, table=True, sinks=True, method="ulysses", heads=(8, 2)),
+    Case("rope_yarn", zigzag=True, sinks=True, mask_mod=True, method="usp", heads=(8, 4)),
+]
+
+
+def ulysses_errors(mesh):
+    """The messages of the bad-input errors that need more than one device."""
+    q = jnp.zeros((1, T, 4, H), jnp.float32)
+    pos = jnp.arange(T, dtype=jnp.int32)
+    fn = shard_map(lambda q, p: ulysses_attention(q, q, q, axis_name="seq", q_positions=p,
+                                                  kv_positions=p),
+                   mesh=mesh, in_specs=(P(None, "seq"), P("seq")), out_specs=P(None, "seq"))
+    try:
+        jax.jit(fn)(q, pos)
+        msg = "no error"
+    except ValueError as e:
+        msg = str(e)
+    return {"error/heads_not_divisible": msg}
+
+
+BASE_SCHEMES = ["nope", "rope_yarn", "alibi", "t5", "shaw"]
 
 
 def full_cases(available):
     cases = []
-    for s in ["nope", "rope_yarn", "alibi", "t5", "shaw"] + sorted(available):
+    for s in BASE_SCHEMES + sorted(available):
         for zigzag in (False, True):
             for segments in (False, True):
                 cases.append(Case(s, zigzag=zigzag, segments=segments))
+        cases.append(Case(s, segments=True, method="ulysses", heads=(8, 4)))
+        cases.append(Case(s, zigzag=True, method="usp"))
     cases += [Case("t5_bidirectional", causal=False, zigzag=True),
               Case("alibi", causal=False, zigzag=True, segments=True),
               Case("rope_yarn", zigzag=True, table=True, sinks=True, mask_mod=True),
               Case("t5", zigzag=True, implementation="reference"),
-              Case("shaw", causal=False, batch_positions=True)]
+              Case("rope_yarn", zigzag=True, mask_mod=True, implementation="pallas",
+                   heads=(4, 1)),
+              Case("alibi", causal=False, batch_positions=True, implementation="pallas"),
+              Case("shaw", causal=False, batch_positions=True),
+              Case("t5_bidirectional", causal=False, method="ulysses", heads=(8, 1)),
+              Case("alibi", causal=False, batch_positions=True, method="ulysses",
+                   heads=(16, 8)),
+              Case("t5", table=True, sinks=True, method="ulysses", heads=(8, 8),
+                   implementation="pallas"),
+              Case("alibi", sinks=True, method="ulysses", heads=(8, 2),
+                   implementation="xla"),
+              Case("shaw", segments=True, sinks=True, method="usp", heads=(4, 1))]
     return cases
 
 
 def main(argv):
-    full = "--full" in argv
+    full, quick = "--full" in argv, "--quick" in argv
     out_path = next(a for a in argv if not a.startswith("--"))
     devices = jax.devices()
     assert len(devices) == NDEV, devices
     res = {"num_devices": len(devices)}
     t0, cpu0 = time.time(), time.process_time()
     mesh = Mesh(np.array(devices), ("seq",))
+    usp_mesh = Mesh(np.array(devices).reshape(2, 4), ("ring", "uly"))
     available = set(optional_schemes())
     res["available/" + ",".join(sorted(available))] = 1.0
-    cases = full_cases(available) if full else [c for c in DEFAULT_CASES
-                                                if c.scheme in available or c.scheme in (
-                                                    "nope", "rope_yarn", "alibi", "t5", "shaw")]
+    known = set(BASE_SCHEMES) | available
+    cases = full_cases(available) if full else [
+        c for c in (QUICK_CASES if quick else DEFAULT_CASES) if c.scheme in known]
     for case in cases:
         t1 = time.process_time()
-        res.update(run_case(case, mesh))
+        res.update(run_case(case, usp_mesh if case.method == "usp" else mesh))
         res[f"cpu_seconds/{case.name}"] = time.process_time() - t1
-    res["local_positions/rope_yarn"] = local_positions_control(mesh, "rope_yarn")
-    res["local_positions/t5"] = local_positions_control(mesh, "t5")
-    res.update(hidden_blocks_skipped(mesh))
+    res.update(ulysses_errors(mesh))
+    if not quick:
+        res["local_positions/rope_yarn"] = local_positions_control(mesh, "rope_yarn")
+        res["local_positions/t5"] = local_positions_control(mesh, "t5")
+        res.update(hidden_blocks_skipped(mesh))
     if full:
         # a (data=2) x (seq=4) mesh: batch over one axis, the ring over the other; the
         # parameters' gradients are summed over both
         mesh2 = Mesh(np.array(devices).reshape(2, 4), ("data", "seq"))
-        for case in (Case("t5", zigzag=True, segments=True), Case("shaw", table=True)):
+        for case in (Case("t5", zigzag=True, segments=True), Case("shaw", table=True),
+                     Case("alibi", segments=True, method="ulysses")):
             res.update({k.replace("/", "/mesh2x4/", 1): v
-                        for k, v in run_case(case, mesh2, batch_axis="data", ndev=4).items()})
+                        for k, v in run_case(case, mesh2, batch_axis="data").items()})
     res["seconds"] = time.time() - t0
     res["cpu_seconds"] = time.process_time() - cpu0
     with open(out_path, "w") as fh:

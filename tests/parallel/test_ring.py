@@ -29,7 +29,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxpos import T5Bias, attention
+from jaxpos import Shaw, T5Bias, attention
 from jaxpos.parallel import (
     from_zigzag,
     ring_attention,
@@ -255,14 +255,24 @@ def test_segment_ids_of_wrong_local_length_raise():
                                                      kv_positions=pos, segment_ids=seg), q, k, v)
 
 
-def test_pallas_implementation_raises_naming_what_is_missing():
-    # The kernel returns its log-sum-exp (return_lse=True); the ring just does not use it.
+def test_pallas_ring_refuses_a_scheme_the_kernel_cannot_run():
+    """The ring's blocks run on the fused kernel with implementation='pallas'; Shaw's
+    content bias and value term are not fusable: a ValueError naming the scheme."""
     q, k, v = _qkv()
     pos = jnp.arange(8, dtype=jnp.int32)
-    with pytest.raises(ValueError, match=r"implementation='pallas' is not supported by "
-                       r"ring_attention yet.*return_lse=True is not yet used by the ring"):
+    shaw = Shaw(jnp.zeros((5, 4)), jnp.zeros((5, 4)))
+    with pytest.raises(ValueError, match=r"implementation='pallas'.*position scheme Shaw"):
         _in_shard_map(lambda q, k, v: ring_attention(q, k, v, axis_name="seq", q_positions=pos,
-                                                     kv_positions=pos, implementation="pallas"),
+                                                     kv_positions=pos, position=shaw,
+                                                     implementation="pallas"), q, k, v)
+
+
+def test_ring_engine_without_lse_raises():
+    q, k, v = _qkv()
+    pos = jnp.arange(8, dtype=jnp.int32)
+    with pytest.raises(ValueError, match="implementation"):
+        _in_shard_map(lambda q, k, v: ring_attention(q, k, v, axis_name="seq", q_positions=pos,
+                                                     kv_positions=pos, implementation="xla"),
                       q, k, v)
 
 

@@ -61,18 +61,18 @@ def test_mla_attention_matches_the_paper(inputs, implementation):
     rope = jaxpos.RoPE(rotary_dim=DR, base=BASE, layout="interleaved",
                        attention_factor=attention_factor)
     f32 = lambda a: jnp.asarray(a, jnp.float32)
-    out = mla.mla_attention(f32(q_nope), f32(q_rope), f32(k_nope), f32(k_rope), f32(v), rope=rope,
-                            scale=scale, q_positions=q_pos, kv_positions=kv_pos, causal=True,
-                            implementation=implementation, block_q=2, block_k=3)
+    out = jaxpos.mla_attention(f32(q_nope), f32(q_rope), f32(k_nope), f32(k_rope), f32(v),
+                               rope=rope, scale=scale, q_positions=q_pos, kv_positions=kv_pos,
+                               causal=True, implementation=implementation, block_q=2, block_k=3)
     ref = _mla_np(q_nope, q_rope, k_nope, k_rope, v, q_pos, kv_pos, inv_freq, attention_factor,
                   scale)
     assert out.shape == (B, TQ, N, DV)
     np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=0)
     # Control: the rope key rotated per head in the wrong layout is a different attention.
     half = jaxpos.RoPE(rotary_dim=DR, base=BASE, layout="half", attention_factor=attention_factor)
-    wrong = mla.mla_attention(f32(q_nope), f32(q_rope), f32(k_nope), f32(k_rope), f32(v),
-                              rope=half, scale=scale, q_positions=q_pos, kv_positions=kv_pos,
-                              causal=True, implementation=implementation)
+    wrong = jaxpos.mla_attention(f32(q_nope), f32(q_rope), f32(k_nope), f32(k_rope), f32(v),
+                                 rope=half, scale=scale, q_positions=q_pos,
+                                 kv_positions=kv_pos, causal=True, implementation=implementation)
     assert np.abs(np.asarray(wrong) - ref).max() > 1e-2
 
 
@@ -124,12 +124,12 @@ def test_bad_input(inputs):
     with pytest.raises(TypeError, match="q_nope"):
         mla.mla_qk(q_nope.astype(np.int32), q_rope, k_nope, k_rope)
     with pytest.raises(ValueError, match="rotary_dim must equal qk_rope_head_dim"):
-        mla.mla_attention(q_nope, q_rope, k_nope, k_rope, v,
+        jaxpos.mla_attention(q_nope, q_rope, k_nope, k_rope, v,
                           rope=jaxpos.RoPE(rotary_dim=DR + 2), causal=True)
     with pytest.raises(TypeError, match="rope="):
-        mla.mla_attention(q_nope, q_rope, k_nope, k_rope, v, rope=rope, position=None)
+        jaxpos.mla_attention(q_nope, q_rope, k_nope, k_rope, v, rope=rope, position=None)
     with pytest.raises(TypeError, match="jaxpos.RoPE"):
-        mla.mla_attention(q_nope, q_rope, k_nope, k_rope, v, rope="rope")
+        jaxpos.mla_attention(q_nope, q_rope, k_nope, k_rope, v, rope="rope")
     with pytest.raises(ValueError, match=r"rope_parameters\['factor'\]"):
         mla.mla_softmax_scale(16, 8, rope_parameters={"rope_type": "yarn", "mscale_all_dim": 1.0})
     with pytest.raises(ValueError, match="must be > 0"):

@@ -69,7 +69,7 @@ def test_inv_freq_matches_formula(rotary_dim, base):
 def test_inv_2pi_pieces_sum_to_one_over_two_pi():
     getcontext().prec = 70
     exact = Fraction(Decimal("0.1591549430918953357688837633725143620344596457404564487476673440"))
-    total = sum(Fraction(k) for k in R._INV_2PI)
+    total = sum(Fraction(k) for k in R.angles._INV_2PI)
     assert abs(float((total - exact) / exact)) < 2e-19
 
 

@@ -56,6 +56,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxpos import _checks
+from jaxpos.schemes.rope.angles import check_rotary_dim, default_inv_freq, pow32
 
 __all__ = [
     "ROPE_TYPES",
@@ -104,34 +105,6 @@ def rope_frequencies(rotary_dim: int, base: float = 10000.0, *, scaling: Any = N
     if scaling is not None:
         return scaled_frequencies(rotary_dim, base, scaling, seq_len=seq_len)
     return jnp.asarray(default_inv_freq(rotary_dim, base)), 1.0
-
-
-def default_inv_freq(rotary_dim: int, base: float) -> np.ndarray:
-    """NumPy float32 ``1 / base ** (arange(0, rotary_dim, 2) / rotary_dim)``, op for op as
-    HF computes it in float32 (the power is correctly rounded here; PyTorch's ``pow`` may
-    differ from it by one ulp in about 1% of entries)."""
-    exps = np.arange(0, rotary_dim, 2).astype(np.float32) / np.float32(rotary_dim)
-    return (np.float32(1.0) / pow32(base, exps)).astype(np.float32)
-
-
-def pow32(base, exps) -> np.ndarray:
-    """float32 ``base ** exps``, correctly rounded: computed in float64 from the float32
-    operands and rounded once. NumPy's own float32 power may use a vectorised routine
-    that is one ulp off in some entries (AVX-512 builds), which would make the
-    frequencies depend on the CPU."""
-    b = np.float64(np.float32(base))
-    return (b ** np.asarray(exps, np.float32).astype(np.float64)).astype(np.float32)
-
-
-def check_rotary_dim(rotary_dim, head_dim=None) -> int:
-    """Validate ``rotary_dim`` (positive even int, at most ``head_dim``); return it."""
-    r = _checks.check_positive_int("rotary_dim", rotary_dim)
-    if r % 2:
-        raise ValueError(f"rotary_dim must be even (features rotate in pairs); got {r}.")
-    if head_dim is not None and r > head_dim:
-        raise ValueError(f"rotary_dim must be <= head_dim={head_dim}; got {r}.")
-    return r
-
 
 
 def _positive(name, value, *, cls):

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from jaxpos import _checks
+from jaxpos.schemes.rope.angles import rope_angles, rotate
 
 __all__ = ["RopeTables", "check_rope_tables", "rope_tables", "rotate_with_tables"]
 
@@ -55,8 +56,6 @@ def rope_tables(q_positions, kv_positions, inv_freq, *, attention_factor=1.0,
     Raises:
       ValueError / TypeError: float positions, frequencies not rank 1 or of two lengths.
     """
-    from jaxpos.schemes.rope import rope_angles
-
     _checks.check_rank("inv_freq", inv_freq, (1,), "[half]")
     k_inv_freq = inv_freq if k_inv_freq is None else k_inv_freq
     _checks.check_rank("k_inv_freq", k_inv_freq, (1,), "[half]")
@@ -107,7 +106,5 @@ def check_rope_tables(tabs, B: int, Tq: int, Tk: int, H: int) -> tuple[RopeTable
 def rotate_with_tables(q, k, tabs: RopeTables):
     """q and k rotated by the tables before attention (the engines that do not rotate on
     load), in their dtypes."""
-    from jaxpos.schemes.rope import rotate
-
     return (rotate(q, tabs.q_cos, tabs.q_sin, layout="half"),
             rotate(k, tabs.k_cos, tabs.k_sin, layout="half"))

@@ -1,0 +1,289 @@
+"""The engine protocol, the registry, and the per-backend preference that picks the engine
+of :func:`jaxpos.attention` when ``implementation=None``.
+
+An *engine* runs a validated attention call (:class:`jaxpos.core.call.AttentionCall`, the
+scheme's per-token transform already applied). It is any object with
+
+* ``name``: the string ``implementation=`` selects it by;
+* ``refuses(call) -> str | TypeError | None``: why it cannot run this call (a sentence
+  that names the engine and the engines that can), or None. A request by name for a
+  refused call raises ``ValueError(reason)`` (or the ``TypeError`` returned, for a
+  value of the wrong kind such as a traced scale); ``implementation=None`` skips the
+  engine;
+* ``run(call) -> out``: ``[B, Tq, N, H_v]`` in q's dtype;
+
+and optionally
+
+* ``run_with_lse(call) -> (out, lse)``: also the log-sum-exp of each query row's scores,
+  float32 ``[B, N, Tq]`` (the sinks included; ``-inf`` for a row with no visible key),
+  differentiable in both outputs. Callers that combine partial results over key blocks
+  (ring attention, split-K decoding) use it through :func:`run_with_lse`;
+* ``prefers(call) -> bool``: the engine's cost rule for ``implementation=None`` (default
+  True): False hands the call to the next engine of the backend's list;
+* ``rotates_on_load``: True when the engine applies ``call.rope_tables`` itself (as it
+  loads the keys); otherwise :func:`run` rotates q and k first (default False);
+* ``takes_kv_lengths``: False when the engine refuses ``kv_lengths`` (default True); a
+  caller that can express the fill another way asks :func:`takes_kv_lengths`.
+
+A new engine is its own file and one :func:`register_engine` call. The built-in engines
+("reference", "chunked", "xla" and the fused Pallas kernel "pallas") register in their own
+modules, loaded on first use (``jaxpos.kernels`` loads Pallas).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+
+from jaxpos import _checks
+
+if TYPE_CHECKING:
+    from jaxpos.core.call import AttentionCall
+
+__all__ = ["PREFERENCE", "Engine", "engine_names", "get_engine", "mixed_dtypes", "preference",
+           "register_engine", "run", "run_with_lse", "select_engine", "takes_kv_lengths",
+           "traced_scale", "unfusable_scheme", "fused_refusal"]
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What :func:`register_engine` takes (see the module docstring for the optional
+    members ``run_with_lse``, ``prefers``, ``rotates_on_load`` and ``takes_kv_lengths``)."""
+
+    name: str
+
+    def refuses(self, call: AttentionCall) -> str | TypeError | None:
+        """Why this engine cannot run ``call`` (None: it can)."""
+        ...
+
+    def run(self, call: AttentionCall) -> jax.Array:
+        """``[B, Tq, N, H_v]`` in q's dtype for a validated, transformed call."""
+        ...
+
+
+_ENGINES: dict[str, Engine] = {}
+#: The built-in engines' modules, imported on first use (each registers its engine).
+_BUILTIN_MODULES = {"reference": "jaxpos.core.reference", "chunked": "jaxpos.core.chunked",
+                    "pallas": "jaxpos.kernels.dispatch", "xla": "jaxpos.core.xla"}
+
+#: Backend -> engine names in order of preference for ``implementation=None``: the first
+#: that neither refuses the call nor declines it by its cost rule runs it. The measured
+#: rule behind the order is ``docs/kernel.md``'s (:func:`jaxpos.kernels.choose_implementation`):
+#: on CPU the chunked engine (the kernel runs only in the Pallas interpreter there); on an
+#: NVIDIA GPU cuDNN (``"xla"``) while there is no score term and a mask fits the dense
+#: budget, else the kernel; on TPU the kernel. ``"default"`` serves any other backend.
+PREFERENCE: dict[str, list[str]] = {
+    "cpu": ["chunked"],
+    "gpu": ["xla", "pallas", "chunked"],
+    "tpu": ["pallas", "chunked"],
+    "default": ["pallas", "chunked"],
+}
+_BACKEND_ALIASES = {"cuda": "gpu"}
+
+
+def _backend_key(backend: str) -> str:
+    b = _BACKEND_ALIASES.get(backend.lower(), backend.lower())
+    return b if b in PREFERENCE else "default"
+
+
+def preference(backend: str | None = None) -> tuple[str, ...]:
+    """The engine names ``implementation=None`` tries on ``backend`` (default
+    ``jax.default_backend()``), in order."""
+    return tuple(PREFERENCE[_backend_key(backend or jax.default_backend())])
+
+
+def register_engine(engine: Engine, *, backends: Iterable[str] = (),
+                    before: str | None = None, replace: bool = False) -> Engine:
+    """Make ``engine`` selectable as ``jaxpos.attention(..., implementation=engine.name)``.
+
+    Args:
+      engine: an object with ``name``, ``refuses(call)`` and ``run(call)`` (see
+        :class:`Engine`; optionally ``run_with_lse``, ``prefers``, ``rotates_on_load``,
+        ``takes_kv_lengths``).
+      backends: the backends (``"cpu"``, ``"gpu"``, ``"tpu"``, ``"default"`` for any
+        other) on whose preference list the engine joins, so that ``implementation=None``
+        may pick it; default none (by name only).
+      before: the engine name it goes before on those lists (default: first).
+      replace: allow replacing an engine registered under the same name.
+
+    Returns:
+      ``engine`` (so the call can decorate an instance).
+
+    Raises:
+      TypeError: ``engine`` lacks ``name`` (a string), ``refuses`` or ``run``.
+      ValueError: the name is taken (without ``replace``), an unknown backend, or
+        ``before`` not on a list.
+    """
+    name = getattr(engine, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"engine must have a non-empty string name; got {name!r} on "
+                        f"{type(engine).__name__}.")
+    for method in ("refuses", "run"):
+        if not callable(getattr(engine, method, None)):
+            raise TypeError(f"engine {name!r} must have a method {method}(call); "
+                            f"{type(engine).__name__} has none.")
+    if name in _ENGINES and _ENGINES[name] is not engine and not replace:
+        raise ValueError(f"an engine named {name!r} is registered already "
+                         f"({type(_ENGINES[name]).__name__}); pass replace=True to replace it.")
+    keys = [_checked_backend(b) for b in ([backends] if isinstance(backends, str)
+                                          else backends)]
+    for key in keys:
+        order = [n for n in PREFERENCE[key] if n != name]
+        if before is not None and before not in order:
+            raise ValueError(f"before={before!r} is not on the {key!r} preference list "
+                             f"{order}.")
+        order.insert(0 if before is None else order.index(before), name)
+        PREFERENCE[key][:] = order
+    _ENGINES[name] = engine
+    return engine
+
+
+def _checked_backend(backend: str) -> str:
+    if not isinstance(backend, str):
+        raise TypeError(f"backends must be strings; got {type(backend).__name__}.")
+    key = _BACKEND_ALIASES.get(backend.lower(), backend.lower())
+    if key not in PREFERENCE:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {sorted(PREFERENCE)}.")
+    return key
+
+
+def engine_names() -> tuple[str, ...]:
+    """Every name ``implementation=`` accepts: the built-in engines and the registered ones."""
+    return tuple(dict.fromkeys([*_BUILTIN_MODULES, *_ENGINES]))
+
+
+def get_engine(name: str) -> Engine:
+    """The engine registered as ``name`` (a built-in one is loaded on first use).
+
+    Raises:
+      ValueError: no engine has that name (the message lists the names).
+    """
+    if not isinstance(name, str):
+        _checks.check_choice("implementation", name, engine_names())
+    if name not in _ENGINES and name in _BUILTIN_MODULES:
+        importlib.import_module(_BUILTIN_MODULES[name])
+    if name not in _ENGINES:
+        _checks.check_choice("implementation", name, engine_names())
+    return _ENGINES[name]
+
+
+def takes_kv_lengths(name: str | None) -> bool:
+    """Whether ``implementation=name`` takes ``kv_lengths`` (``None``, the default
+    choice, always does: an engine refusing them is skipped)."""
+    return name is None or bool(getattr(get_engine(name), "takes_kv_lengths", True))
+
+
+def _raise(reason: str | TypeError) -> None:
+    if isinstance(reason, TypeError):
+        raise reason
+    raise ValueError(reason)
+
+
+def select_engine(call: AttentionCall, requested: str | None = None, *,
+                  backend: str | None = None) -> Engine:
+    """The engine that runs ``call``: ``requested`` (refusing raises), or the first engine
+    of :func:`preference` that neither refuses ``call`` nor declines it by its cost rule.
+
+    Raises:
+      ValueError: an unknown name; the requested engine refuses the call (its reason);
+        every engine of the backend's list refuses it.
+      TypeError: the requested engine refuses a value of the wrong kind (a traced scale).
+    """
+    if requested is not None:
+        engine = get_engine(requested)
+        reason = engine.refuses(call)
+        if reason is not None:
+            _raise(reason)
+        return engine
+    reasons = []
+    for name in preference(backend):
+        engine = get_engine(name)
+        reason = engine.refuses(call)
+        if reason is None and getattr(engine, "prefers", lambda c: True)(call):
+            return engine
+        reasons.append(f"{name}: {reason or 'declined by its cost rule'}")
+    raise ValueError("no engine of the backend's preference list runs this call ("
+                     + "; ".join(reasons) + ").")
+
+
+def _prepared(engine: Engine, call: AttentionCall) -> AttentionCall:
+    """The call as ``engine`` takes it: RoPE tables applied to q and k first unless the
+    engine rotates them as it loads them."""
+    if call.rope_tables is None or getattr(engine, "rotates_on_load", False):
+        return call
+    from jaxpos.core.call import apply_rope_tables
+
+    return apply_rope_tables(call)
+
+
+def run(engine: Engine, call: AttentionCall) -> jax.Array:
+    """``engine.run`` on ``call`` (a validated, transformed, non-empty call)."""
+    return engine.run(_prepared(engine, call))
+
+
+def run_with_lse(call: AttentionCall, implementation: str | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+    """``(out [B, Tq, N, H_v] in q's dtype, lse float32 [B, N, Tq])`` of a validated,
+    transformed call, by the requested or default engine that has ``run_with_lse``.
+    The lse includes the sinks and is ``-inf`` for a row with no visible key; both are
+    differentiable.
+
+    Raises:
+      ValueError: the engine refuses the call or has no ``run_with_lse``.
+    """
+    engine = select_engine(call, implementation)
+    fn = getattr(engine, "run_with_lse", None)
+    if fn is None:
+        names = [n for n in engine_names() if hasattr(get_engine(n), "run_with_lse")]
+        raise ValueError(f"implementation={engine.name!r} does not return the log-sum-exp "
+                         f"(it has no run_with_lse); engines that do: {names}.")
+    if call.batch == 0 or call.q_len == 0 or call.kv_len == 0:  # only the sinks, if any
+        rows = (call.batch, call.num_heads, call.q_len)
+        lse = jnp.full(rows, -jnp.inf, jnp.float32) if call.sinks is None else \
+            jnp.broadcast_to(jnp.asarray(call.sinks, jnp.float32)[None, :, None], rows)
+        return call.zeros(), lse
+    out, lse = fn(_prepared(engine, call))
+    return out, lse
+
+
+# ------------------------------------------------------- refusals engines share
+def traced_scale(name: str, call: AttentionCall) -> TypeError | None:
+    """The refusal of an engine that compiles the scale in: a ``TypeError`` for a traced
+    scale, else None."""
+    if _checks.is_concrete(call.scale):
+        return None
+    return TypeError(f"implementation={name!r} needs a static scale (a Python or concrete "
+                     f"number: it is compiled into the kernel); got a traced scale. Use "
+                     f"implementation='chunked' or 'reference' to differentiate or trace the "
+                     f"scale.")
+
+
+def mixed_dtypes(name: str, call: AttentionCall) -> str | None:
+    """The refusal of an engine that needs q, k and v in one dtype, else None."""
+    dts = (call.q.dtype, call.k.dtype, call.v.dtype)
+    if dts[0] == dts[1] == dts[2]:
+        return None
+    got = ", ".join(str(d) for d in dts)
+    return (f"implementation={name!r} needs q, k and v in one dtype; got {got}. Cast them, "
+            f"or use implementation='chunked' or 'reference'.")
+
+
+def unfusable_scheme(what: str, call: AttentionCall) -> str | None:
+    """The refusal of an engine that takes a scheme only as a transform and a score_mod
+    (the scheme protocol's ``fusable``), else None."""
+    if call.scheme.fusable:
+        return None
+    return (f"{what} does not support the position scheme {type(call.scheme).__name__} (its "
+            f"content bias or value term depends on the query content or the weights); use "
+            f"implementation='chunked' or 'reference'.")
+
+
+def fused_refusal(name: str, what: str, call: AttentionCall) -> str | TypeError | None:
+    """What every engine that fuses the call into one compiled attention refuses: a traced
+    scale (:func:`traced_scale`), a scheme that is not fusable (:func:`unfusable_scheme`;
+    ``what`` names the engine there), mixed dtypes (:func:`mixed_dtypes`)."""
+    return traced_scale(name, call) or unfusable_scheme(what, call) or mixed_dtypes(name, call)

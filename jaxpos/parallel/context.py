@@ -1,0 +1,142 @@
+"""Context parallelism a model switches on: attention of global arrays, sequence-parallel
+over one axis of the mesh set with ``jax.set_mesh``.
+
+:func:`context_attention` is what the Flax modules call when they are built with
+``context_parallel="ring" | "ulysses"``: it takes the whole (global) q, k, v, positions
+and segment ids of a layer, as ``jaxpos.attention`` does, and runs
+:func:`jaxpos.parallel.ring_attention` or :func:`jaxpos.parallel.ulysses_attention`
+inside ``jax.shard_map`` over the mesh axis ``axis`` (manual over that axis only: the
+other axes of the mesh, e.g. a data axis, stay with the compiler), the sequence sharded
+over it and the positions global. With the zigzag layout (:func:`zigzag_order`) the
+model keeps its tokens in zigzag order from the embedding to the logits, so that every
+device of a causal ring has the same work (Brandon et al. 2023, "Striped Attention";
+the layout of Megatron-LM's context parallelism).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxpos import _checks
+from jaxpos.parallel.ring import ring_attention, zigzag_permutation
+from jaxpos.parallel.ulysses import ulysses_attention
+from jaxpos.schemes.base import as_scheme
+
+__all__ = ["CONTEXT_PARALLEL", "check_context_parallel", "context_attention", "mesh_axis_size",
+           "zigzag_order"]
+
+#: The values of the modules' ``context_parallel=`` option (``None``: off).
+CONTEXT_PARALLEL = ("ring", "ulysses")
+_METHODS: dict[str, Callable[..., jax.Array]] = {"ring": ring_attention,
+                                                 "ulysses": ulysses_attention}
+
+
+def check_context_parallel(context_parallel: Any, context_axis: Any) -> str | None:
+    """The checked ``context_parallel`` option of a module (``None`` when off).
+
+    Raises:
+      ValueError: ``context_parallel`` not one of ``"ring"``, ``"ulysses"``, ``None``.
+      TypeError: ``context_axis`` not a str.
+    """
+    _checks.check_choice("context_parallel", context_parallel, CONTEXT_PARALLEL + (None,))
+    if not isinstance(context_axis, str):
+        raise TypeError(f"context_axis must be the name (a str) of the mesh axis to shard the "
+                        f"sequence over; got {type(context_axis).__name__} {context_axis!r}.")
+    return context_parallel
+
+
+def mesh_axis_size(axis: str, what: str = "context_parallel") -> int:
+    """The size of ``axis`` in the mesh set with ``jax.set_mesh``.
+
+    Raises:
+      ValueError: no mesh is set, or it has no axis ``axis``.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    names = tuple(getattr(mesh, "axis_names", ()) or ())
+    if not names:
+        raise ValueError(
+            f"{what} needs a device mesh: call the model under `with jax.set_mesh(mesh):` "
+            f"with a mesh that has the axis {axis!r} (e.g. jax.make_mesh(({len(jax.devices())},"
+            f"), ({axis!r},))).")
+    if axis not in names:
+        raise ValueError(f"context_axis={axis!r} is not an axis of the mesh set with "
+                         f"jax.set_mesh (its axes: {list(names)}).")
+    return int(dict(zip(names, mesh.axis_sizes))[axis])
+
+
+def zigzag_order(T: int, axis: str) -> np.ndarray:
+    """The zigzag order of ``T`` tokens over the ``axis`` of the current mesh
+    (:func:`jaxpos.parallel.zigzag_permutation`): ``x_zigzag = x[:, order]``, and the
+    zigzag-ordered positions are ``order`` itself.
+
+    Raises:
+      ValueError: no mesh; ``T`` not divisible by twice the axis size.
+    """
+    return zigzag_permutation(T, mesh_axis_size(axis, "the zigzag layout"))
+
+
+def _positions_2d(pos, B, T):
+    pos = jnp.asarray(pos, jnp.int32)
+    return jnp.broadcast_to(pos.reshape((1,) * (2 - pos.ndim) + pos.shape), (B, T)) \
+        if pos.ndim < 2 or pos.shape[0] != B else pos
+
+
+def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, method: str, axis: str,
+                      q_positions: jax.Array, kv_positions: jax.Array,
+                      segment_ids: jax.Array | None = None,
+                      kv_segment_ids: jax.Array | None = None, position: Any = None,
+                      sinks: jax.Array | None = None, **kw: Any) -> jax.Array:
+    """``jaxpos.attention(q, k, v, ...)`` of global arrays, computed sequence-parallel by
+    ``method`` (``"ring"`` or ``"ulysses"``) over the mesh axis ``axis`` of the mesh set
+    with ``jax.set_mesh`` (``jax.shard_map`` manual over ``axis`` only).
+
+    Args:
+      q: ``[B, Tq, N, H]``; k, v: ``[B, Tk, N_kv, H]`` (global); ``Tq`` and ``Tk``
+        divisible by the axis size (Ulysses: ``N`` too).
+      method: ``"ring"`` or ``"ulysses"``. axis: the mesh axis.
+      q_positions, kv_positions: integer ``[T]`` or ``[B, T]``, global positions (in the
+        order of the tokens: zigzag positions for a zigzag layout).
+      segment_ids, kv_segment_ids, position, sinks, **kw: as :func:`jaxpos.attention`
+        (``causal``, ``score_mod``, ``mask_mod``, ``scale``, ``implementation``, ...).
+
+    Returns:
+      ``[B, Tq, N, H_v]`` like ``jaxpos.attention``.
+
+    Raises:
+      ValueError: no mesh or no such axis; lengths not divisible by the axis size (naming
+        them and what to pad to); every error of the method.
+    """
+    size = mesh_axis_size(axis)
+    position = as_scheme(position)
+    B, Tq, Tk = q.shape[0], q.shape[1], k.shape[1]
+    for name, t in (("query", Tq), ("key/value", Tk)):
+        if t % size:
+            raise ValueError(
+                f"context_parallel={method!r} shards the sequence over the {size} devices of "
+                f"mesh axis {axis!r}: the {name} length {t} is not divisible by {size}. Pad "
+                f"the sequence to a multiple of {size} (with attention_mask for the padding).")
+    seq = P(None, axis)
+    args = [q, k, v, _positions_2d(q_positions, B, Tq), _positions_2d(kv_positions, B, Tk)]
+    has_seg = segment_ids is not None
+    if has_seg:
+        args += [jnp.asarray(segment_ids, jnp.int32),
+                 jnp.asarray(segment_ids if kv_segment_ids is None else kv_segment_ids,
+                             jnp.int32)]
+    fn = _METHODS[method]
+
+    def local(position, sinks, q, k, v, qp, kp, *segs):
+        seg = dict(zip(("segment_ids", "kv_segment_ids"), segs))
+        return fn(q, k, v, axis_name=axis, position=position, sinks=sinks, q_positions=qp,
+                  kv_positions=kp, **seg, **kw)
+
+    rep = lambda tree: jax.tree_util.tree_map(lambda _: P(), tree)
+    vma = kw.get("implementation") != "pallas" or jax.default_backend() != "cpu"
+    sm = jax.shard_map(local, in_specs=(rep(position), rep(sinks)) + (seq,) * len(args),
+                       out_specs=seq, axis_names=frozenset({axis}), check_vma=vma)
+    return sm(position, sinks, *args)

@@ -1,0 +1,201 @@
+"""The forward kernel (FlashAttention-2, Dao 2023, Alg. 1) and flash decoding's key
+splits: grid ``(B, N / G, Tq / bq[, S])``, one query tile of ``G`` query heads per
+program (``G = g`` for decode-shaped calls, where the ``g`` heads that share a KV head
+read each K/V tile once; else 1), the PARTIAL then the FULL key tiles of its schedule row
+with the online softmax. With ``S > 1`` key splits each program covers a slice of the key
+tiles and writes a partial output with its log-sum-exp; :func:`combine_splits` merges
+them. Writes the output and the log-sum-exp ``lse``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxpos.kernels import layout, tiles
+from jaxpos.kernels import plumbing as pb
+from jaxpos.kernels.tiles import loops
+
+
+def split_len(cfg):
+    """Key tiles per split."""
+    return -(-cfg.nk // cfg.splits)
+
+
+class _QueryTile:
+    """What a forward program reads once: its query tile(s), positions, segments."""
+
+    def __init__(self, r, cfg, plat, i):
+        self.pos = r["q_pos"][...]  # [bq, 1]
+        self.seg = r["q_seg"][...] if cfg.has_segments else None
+        self.row = layout.rows_ok(i * cfg.bq, cfg.bq, cfg.Tq) if cfg.nq * cfg.bq != cfg.Tq \
+            else None
+        tab = (r["q_cos"][...], r["q_sin"][...]) if cfg.rope_half else None
+        segs = layout.qk_segs(cfg)
+        self.qs = [layout.load_feats(r["q"], plat, cfg.heads, hi, cfg.H, slice(None), segs,
+                                     self.row, tab) for hi in range(cfg.heads)]
+
+
+def load_kv(r, cfg, plat, b, j, kv_lim, masked):
+    """``(k segments, v, kv_pos, kv_seg)`` of key tile ``j`` of batch row ``b``: rows
+    ``[j * bk, (j + 1) * bk)`` of the row's keys, or with paged keys the whole page
+    ``page_table[b, j]`` (``bk`` is the page size)."""
+    bk = cfg.bk
+    rows = pl.ds(j * bk, bk)
+    kv_rows, lead = (slice(None), (r["page_table"][b, j],)) if cfg.paged else (rows, ())
+    kv_pos = r["kv_pos"][:, rows]  # [1, bk]
+    k_row = layout.rows_ok(j * bk, bk, kv_lim) if masked and tiles.kv_padded(cfg) else None
+    k_tab = (r["k_cos"][rows, :], r["k_sin"][rows, :]) if cfg.rope_half else None
+    k = layout.load_feats(r["k"], plat, 1, 0, cfg.H, kv_rows, layout.qk_segs(cfg), k_row,
+                          k_tab, lead)
+    (v,) = layout.load_feats(r["v"], plat, 1, 0, cfg.Hv, kv_rows, layout.v_segs(cfg), k_row,
+                             None, lead)
+    kv_seg = r["kv_seg"][:, rows] if (masked and cfg.has_segments) else None
+    return k, v, kv_pos, kv_seg
+
+
+def attend_tile(r, cfg, mods, qt, b, p, i, j, kv_lim, masked, state, kv):
+    """The online-softmax update of each query head of the program by key tile ``j``."""
+    k, v, kv_pos, kv_seg = kv
+    new = []
+    for hi in range(cfg.heads):
+        h = p * cfg.heads + hi
+        _, s = tiles.scores(cfg, mods, b, h, qt.qs[hi], k, qt.pos, kv_pos)
+        if masked:
+            vis = tiles.visible(cfg, mods, b, h, qt.pos, kv_pos, qt.seg, kv_seg,
+                                tiles.key_indices(j, cfg.bk), kv_lim, s.shape)
+            s = jnp.where(vis, s, -jnp.inf)
+        m_new, l, corr, pr = tiles.softmax_step(state[hi], s)
+        pr = tiles.dropped(cfg, r, b, h, i * cfg.bq, cfg.bq, j * cfg.bk, cfg.bk, pr)
+        acc = state[hi][2] * corr + tiles.dot(pr.astype(v.dtype), v, cfg, ((1,), (0,)))
+        new.append((m_new, l, acc))
+    return new
+
+
+def write_rows(r, cfg, plat, row, state):
+    """Store each head's output (or split partial) and log-sum-exp."""
+    G = cfg.heads
+    for hi, (m, l, acc) in enumerate(state):
+        l_safe, lse = tiles.finish(m, l)
+        if cfg.splits == 1:
+            layout.store_feats(r["out"], plat, G, hi, cfg.Hv, slice(None), layout.v_segs(cfg),
+                               row, [acc / l_safe])
+        else:
+            r["out"][tiles.hd(G, hi, slice(None), slice(None))] = acc / l_safe
+        r["lse"][tiles.hd(G, hi, slice(None), slice(None))] = lse
+
+
+def fwd_kernel(*refs, cfg, names, smod, mmod, style, plat):
+    """The forward kernel body (one query tile of ``cfg.heads`` heads)."""
+    r = tiles.named(refs, names)
+    b, p, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    split = pl.program_id(3) if cfg.splits > 1 else None
+    mods = tiles.Mods(r, smod, mmod, style)
+    qt = _QueryTile(r, cfg, plat, i)
+    kv_lim = r["kv_len"][b] if cfg.has_kv_len else cfg.Tk
+
+    def tile(j, state, masked):
+        kv = load_kv(r, cfg, plat, b, j, kv_lim, masked)
+        return attend_tile(r, cfg, mods, qt, b, p, i, j, kv_lim, masked, state, kv)
+
+    init = tiles.init_state(r, cfg, cfg.heads, p, layout.wb(plat, cfg.Hv))
+    count, item = tiles.sched_fns(r["counts"], r["lists"])
+    offset = 0 if split is None else split * split_len(cfg)
+    write_rows(r, cfg, plat, qt.row, loops(count, item, init, tile, offset))
+
+
+def out_makers(cfg, dtype):
+    """The ``out`` and ``lse`` outputs of the forward (split partials with ``S > 1``:
+    float32, in the kernel's own padded layout)."""
+    B, N, G, S, bq = cfg.B, cfg.N, cfg.heads, cfg.splits, cfg.bq
+    Tq_p, hd = cfg.nq * bq, None if G == 1 else G
+
+    def out_make(plat):
+        if S > 1:
+            wv = layout.wb(plat, cfg.Hv)
+            sds = jax.ShapeDtypeStruct((S, B, N, Tq_p, wv), jnp.float32)
+            spec = pl.BlockSpec((None, None, hd, bq, wv), lambda b, p, i, s: (s, b, p, i, 0))
+            return sds, spec, lambda y: y[..., :cfg.Hv]
+        shape = layout.token_shape(plat, B, cfg.Tq, N, cfg.Hv)
+        spec = layout.tok_spec(plat, bq, G, cfg.Hv,
+                               layout.block_width(plat, layout.v_segs(cfg), cfg.Hv),
+                               lambda b, p, i, *_: (b, i, p))
+        return jax.ShapeDtypeStruct(shape, dtype), spec, lambda y: layout.from_kernel(plat, y, N)
+
+    def lse_make(plat):
+        if S > 1:
+            return (jax.ShapeDtypeStruct((S, B, N, Tq_p, 1), jnp.float32),
+                    pl.BlockSpec((None, None, hd, bq, 1), lambda b, p, i, s: (s, b, p, i, 0)),
+                    lambda y: y)
+        return (jax.ShapeDtypeStruct((B, N, Tq_p, 1), jnp.float32),
+                pl.BlockSpec((None, hd, bq, 1), lambda b, p, i, *_: (b, p, i, 0)), lambda y: y)
+
+    return [pb.Out("out", out_make), pb.Out("lse", lse_make)]
+
+
+def _kv_inputs(cfg, ops):
+    """k and v: each batch row's keys of one KV head, or the whole page pools of one KV
+    head and the page table (paged keys)."""
+    G, g, Tk_p = cfg.heads, cfg.groups, cfg.nk * cfg.bk
+    kvh = lambda p: jax.lax.div(p * G, g)
+    segs, vsegs = layout.qk_segs(cfg), layout.v_segs(cfg)
+    if cfg.paged:
+        return [pb.In("k", ops.k, pb.pool(cfg.H, lambda b, p, i, *s: kvh(p), segs)),
+                pb.In("v", ops.v, pb.pool(cfg.Hv, lambda b, p, i, *s: kvh(p), vsegs)),
+                pb.In("page_table", ops.page_table, pb.whole(pow2=True), smem=True)]
+    return [pb.In("k", ops.k, pb.tok(Tk_p, 1, cfg.H, lambda b, p, i, *s: (b, 0, kvh(p)), segs)),
+            pb.In("v", ops.v, pb.tok(Tk_p, 1, cfg.Hv, lambda b, p, i, *s: (b, 0, kvh(p)),
+                                     vsegs))]
+
+
+def _inputs(cfg, ops):
+    G, bq, Tk_p = cfg.heads, cfg.bq, cfg.nk * cfg.bk
+    sb, sh = pb.batch_map(cfg.sched_b), pb.batch_map(cfg.sched_h)
+    segs = layout.qk_segs(cfg)
+    ins = [pb.In("q", ops.q, pb.tok(bq, G, cfg.H, lambda b, p, i, *s: (b, i, p), segs))]
+    ins += _kv_inputs(cfg, ops)
+    ins += pb.pos_inputs(cfg, ops, q_rows=bq, q_map=lambda b, p, i, *s: (b, i),
+                         k_rows=Tk_p, k_map=lambda b, p, i, *s: (b, 0))
+    if cfg.splits > 1:
+        counts, lists = ops.sched.split_counts, ops.sched.split_lists
+        smap = lambda b, p, i, s: (sb(b), sh(p), i, s)
+    else:
+        counts, lists = ops.sched.kv_counts, ops.sched.kv_lists
+        smap = lambda b, p, i: (sb(b), sh(p), i)
+    ins += pb.sched_inputs(counts, lists, 1, smap)
+    ins += pb.tail_inputs(cfg, ops)
+    if cfg.has_sinks:
+        ins.append(pb.In("sinks", ops.sinks, pb.whole(pow2=True), smem=True))
+    return ins
+
+
+def forward(cfg, ops):
+    """``(out [B, Tq, N, Hv], lse [B, N, Tq_p, 1])`` (the key splits combined)."""
+    grid = (cfg.B, cfg.N // cfg.heads, cfg.nq) + ((cfg.splits,) if cfg.splits > 1 else ())
+    kern = functools.partial(fwd_kernel, cfg=cfg, smod=pb.mod_static(ops.smod),
+                             mmod=pb.mod_static(ops.mmod))
+    out, lse = pb.run_pallas(kern, grid, _inputs(cfg, ops), out_makers(cfg, ops.v.dtype),
+                             "jaxpos_attention_fwd")
+    if cfg.splits > 1:
+        out, lse = combine_splits(cfg, out, lse, ops.sinks, ops.v.dtype)
+    return out, lse
+
+
+def combine_splits(cfg, out_s, lse_s, sinks, dtype):
+    """Flash decoding's combine: ``lse = logsumexp_s lse_s`` (and the sink), ``out = sum_s
+    exp(lse_s - lse) out_s``. ``out_s`` ``[S, B, N, Tq_p, Hv]``, ``lse_s``
+    ``[S, B, N, Tq_p, 1]``; returns ``out [B, Tq, N, Hv]`` in ``dtype``, ``lse``."""
+    parts = lse_s
+    if sinks is not None:
+        parts = jnp.concatenate([lse_s, jnp.broadcast_to(
+            sinks[None, None, :, None, None], (1,) + lse_s.shape[1:])], axis=0)
+    m = jnp.max(parts, axis=0)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    tot = jnp.sum(jnp.exp(parts - m_safe), axis=0)
+    lse = jnp.where(tot == 0.0, -jnp.inf, m_safe + jnp.log(jnp.where(tot == 0.0, 1.0, tot)))
+    w = jnp.exp(lse_s - jnp.where(lse == -jnp.inf, 0.0, lse))  # [S, B, N, Tq_p, 1]
+    out = jnp.sum(out_s * w, axis=0)[:, :, :cfg.Tq]  # [B, N, Tq, Hv]
+    return jnp.swapaxes(out, 1, 2).astype(dtype), lse

@@ -1,0 +1,113 @@
+"""The fused kernel over a paged KV cache (forward only, for serving): keys and values
+live in fixed-size pages of a shared pool, FlashAttention's paged layout
+(``flash_attn_with_kvcache``'s ``block_table``; vLLM, Kwon et al. 2023, §4.1)::
+
+    k_pages, v_pages: [num_pages, page_size, N_kv, H]
+    page_table:       int32 [B, pages_per_seq]
+    slot s of row b:  page page_table[b, s // page_size], offset s % page_size
+
+The kernel is the dense forward kernel (:mod:`jaxpos.kernels.forward`) with key tiles of
+one page: key tile ``j`` of row ``b`` is page ``page_table[b, j]``, read by index from the
+pool (``ref.at[page]``; the page table lives in TPU scalar memory). Everything else is
+the dense kernel's: the tile schedule built from ``kv_lengths`` (pages past a row's
+length are EMPTY tiles, never visited; with ``causal`` or a block mask, pages wholly
+hidden are skipped too), score_mod / mask_mod, sinks, GQA (the ``g`` query heads of a KV
+head read each page once in decode-shaped calls), RoPE tables on load, key splits.
+
+On GPU (Triton) the pool is a pointer and a page's load is an offset from it; on TPU the
+pool is one block of the program (so it must fit the core's VMEM); JAX's TPU
+``paged_attention`` instead copies pages from HBM with DMAs driven by its scalar-prefetched
+page table, which this kernel does not do.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxpos.kernels.config import check_block, prepare, resolve_mode
+from jaxpos.kernels.forward import forward
+
+__all__ = ["paged_attention_kernel"]
+
+
+def _refuse_derivatives(cfg, primals, tangents):
+    raise NotImplementedError(
+        "the paged kernel runs the forward pass only (serving); it has no gradients. "
+        "Differentiate the dense call (jaxpos.attention on contiguous keys) instead.")
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _forward_only(cfg, ops):
+    return forward(cfg, ops)
+
+
+_forward_only.defjvp(_refuse_derivatives)
+
+
+def _check_pages(call, k_pages, v_pages, page_table):
+    """The kernel's own limits (the call and the page values are validated by the
+    caller): a power-of-two page size, the tile size along keys equal to it, no dropout."""
+    page_size = k_pages.shape[1]
+    check_block("page_size (k_pages.shape[1])", page_size)
+    blk = call.block_mask.block_k if call.block_mask is not None else call.block_k
+    if blk is not None and blk != page_size:
+        raise ValueError(f"the paged kernel's key tiles are pages: block_k (the block "
+                         f"mask's when given) must equal the page size {page_size}; got "
+                         f"{blk}.")
+    if call.dropout is not None:
+        raise ValueError("the paged kernel is forward-only (serving) and applies no "
+                         "attention dropout; pass dropout_rate=0.")
+    if call.kv_lengths is None:
+        raise ValueError("the paged kernel needs kv_lengths (each row's filled slots).")
+
+
+def paged_attention_kernel(call, k_pages: jax.Array, v_pages: jax.Array,
+                           page_table: jax.Array, *, interpret: bool | None = None,
+                           kv_splits: int | None = None, return_lse: bool = False) -> Any:
+    """Attention of ``call``'s queries over keys and values stored in pages.
+
+    It equals the dense kernel (:func:`jaxpos.kernels.fused.kernel_attention`) on the
+    keys gathered from the pages (``k[b, s] = k_pages[page_table[b, s // P], s % P]``):
+    every score_mod / mask_mod, sinks, causal, GQA, segments, RoPE tables, key splits.
+
+    Args:
+      call: a validated, transformed :class:`jaxpos.core.call.AttentionCall` of the
+        logical call (its ``k`` and ``v`` are not read): q ``[B, Tq, N, H]``; positions,
+        segments and RoPE key tables over the ``Tk = pages_per_seq * page_size`` slots of a
+        row; ``kv_lengths`` int32 ``[B]`` (required; values in ``[0, Tk]``);
+        ``block_k`` None or the page size.
+      k_pages: ``[num_pages, page_size, N_kv, H]`` in q's dtype; ``page_size`` a power of
+        two (the kernel's tile along keys).
+      v_pages: ``[num_pages, page_size, N_kv, H_v]``.
+      page_table: int32 ``[B, pages_per_seq]``: the pages of each row in slot order;
+        entries of pages at or past ``ceil(kv_lengths[b] / page_size)`` are never read
+        (they may hold anything); the others must be in ``[0, num_pages)`` (the caller
+        checks them: an index outside reads another page).
+      interpret: True interprets, False compiles (Triton / Mosaic), None interprets on CPU.
+      kv_splits: key splits (flash decoding), or None: chosen as for the dense kernel.
+      return_lse: also return the float32 ``[B, N, Tq]`` log-sum-exp.
+
+    Returns:
+      ``[B, Tq, N, H_v]`` in q's dtype (or ``(out, lse)``). Forward only: differentiating
+      raises ``NotImplementedError``.
+
+    Raises:
+      ValueError / TypeError: a page size that is not a power of two, ``block_k`` other
+        than the page size, dropout, no ``kv_lengths``, ``kv_splits`` not a positive
+        integer, ``interpret`` not a bool or None.
+    """
+    mode = resolve_mode(interpret)
+    _check_pages(call, k_pages, v_pages, page_table)
+    call = call.replace(block_k=call.block_k if call.block_mask is not None
+                        else k_pages.shape[1])
+    cfg, ops = prepare(call, mode=mode, kv_splits=kv_splits,
+                       pages=(k_pages, v_pages, jnp.asarray(page_table, jnp.int32)))
+    out, lse = _forward_only(cfg, ops)
+    out = out.astype(ops.q.dtype)
+    if return_lse:
+        return out, lse[:, :, :cfg.Tq, 0]
+    return out
