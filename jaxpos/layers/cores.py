@@ -64,7 +64,7 @@ __all__ = [
     "position_scheme",
 ]
 
-def attention_for(scheme):
+def attention_for(scheme: PositionScheme) -> Callable[..., jax.Array]:
     """:func:`jaxpos.attention`, or the scheme's own ``attention`` when the scheme replaces
     softmax attention (``replaces_softmax``: :class:`jaxpos.schemes.stick_breaking.StickBreaking`);
     both take the same keywords."""
