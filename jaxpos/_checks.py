@@ -201,12 +201,12 @@ def check_qkv(q: Any, k: Any, v: Any) -> None:
 
 def check_kv_lengths(kv_lengths: Any, B: int, Tk: int) -> jax.Array:
     """``kv_lengths`` (integer ``[B]`` fill lengths: keys at index ``>= kv_lengths[b]`` are
-    invisible to row ``b``) as int32 clipped to ``[0, Tk]``. Concrete lengths outside
-    ``[0, Tk]`` raise; traced ones cannot, and :func:`kv_lengths_out_of_range` says which
-    rows the caller must poison (the cache-overflow rule: NaN rows, never a silent clip).
+    invisible to row ``b``) as int32 clipped to ``[0, Tk]`` (so that an engine stays in
+    bounds; :func:`check_kv_lengths_range` and :func:`kv_lengths_out_of_range` make sure
+    no length is clipped silently).
 
     Raises:
-        ValueError: not rank 1, not ``B`` long, or a concrete length outside ``[0, Tk]``.
+        ValueError: not rank 1, or not ``B`` long.
         TypeError: not an integer dtype.
     """
     check_rank("kv_lengths", kv_lengths, (1,), "[batch]")
@@ -216,20 +216,29 @@ def check_kv_lengths(kv_lengths: Any, B: int, Tk: int) -> jax.Array:
     if shape_of(kv_lengths)[0] != B:
         raise ValueError(f"kv_lengths must have shape [{B}] (one fill length per batch row); "
                          f"got {shape_of(kv_lengths)}.")
-    if is_concrete(kv_lengths):
-        lengths = np.asarray(kv_lengths)
-        bad = (lengths < 0) | (lengths > Tk)
-        if bad.any():
-            rows = np.flatnonzero(bad)
-            raise ValueError(f"kv_lengths must lie in [0, Tk] = [0, {Tk}] (the number of "
-                             f"filled keys of each row); got {lengths.tolist()} (rows "
-                             f"{rows.tolist()} out of range).")
     return jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, Tk)
+
+
+def check_kv_lengths_range(kv_lengths: Any, Tk: int) -> None:
+    """Concrete ``kv_lengths`` must lie in ``[0, Tk]``; traced ones cannot raise (see
+    :func:`kv_lengths_out_of_range`: the cache-overflow rule, NaN rows).
+
+    Raises:
+        ValueError: a concrete length outside ``[0, Tk]``, naming the rows.
+    """
+    if not is_concrete(kv_lengths):
+        return
+    lengths = np.asarray(kv_lengths)
+    bad = (lengths < 0) | (lengths > Tk)
+    if bad.any():
+        raise ValueError(f"kv_lengths must lie in [0, Tk] = [0, {Tk}] (the number of filled "
+                         f"keys of each row); got {lengths.tolist()} (rows "
+                         f"{np.flatnonzero(bad).tolist()} out of range).")
 
 
 def kv_lengths_out_of_range(kv_lengths: Any, Tk: int) -> jax.Array | None:
     """bool ``[B]``: rows whose traced length lies outside ``[0, Tk]`` (None for concrete
-    lengths, which :func:`check_kv_lengths` has checked)."""
+    lengths, which :func:`check_kv_lengths_range` checks)."""
     if is_concrete(kv_lengths):
         return None
     lengths = jnp.asarray(kv_lengths)

@@ -375,8 +375,11 @@ def validate_call(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
     sinks = _check_sinks(sinks, N)
     scale = _check_scale(scale, H)
     tile = (max(Tq, 1), max(Tk, 1))
-    kv_overflow = None if kv_lengths is None else _checks.kv_lengths_out_of_range(kv_lengths, Tk)
-    kv_lengths = None if kv_lengths is None else _checks.check_kv_lengths(kv_lengths, B, Tk)
+    kv_overflow = None
+    if kv_lengths is not None:
+        lengths = _checks.check_kv_lengths(kv_lengths, B, Tk)
+        _checks.check_kv_lengths_range(kv_lengths, Tk)
+        kv_lengths, kv_overflow = lengths, _checks.kv_lengths_out_of_range(kv_lengths, Tk)
     scheme = scheme.for_call(causal=causal, mask=mask4, mask_mod=mask_mod, kv_lengths=kv_lengths)
     all_score_mods, score_conv, mask_conv = _check_mods(scheme, score_mod, mask_mod, tile)
     rope_tables = _check_rope_tables(rope_tables, scheme, B, Tq, Tk, H)

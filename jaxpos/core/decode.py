@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpos.core.call import AttentionCall
-from jaxpos.core.reference import call_terms, visible
+from jaxpos.core.reference import Terms, call_terms, visible
 from jaxpos.core.tiles import online_softmax_step, softmax_finish, softmax_start
 from jaxpos.mods import apply_mod
 from jaxpos.schemes.rope import rotate
@@ -60,6 +60,24 @@ def _slice(x: jax.Array, start, size: int, axis: int) -> jax.Array:
 
 def _maybe_slice(x, start, size: int, axis: int):
     return None if x is None else _slice(x, start, size, axis)
+
+
+def _block_scores(call: AttentionCall, terms: Terms, qs: jax.Array, qg: jax.Array,
+                  k_j: jax.Array, kp_j: jax.Array, vis: jax.Array) -> jax.Array:
+    """float32 ``[B, N, Tq, bk]`` scores of one key block: the grouped queries ``qg [B,
+    N_kv, g Tq, H]`` against ``k_j [B, bk, N_kv, H]``, the score_mod, the scheme's content
+    bias (from ``qs [B, N, Tq, H]``), ``-inf`` where ``vis`` is False or a mod hid the
+    pair."""
+    B, N, Tq, _ = qs.shape
+    kg = jnp.swapaxes(k_j.astype(jnp.float32), 1, 2)  # [B, Nk, bk, H]
+    s = jnp.einsum("bkqh,bkth->bkqt", qg, kg, preferred_element_type=jnp.float32)
+    s = s.reshape(B, N, Tq, k_j.shape[1])
+    if terms.score is not None:
+        s = apply_mod(terms.score, call.q_positions, kp_j, score=s)
+    cb = call.scheme.content_bias(qs, call.q_positions, kp_j)
+    if cb is not None:
+        s = s + cb
+    return jnp.where(vis & (s != -jnp.inf), s, -jnp.inf)
 
 
 def run_chunked_decode(call: AttentionCall, load_kv: Callable | None = None,
@@ -115,18 +133,8 @@ def run_chunked_decode(call: AttentionCall, load_kv: Callable | None = None,
                          layout="half")
         seen = jnp.any(vis, axis=(1, 2))  # [B|1, bk]: slots some query of the row sees
         v_j = jnp.where(seen[:, :, None, None], v_j, jnp.zeros((), v_j.dtype))
-        kg = jnp.swapaxes(k_j.astype(jnp.float32), 1, 2)  # [B, Nk, bk, H]
-        vg = jnp.swapaxes(v_j.astype(jnp.float32), 1, 2)
-        s = jnp.einsum("bkqh,bkth->bkqt", qg, kg, preferred_element_type=jnp.float32)
-        s = s.reshape(B, N, Tq, bk)
-        if terms.score is not None:
-            s = apply_mod(terms.score, q_pos, kp_j, score=s)
-            assert s is not None
-        cb = call.scheme.content_bias(qs, q_pos, kp_j)
-        if cb is not None:
-            s = s + cb
-        vis = jnp.broadcast_to(vis & (s != -jnp.inf), s.shape)
-        s = jnp.where(vis, s, -jnp.inf)
+        vg = jnp.swapaxes(v_j.astype(jnp.float32), 1, 2)  # [B, Nk, bk, H_v]
+        s = _block_scores(call, terms, qs, qg, k_j, kp_j, vis)
 
         def values(p):
             o = jnp.einsum("bkqt,bkth->bkqh", p.reshape(B, Nk, g * Tq, bk), vg,
