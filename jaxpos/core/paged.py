@@ -32,7 +32,10 @@ Paths:
   per-call transform rewrites the keys, such as ``RoPE`` given raw keys): the pages are
   gathered and the dense call runs. Caches store RoPE keys rotated at write (then pass
   ``position=None``), or pass ``rope_tables`` to rotate each block on load.
-* ``"pallas"``: for now the gathered dense call (the kernel with ``kv_lengths``).
+* ``"pallas"``: the paged kernel (:func:`jaxpos.kernels.paged.paged_attention_kernel`:
+  key tiles are pages read through the page table, pages past a row's length never
+  visited; forward only), unless :func:`jaxpos.kernels.paged.paged_refusal` names a
+  reason (then the gathered dense call on the kernel).
 
 Bad input: page shapes that disagree with each other or with q, a page table or lengths of
 the wrong shape or dtype raise ``ValueError`` / ``TypeError`` always; with concrete values,
@@ -293,6 +296,12 @@ def paged_attention(q: ArrayLike, k_pages: ArrayLike, v_pages: ArrayLike, *,
                             buffered=call.rope_tables is not None)
         out = run_chunked_decode(call, load_kv=load, block_k=bk)
         return _poison(out, bad)
+    if name == "pallas":
+        from jaxpos.kernels import paged as paged_kernel
+
+        if paged_kernel.paged_refusal(call, ps) is None:  # else: the gathered dense call
+            out = paged_kernel.paged_attention_kernel(call, k_pages, v_pages, table)
+            return _poison(out, bad)
     out = _dense(attention, call, name, gather_pages(k_pages, table),
                  gather_pages(v_pages, table), options, block_q, block_k)
     return _poison(out, bad)
