@@ -17,8 +17,9 @@ import jax.numpy as jnp
 
 from jaxpos import _checks
 from jaxpos._util import pad_axis, pow2_at_least
+from jaxpos.core.call import converted_mods
 from jaxpos.kernels import schedule as sched_lib
-from jaxpos.mods import convert_mod, is_additive
+from jaxpos.mods import is_additive
 
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
@@ -209,8 +210,7 @@ def prepare(call, *, mode: str = "auto", kv_splits=None,
     g = N // Nk
     bq, bk = tile_sizes(call, Tq, Tk)
     nq, nk = max(1, -(-Tq // bq)), max(1, -(-Tk // bk))
-    smod = convert_mod(call.score_mod, "score", bq, bk) if call.score_mod is not None else None
-    mmod = convert_mod(call.mask_mod, "mask", bq, bk) if call.mask_mod is not None else None
+    smod, mmod = converted_mods(call, bq, bk)  # the validation's when the tile is the call's
     ops = _padded_operands(call, q, k, v, nq * bq, nk * bk)._replace(smod=smod, mmod=mmod,
                                                                       page_table=table)
     kinds = _tile_kinds(call, ops, mmod, Tq, Tk, bq, bk, nq, nk)
