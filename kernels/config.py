@@ -99,7 +99,7 @@ class Operands(NamedTuple):
     page_table: Any = None
 
 
-def check_block(name: str, blk) -> int:
+def check_block(name: str, blk: Any) -> int:
     """A tile size: a positive power of two.
 
     Raises:
@@ -112,7 +112,7 @@ def check_block(name: str, blk) -> int:
     return blk
 
 
-def resolve_mode(interpret) -> str:
+def resolve_mode(interpret: Any) -> str:
     """``interpret`` (True / False / None) as the kernel's mode string.
 
     Raises:
@@ -125,7 +125,7 @@ def resolve_mode(interpret) -> str:
     return "interpret" if interpret else "compiled"
 
 
-def tile_sizes(call, Tq: int, Tk: int) -> tuple[int, int]:
+def tile_sizes(call: Any, Tq: int, Tk: int) -> tuple[int, int]:
     """``(bq, bk)``: the block mask's, else ``call.block_q`` / ``block_k`` (default 128)
     shrunk to the sequences (powers of two)."""
     if call.block_mask is not None:
@@ -193,8 +193,8 @@ def _keys(call, pages):
     return k, v, table.shape[1] * k.shape[1], k.shape[2], table
 
 
-def prepare(call, *, mode: str = "auto", kv_splits=None,
-            pages=None) -> tuple[KernelConfig, Operands]:
+def prepare(call: Any, *, mode: str = "auto", kv_splits: int | None = None,
+            pages: Any = None) -> tuple[KernelConfig, Operands]:
     """``(cfg, ops)`` of a validated, transformed call (nothing of ``call`` is checked
     again here; the kernel's own limits are: power-of-two tile sizes, ``kv_splits``).
     ``pages``: ``(k_pages, v_pages, page_table)`` read instead of ``call.k``, ``call.v``
