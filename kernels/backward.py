@@ -28,6 +28,7 @@ from jaxpos.kernels.tiles import loops
 
 if TYPE_CHECKING:
     from jaxpos.kernels.config import KernelConfig, Operands
+    from jaxpos.kernels.layout import Plat
 
 
 def backward_rows(cfg: KernelConfig, out: Any, lse: Any, dout: Any, dlse: Any) -> Any:
@@ -59,7 +60,8 @@ def _ds(cfg, mods, r, b, h, i, j, q, k, v, do, q_pos, kv_pos, q_seg, kv_seg, kv_
     return pr, ds.astype(q[0].dtype)
 
 
-def dq_kernel(*refs, cfg, names, smod, mmod, style, plat) -> None:
+def dq_kernel(*refs: Any, cfg: KernelConfig, names: tuple[str, ...], smod: Any, mmod: Any,
+              style: str, plat: Plat) -> None:
     """The dq kernel body (one query tile of one query head)."""
     r = tiles.named(refs, names)
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -119,7 +121,8 @@ def _dkv_tile(r, cfg, plat, mods, b, kh, j, kv, hi):
     return tile
 
 
-def dkv_kernel(*refs, cfg, names, smod, mmod, style, plat) -> None:
+def dkv_kernel(*refs: Any, cfg: KernelConfig, names: tuple[str, ...], smod: Any, mmod: Any,
+               style: str, plat: Plat) -> None:
     """The dk / dv kernel body (one key tile of one KV head, its group's query heads)."""
     r = tiles.named(refs, names)
     b, kh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)

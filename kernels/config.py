@@ -17,8 +17,9 @@ import jax.numpy as jnp
 
 from jaxpos import _checks
 from jaxpos._util import pad_axis, pow2_at_least
+from jaxpos.core.call import converted_mods
 from jaxpos.kernels import schedule as sched_lib
-from jaxpos.mods import convert_mod, is_additive
+from jaxpos.mods import is_additive
 
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
@@ -98,7 +99,7 @@ class Operands(NamedTuple):
     page_table: Any = None
 
 
-def check_block(name: str, blk) -> int:
+def check_block(name: str, blk: Any) -> int:
     """A tile size: a positive power of two.
 
     Raises:
@@ -111,7 +112,7 @@ def check_block(name: str, blk) -> int:
     return blk
 
 
-def resolve_mode(interpret) -> str:
+def resolve_mode(interpret: Any) -> str:
     """``interpret`` (True / False / None) as the kernel's mode string.
 
     Raises:
@@ -124,7 +125,7 @@ def resolve_mode(interpret) -> str:
     return "interpret" if interpret else "compiled"
 
 
-def tile_sizes(call, Tq: int, Tk: int) -> tuple[int, int]:
+def tile_sizes(call: Any, Tq: int, Tk: int) -> tuple[int, int]:
     """``(bq, bk)``: the block mask's, else ``call.block_q`` / ``block_k`` (default 128)
     shrunk to the sequences (powers of two)."""
     if call.block_mask is not None:
@@ -192,8 +193,8 @@ def _keys(call, pages):
     return k, v, table.shape[1] * k.shape[1], k.shape[2], table
 
 
-def prepare(call, *, mode: str = "auto", kv_splits=None,
-            pages=None) -> tuple[KernelConfig, Operands]:
+def prepare(call: Any, *, mode: str = "auto", kv_splits: int | None = None,
+            pages: Any = None) -> tuple[KernelConfig, Operands]:
     """``(cfg, ops)`` of a validated, transformed call (nothing of ``call`` is checked
     again here; the kernel's own limits are: power-of-two tile sizes, ``kv_splits``).
     ``pages``: ``(k_pages, v_pages, page_table)`` read instead of ``call.k``, ``call.v``
@@ -209,8 +210,7 @@ def prepare(call, *, mode: str = "auto", kv_splits=None,
     g = N // Nk
     bq, bk = tile_sizes(call, Tq, Tk)
     nq, nk = max(1, -(-Tq // bq)), max(1, -(-Tk // bk))
-    smod = convert_mod(call.score_mod, "score", bq, bk) if call.score_mod is not None else None
-    mmod = convert_mod(call.mask_mod, "mask", bq, bk) if call.mask_mod is not None else None
+    smod, mmod = converted_mods(call, bq, bk)  # the validation's when the tile is the call's
     ops = _padded_operands(call, q, k, v, nq * bq, nk * bk)._replace(smod=smod, mmod=mmod,
                                                                       page_table=table)
     kinds = _tile_kinds(call, ops, mmod, Tq, Tk, bq, bk, nq, nk)

@@ -13,7 +13,7 @@ from jax.typing import ArrayLike
 from jaxpos import _checks
 from jaxpos.kernels.config import resolve_mode
 from jaxpos.kernels.fused import kernel_call, run_call
-from jaxpos.mods import BlockMask, compose_score_mods, offset_score_mod
+from jaxpos.mods import BlockMask, compose_score_mods, convert_mod, offset_score_mod
 from jaxpos.schemes.alibi import alibi_score_mod
 from jaxpos.schemes.rope import ANGLE_PRECISIONS, LAYOUTS, apply_rope
 from jaxpos.schemes.rope.tables import rope_tables
@@ -150,6 +150,7 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: Ar
             raise ValueError(f"offset_bias must have shape [{N}, 2R + 1] (odd length, entry R "
                              f"is offset 0); got {(nh, length)}.")
         mods.append(offset_bias_score_mod(offset_bias))
-    call = call.replace(q=q, k=k, score_mod=compose_score_mods(*mods, call.score_mod),
-                        rope_tables=tables)
+    mod = compose_score_mods(*mods, call.score_mod)
+    conv = None if mod is None else convert_mod(mod, "score", *call.mod_tile)
+    call = call.replace(q=q, k=k, score_mod=mod, score_conv=conv, rope_tables=tables)
     return cast(jax.Array, run_call(call, mode=mode))  # return_lse=False: the output alone

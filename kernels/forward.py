@@ -24,6 +24,7 @@ from jaxpos.kernels.tiles import loops
 if TYPE_CHECKING:
     from jaxpos.kernels.config import KernelConfig, Operands
     from jaxpos.kernels.layout import Plat
+    from jaxpos.kernels.tiles import Mods
 
 
 def split_len(cfg: KernelConfig) -> int:
@@ -34,7 +35,7 @@ def split_len(cfg: KernelConfig) -> int:
 class _QueryTile:
     """What a forward program reads once: its query tile(s), positions, segments."""
 
-    def __init__(self, r, cfg, plat, i):
+    def __init__(self, r: dict[str, Any], cfg: KernelConfig, plat: Plat, i: Any):
         self.pos = r["q_pos"][...]  # [bq, 1]
         self.seg = r["q_seg"][...] if cfg.has_segments else None
         self.row = layout.rows_ok(i * cfg.bq, cfg.bq, cfg.Tq) if cfg.nq * cfg.bq != cfg.Tq \
@@ -45,7 +46,8 @@ class _QueryTile:
                                      self.row, tab) for hi in range(cfg.heads)]
 
 
-def load_kv(r, cfg, plat, b, j, kv_lim, masked) -> Any:
+def load_kv(r: dict[str, Any], cfg: KernelConfig, plat: Plat, b: Any, j: Any, kv_lim: Any,
+            masked: bool) -> Any:
     """``(k segments, v, kv_pos, kv_seg)`` of key tile ``j`` of batch row ``b``: rows
     ``[j * bk, (j + 1) * bk)`` of the row's keys, or with paged keys the whole page
     ``page_table[b, j]`` (``bk`` is the page size)."""
@@ -63,7 +65,8 @@ def load_kv(r, cfg, plat, b, j, kv_lim, masked) -> Any:
     return k, v, kv_pos, kv_seg
 
 
-def attend_tile(r, cfg, mods, qt, b, p, i, j, kv_lim, masked, state, kv) -> Any:
+def attend_tile(r: dict[str, Any], cfg: KernelConfig, mods: Mods, qt: Any, b: Any, p: Any, i: Any,
+                j: Any, kv_lim: Any, masked: bool, state: Any, kv: Any) -> Any:
     """The online-softmax update of each query head of the program by key tile ``j``."""
     k, v, kv_pos, kv_seg = kv
     new = []
@@ -94,7 +97,8 @@ def write_rows(r: dict[str, Any], cfg: KernelConfig, plat: Plat, row: Any, state
         r["lse"][tiles.hd(G, hi, slice(None), slice(None))] = lse
 
 
-def fwd_kernel(*refs, cfg, names, smod, mmod, style, plat) -> None:
+def fwd_kernel(*refs: Any, cfg: KernelConfig, names: tuple[str, ...], smod: Any, mmod: Any,
+               style: str, plat: Plat) -> None:
     """The forward kernel body (one query tile of ``cfg.heads`` heads)."""
     r = tiles.named(refs, names)
     b, p, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)

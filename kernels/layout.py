@@ -97,7 +97,7 @@ def from_kernel(plat: Plat, y: Any, n: int) -> Any:
     return y
 
 
-def token_shape(plat: Plat, B, T, n: int, W: int) -> tuple[int, ...]:
+def token_shape(plat: Plat, B: int, T: int, n: int, W: int) -> tuple[int, ...]:
     """The kernel array shape of a ``[B, T, n, W]`` array."""
     return {"4d": (B, T, n, W), "flat": (B, T, n * W), "bnth": (B, n, T, W)}[plat.kind]
 
@@ -118,7 +118,8 @@ def tok_spec(plat: Plat, rows: Any, heads: int, W: int, Wb: int, imap: Any) -> A
     return pl.BlockSpec((None, hd, rows, W), bnth)
 
 
-def view(ref, plat, heads, hi, W, rows, c0, w, lead=()) -> Any:
+def view(ref: Any, plat: Plat, heads: int, hi: int, W: int, rows: Any, c0: int, w: int,
+         lead: tuple[Any, ...] = ()) -> Any:
     """Kernel side: the ref view of head ``hi`` (of ``heads`` in the block), ``rows``,
     features ``[c0, c0 + block width)``; ``lead``: indices of leading dims before them (a
     page of a page pool). One indexer (Triton takes no chain of them)."""
@@ -174,7 +175,8 @@ def rows_ok(start: Any, n: int, limit: Any) -> jax.Array:
     return (start + jax.lax.broadcasted_iota(jnp.int32, (n, 1), 0)) < limit
 
 
-def load_feats(ref, plat, heads, hi, W, rows, segs, row_ok, tab, lead=()) -> list[jax.Array]:
+def load_feats(ref: Any, plat: Plat, heads: int, hi: int, W: int, rows: Any, segs: Segs,
+               row_ok: Any, tab: Any, lead: tuple[Any, ...] = ()) -> list[jax.Array]:
     """The feature segments of one head's tile (rotated by ``tab = (cos, sin)`` when
     given), each ``[r, block width]`` in the input dtype (``lead``: as :func:`view`)."""
     xs = [load(view(ref, plat, heads, hi, W, rows, c0, w, lead), plat, w, row_ok)
@@ -196,7 +198,8 @@ def unrotate(gs: Any, tab: Any) -> list[Any]:
     return [g1 * c + g2 * s, g2 * c - g1 * s] + list(gs[2:])
 
 
-def store_feats(ref, plat, heads, hi, W, rows, segs, row_ok, vals) -> None:
+def store_feats(ref: Any, plat: Plat, heads: int, hi: int, W: int, rows: Any, segs: Segs,
+                row_ok: Any, vals: Any) -> None:
     """Store the feature segments ``vals`` of one head's tile."""
     for (c0, w), val in zip(segs, vals):
         store(view(ref, plat, heads, hi, W, rows, c0, w), plat, w, row_ok, val)

@@ -48,14 +48,14 @@ class _Idx:
 class _Rng:
     """A ref dimension read over ``[start, start + size)``."""
 
-    def __init__(self, start, size):
+    def __init__(self, start: Any, size):
         self.start, self.size = start, size
 
 
 class _View:
     """A captured array still in its ref: ``entries[d]`` says how ref dim ``d`` is read."""
 
-    def __init__(self, slot: int, entries: list, dtype):
+    def __init__(self, slot: int, entries: list, dtype: Any):
         self.slot, self.entries, self.dtype = slot, entries, dtype
 
     @property
@@ -73,14 +73,14 @@ class _View:
 class _Bcast:
     """A scalar broadcast to ``shape`` (kept symbolic: a gather index that is a scalar)."""
 
-    def __init__(self, scalar, shape):
+    def __init__(self, scalar, shape: tuple[int, ...]):
         self.scalar, self.shape = scalar, tuple(shape)
 
 
 class _Stack:
     """Gather index vectors ``[..., len(comps)]``: one index array (or _Bcast) per entry."""
 
-    def __init__(self, comps: list, shape):
+    def __init__(self, comps: list, shape: tuple[int, ...]):
         self.comps, self.shape = list(comps), tuple(shape)  # shape without the last axis
 
 
@@ -91,7 +91,7 @@ class Loader:
     def __init__(self, refs: Sequence[Any]):
         self.refs = list(refs)
 
-    def load(self, view: _View):
+    def load(self, view: _View) -> Any:
         """Load a view (scalars and ranges) as a value of ``view.shape``."""
         idx = []
         for e in view.entries:
@@ -102,7 +102,7 @@ class Loader:
         ref = self.refs[view.slot]
         return ref[tuple(_lead(ref, view) + idx)]
 
-    def gather(self, view: _View, per_dim: list, shape, dtype):
+    def gather(self, view: _View, per_dim: list, shape: tuple[int, ...], dtype: Any) -> Any:
         """``per_dim[d]``: a scalar or an int32 array (of ``shape``, or a _Bcast) per ref
         dim, already clamped in range. Returns the gathered values, ``shape``."""
         raise NotImplementedError
@@ -122,7 +122,7 @@ def _materialize_index(x, shape):
 class RefLoader(Loader):
     """Indexed loads (Triton's pointer-tensor loads; gathers in interpret mode)."""
 
-    def gather(self, view, per_dim, shape, dtype):
+    def gather(self, view: Any, per_dim: Any, shape: tuple[int, ...], dtype: Any) -> Any:
         ref = self.refs[view.slot]
         lead = [jnp.zeros(shape, jnp.int32)] * (len(ref.shape) - len(view.entries))
         idx = tuple(lead + [_materialize_index(x, shape) for x in per_dim])
@@ -140,7 +140,7 @@ class LoopLoader(Loader):
     ``O(index range x index array size)``; the index range of a tile of relative offsets
     is at most ``bq + bk - 1`` whatever the table size."""
 
-    def gather(self, view, per_dim, shape, dtype):
+    def gather(self, view: Any, per_dim: Any, shape: tuple[int, ...], dtype: Any) -> Any:
         arrays = [d for d, x in enumerate(per_dim) if _is_array(x) and not isinstance(x, _Bcast)]
         scal = [x.scalar if isinstance(x, _Bcast) else x for x in per_dim]
         ref = self.refs[view.slot]
@@ -169,17 +169,17 @@ class UsageRecorder(Loader):
     block (``dense``) rather than by scalar or indexed loads. The TPU kernel keeps arrays
     that are only indexed in SMEM (scalar memory) and the others in VMEM."""
 
-    def __init__(self, shapes_dtypes):
+    def __init__(self, shapes_dtypes: Any):
         super().__init__([None] * len(shapes_dtypes))
         self.avals = list(shapes_dtypes)
         self.dense = [False] * len(shapes_dtypes)
 
-    def load(self, view):
+    def load(self, view: Any) -> Any:
         if any(isinstance(e, _Rng) and e.size > 1 for e in view.entries):
             self.dense[view.slot] = True
         return jnp.zeros(view.shape, view.dtype)
 
-    def gather(self, view, per_dim, shape, dtype):
+    def gather(self, view: Any, per_dim: Any, shape: tuple[int, ...], dtype: Any) -> Any:
         return jnp.zeros(shape, dtype)
 
 
@@ -369,7 +369,7 @@ def _lazy_rule(eqn, name, vals, loader):
     return None
 
 
-def eval_converted(conv, args: Sequence[Any], loader: Loader):
+def eval_converted(conv: Any, args: Sequence[Any], loader: Loader) -> Any:
     """Evaluate a :class:`jaxpos.mods.ConvertedMod` on ``args`` (its own arguments) with
     its captured arrays read through ``loader`` (views of ``loader.refs``)."""
     jaxpr = conv.jaxpr
@@ -379,7 +379,7 @@ def eval_converted(conv, args: Sequence[Any], loader: Loader):
     return _materialize(out, loader)
 
 
-def mod_function(conv, loader: Loader) -> Callable:
+def mod_function(conv: Any, loader: Loader) -> Callable:
     """``eval_converted`` as a function of the mod's own arguments."""
     return lambda *args: eval_converted(conv, args, loader)
 

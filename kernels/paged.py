@@ -28,10 +28,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxpos.kernels.config import check_block, prepare, resolve_mode
+from jaxpos.kernels.config import prepare, resolve_mode
 from jaxpos.kernels.forward import forward
 
-__all__ = ["paged_attention_kernel"]
+__all__ = ["paged_attention_kernel", "paged_refusal"]
 
 
 def _refuse_derivatives(cfg, primals, tangents):
@@ -48,21 +48,34 @@ def _forward_only(cfg, ops):
 _forward_only.defjvp(_refuse_derivatives)
 
 
-def _check_pages(call, k_pages, v_pages, page_table):
-    """The kernel's own limits (the call and the page values are validated by the
-    caller): a power-of-two page size, the tile size along keys equal to it, no dropout."""
-    page_size = k_pages.shape[1]
-    check_block("page_size (k_pages.shape[1])", page_size)
+def paged_refusal(call, page_size: int) -> str | None:
+    """Why the paged kernel cannot run ``call`` over pages of ``page_size`` slots (then the
+    caller gathers the pages and runs the dense call), or None.
+
+    The kernel's own limits: a power-of-two page size, the tile along keys equal to it
+    (``block_k`` and a block mask's), ``kv_lengths`` given, no dropout (forward only), no
+    boolean mask array, and a scheme with no per-token transform of the keys (cached keys
+    are stored transformed, e.g. RoPE rotated at write, or rotated on load with
+    ``rope_tables``)."""
+    from jaxpos.schemes.base import PositionScheme
+
+    if page_size & (page_size - 1) or page_size < 1:
+        return f"the page size must be a power of two (the kernel's key tile); got {page_size}."
     blk = call.block_mask.block_k if call.block_mask is not None else call.block_k
     if blk is not None and blk != page_size:
-        raise ValueError(f"the paged kernel's key tiles are pages: block_k (the block "
-                         f"mask's when given) must equal the page size {page_size}; got "
-                         f"{blk}.")
-    if call.dropout is not None:
-        raise ValueError("the paged kernel is forward-only (serving) and applies no "
-                         "attention dropout; pass dropout_rate=0.")
+        return (f"the paged kernel's key tiles are pages: block_k (the block mask's when "
+                f"given) must equal the page size {page_size}; got {blk}.")
     if call.kv_lengths is None:
-        raise ValueError("the paged kernel needs kv_lengths (each row's filled slots).")
+        return "the paged kernel needs kv_lengths (each row's filled slots)."
+    if call.dropout is not None:
+        return ("the paged kernel is forward-only (serving) and applies no attention "
+                "dropout; pass dropout_rate=0.")
+    if call.mask is not None:
+        return "the paged kernel takes no boolean mask array; express it as a mask_mod."
+    if type(call.scheme).transform_qk is not PositionScheme.transform_qk:
+        return (f"the paged kernel reads cached keys as stored; the position scheme "
+                f"{type(call.scheme).__name__} transforms keys per call.")
+    return None
 
 
 def paged_attention_kernel(call, k_pages: jax.Array, v_pages: jax.Array,
@@ -96,12 +109,13 @@ def paged_attention_kernel(call, k_pages: jax.Array, v_pages: jax.Array,
       raises ``NotImplementedError``.
 
     Raises:
-      ValueError / TypeError: a page size that is not a power of two, ``block_k`` other
-        than the page size, dropout, no ``kv_lengths``, ``kv_splits`` not a positive
-        integer, ``interpret`` not a bool or None.
+      ValueError / TypeError: what :func:`paged_refusal` names; ``kv_splits`` not a
+        positive integer; ``interpret`` not a bool or None.
     """
     mode = resolve_mode(interpret)
-    _check_pages(call, k_pages, v_pages, page_table)
+    reason = paged_refusal(call, k_pages.shape[1])
+    if reason is not None:
+        raise ValueError(reason)
     call = call.replace(block_k=call.block_k if call.block_mask is not None
                         else k_pages.shape[1])
     cfg, ops = prepare(call, mode=mode, kv_splits=kv_splits,

@@ -82,7 +82,7 @@ class Out(NamedTuple):
     make: Any
 
 
-def whole(pow2: bool=False) -> Any:
+def whole(pow2: bool = False) -> Any:
     """The whole array in every program (captured arrays, sinks; Triton: every dim padded
     to a power of two when ``pow2``)."""
 
@@ -167,7 +167,8 @@ def _cfg_of(kernel):
     return kernel.keywords["cfg"]
 
 
-def run_pallas(kernel, grid, ins: list[In], outs: list[Out], name, scalar_prefetch=0) -> Any:
+def run_pallas(kernel: Any, grid: tuple[int, ...], ins: list[In], outs: list[Out], name: str,
+               scalar_prefetch: int = 0) -> Any:
     """Run ``kernel`` (a ``functools.partial`` with ``cfg=``; it is given ``names``,
     ``style`` and ``plat``) in interpret mode, or compiled by Triton (CUDA / ROCm) or
     Mosaic (TPU). Returns the outputs, each mapped back by its ``post``."""
@@ -263,7 +264,8 @@ def _tables(rows, imap):
     return spec
 
 
-def pos_inputs(cfg: KernelConfig, ops: Operands, *, q_rows, q_map, k_rows, k_map) -> list[In]:
+def pos_inputs(cfg: KernelConfig, ops: Operands, *, q_rows: int, q_map: Any, k_rows: int,
+               k_map: Any) -> list[In]:
     """Positions, segments and RoPE tables; ``q_map(*grid) -> (batch, row block)``."""
     qb, kb = batch_map(cfg.qpos_batched), batch_map(cfg.kvpos_batched)
     ins = [In("q_pos", ops.q_pos, fixed((None, q_rows, 1), lambda *g: (

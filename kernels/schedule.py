@@ -28,7 +28,7 @@ FlexAttention's ``kv_indices`` / ``full_kv_indices`` (Dong et al. 2024, §3).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,8 +69,8 @@ def _tile_min_max(x, n, blk, real):
     return lo, hi
 
 
-def structural_kinds(*, causal, q_pos, kv_pos, seg_q, seg_kv, Tq, Tk, bq, bk, nq, nk,
-                     kv_len=None):
+def structural_kinds(*, causal: bool, q_pos: Any, kv_pos: Any, seg_q: Any, seg_kv: Any, Tq: int,
+                     Tk: int, bq: int, bk: int, nq: int, nk: int, kv_len: Any = None) -> jax.Array:
     """Tile kinds from causality, segments, padding and per-row key lengths: int32
     ``[S_b, 1, nq, nk]``.
 
@@ -104,7 +104,7 @@ def structural_kinds(*, causal, q_pos, kv_pos, seg_q, seg_kv, Tq, Tk, bq, bk, nq
     return kinds[:, None]
 
 
-def combine(kinds_a, kinds_b):
+def combine(kinds_a: Any, kinds_b: Any) -> jax.Array:
     """Tile by tile: EMPTY if either is, FULL if both are, else PARTIAL (broadcasting)."""
     if kinds_b is None:
         return kinds_a
@@ -128,7 +128,7 @@ def _lists(kinds, pad_to):
     return (jnp.stack(counts, axis=-1)[..., None, :], jnp.stack(lists, axis=-2))
 
 
-def build(kinds, splits: int = 1) -> Schedule:
+def build(kinds: Any, splits: int = 1) -> Schedule:
     """The :class:`Schedule` of tile kinds ``[S_b, S_h, nq, nk]``; with ``splits > 1``
     also the forward's lists per key split (split ``s`` holds key tiles ``s * L ..
     (s + 1) * L - 1``, ``L = ceil(nk / splits)``, indices local to the split)."""

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from jaxpos.kernels.config import KernelConfig
 
 
-def dot(a: Any, b: Any, cfg: KernelConfig, contract: Any=((1,), (1,))) -> Any:
+def dot(a: Any, b: Any, cfg: KernelConfig, contract: Any = ((1,), (1,))) -> Any:
     """``a . b`` over ``contract`` with float32 accumulation (exact float32 dots for
     float32 inputs)."""
     prec = jax.lax.Precision.HIGHEST if cfg.precise else None
@@ -45,7 +45,8 @@ class Mods:
     form; :mod:`jaxpos.kernels.modeval`)."""
 
     def __init__(self, r: dict[str, Any], smod: Any, mmod: Any, style: str):
-        self.score = self.mask = None
+        self.score: Any = None
+        self.mask: Any = None
         if smod is not None:
             refs = [r[f"smod{i}"] for i in range(len(smod.consts))]
             self.score = modeval.mod_function(smod, _loader(style, refs))
@@ -54,7 +55,8 @@ class Mods:
             self.mask = modeval.mod_function(mmod, _loader(style, refs))
 
 
-def scores(cfg: KernelConfig, mods: Mods, b: Any, h: Any, q: Any, k: Any, q_pos: Any, kv_pos: Any):
+def scores(cfg: KernelConfig, mods: Mods, b: Any, h: Any, q: Any, k: Any, q_pos: Any,
+           kv_pos: Any) -> tuple[jax.Array, jax.Array]:
     """``(s_raw, s)``: the scaled scores of a tile and the score_mod applied to them."""
     s_raw = dots(q, k, cfg) * jnp.float32(cfg.scale)
     if mods.score is None:
@@ -62,7 +64,8 @@ def scores(cfg: KernelConfig, mods: Mods, b: Any, h: Any, q: Any, k: Any, q_pos:
     return s_raw, mods.score(s_raw, b, h, q_pos, kv_pos)
 
 
-def chain(cfg, mods, b, h, ds, s_raw, q_pos, kv_pos, vis) -> Any:
+def chain(cfg: KernelConfig, mods: Mods, b: Any, h: Any, ds: Any, s_raw: Any, q_pos: Any,
+          kv_pos: Any, vis: Any) -> Any:
     """The gradient with respect to the raw score: ``ds * d score_mod / d score``
     (elementwise; ``ds`` itself when the score_mod is additive or absent)."""
     if cfg.additive or mods.score is None:
@@ -78,7 +81,8 @@ def kv_padded(cfg: KernelConfig) -> bool:
     return cfg.nk * cfg.bk != cfg.Tk or cfg.has_kv_len
 
 
-def visible(cfg, mods, b, h, q_pos, kv_pos, q_seg, kv_seg, key_index, kv_lim, shape) -> Any:
+def visible(cfg: KernelConfig, mods: Mods, b: Any, h: Any, q_pos: Any, kv_pos: Any, q_seg: Any,
+            kv_seg: Any, key_index: Any, kv_lim: Any, shape: tuple[int, ...]) -> Any:
     """bool ``shape`` visibility of a PARTIAL tile; ``key_index`` ``[1, bk]`` the tile's key
     indices along the row (compared with ``kv_lim``, the row's key count)."""
     terms = []
@@ -103,7 +107,7 @@ def key_indices(j: Any, bk: int) -> jax.Array:
     return j * bk + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
 
 
-def loops(count: Any, item: Any, carry: Any, tile: Any, offset: Any=0) -> Any:
+def loops(count: Any, item: Any, carry: Any, tile: Any, offset: Any = 0) -> Any:
     """Run ``tile(index, carry, masked)`` over the PARTIAL then the FULL tiles of this
     program's schedule row (``count(row)``, ``item(row, t)``); each loop's trip count is
     the number of such tiles. ``offset`` is added to every index (a key split's start)."""
@@ -122,7 +126,7 @@ def loops(count: Any, item: Any, carry: Any, tile: Any, offset: Any=0) -> Any:
     return run(1, run(0, carry, True), False)
 
 
-def sched_fns(counts: Any, lists: Any, lead: tuple[Any, ...]=()) -> Any:
+def sched_fns(counts: Any, lists: Any, lead: tuple[Any, ...] = ()) -> Any:
     """``count(row)`` / ``item(row, t)`` of a counts ref ``[*lead, 1, 2]`` and a lists ref
     ``[*lead, 2, L]`` (``lead``: static indices of a head inside the block)."""
     last = lists.shape[-1] - 1
@@ -136,13 +140,14 @@ def named(refs: Any, names: tuple[str, ...]) -> dict[str, Any]:
     return dict(zip(names, refs))
 
 
-def hd(heads: int, hi: int, *idx) -> tuple[Any, ...]:
+def hd(heads: int, hi: int, *idx: Any) -> tuple[Any, ...]:
     """One index tuple (Triton takes a single indexer): head ``hi`` of a block of ``heads``
     heads (a leading block dim when ``heads > 1``), then ``idx``."""
     return idx if heads == 1 else (hi, *idx)
 
 
-def dropped(cfg, r, b, h, q0, rq, k0, rk, x) -> Any:
+def dropped(cfg: KernelConfig, r: dict[str, Any], b: Any, h: Any, q0: Any, rq: int, k0: Any,
+            rk: int, x: Any) -> Any:
     """``x`` (a ``[rq, rk]`` tile of probabilities or of ``dO V^T``) times the dropout
     factor ``keep / (1 - rate)`` of query rows ``q0 + [0, rq)`` and key columns
     ``k0 + [0, rk)`` (indices along the call's sequences), the keep decisions of
