@@ -186,13 +186,15 @@ class ModuleDecoder:
     def forward(self, params: Any, tokens: jax.Array, positions: jax.Array, pool: tuple,
                 page_table: jax.Array, lengths: jax.Array,
                 mask: jax.Array) -> tuple[jax.Array, tuple]:
-        """See :meth:`PagedModel.forward` (``decode_step`` with ``attention_mask=mask``)."""
+        """See :meth:`PagedModel.forward`. Masked tokens (the padding at the end of a
+        prefill chunk) are written like tokens: the loop's lengths count the others only,
+        so the next step's view hides those slots and later tokens overwrite them."""
         from flax import nnx
 
         from jaxpos.layers.cache.paged import paged_view
 
         model = nnx.merge(self._graphdef, params)
         caches = tuple(paged_view(kp, vp, page_table, lengths) for kp, vp in pool)
-        logits, caches = model.decode_step(tokens, caches, positions=positions,
-                                           attention_mask=mask)
+        del mask  # (see above)
+        logits, caches = model.decode_step(tokens, caches, positions=positions)
         return logits, tuple((c.k_pages, c.v_pages) for c in caches)

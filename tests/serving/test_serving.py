@@ -155,7 +155,8 @@ def test_eos_ends_a_request_and_static_batching_gives_the_same_tokens():
 
 def test_requests_that_can_never_run_are_refused():
     model = PagedDecoder(vocab_size=16, d_model=16, num_layers=1, num_heads=2)
-    eng = ServingEngine(model, num_slots=1, num_pages=2, page_size=4, max_len=12)
+    eng = ServingEngine(model, num_slots=1, num_pages=2, page_size=4, max_len=12,
+                        prefill_chunk=4)
     with pytest.raises(ValueError, match="exceeds max_len=12"):
         eng.run([Request([1] * 10, 3)])
     with pytest.raises(ValueError, match="needs 3 pages; the pool holds num_pages=2"):

@@ -10,6 +10,7 @@ through :func:`jaxpos.attention`'s ``page_table=`` (:mod:`jaxpos.core.paged`).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,7 @@ __all__ = ["PagedKVCache", "assign_pages", "init_paged_cache", "pages_for", "pag
 DEFAULT_PAGE_SIZE = 16
 
 
-def pages_for(tokens, page_size: int):
+def pages_for(tokens: Any, page_size: int) -> Any:
     """Pages needed to hold ``tokens`` slots: ``ceil(tokens / page_size)`` (ints or int
     arrays)."""
     return -(-tokens // page_size)
@@ -80,7 +81,7 @@ def write_pages(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Arr
 
 
 def assign_pages(page_table: jax.Array, next_page: jax.Array, new_lengths: jax.Array,
-                 page_size: int, num_pages: int):
+                 page_size: int, num_pages: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Give each row the pages its new fill needs: the table's unassigned entries (< 0)
     among columns ``< ceil(new_lengths / page_size)`` take the pool's next free pages, rows
     in order, from ``next_page`` up. Entries already assigned (by a serving loop's
@@ -156,8 +157,7 @@ class PagedKVCache(Cache):
         """:meth:`jaxpos.layers.cache.Cache.write`: the scheme's ``cache_write`` of the new
         tokens written at each row's fill, into pages assigned as the row grows
         (:func:`assign_pages`); padding takes a slot that no query sees
-        (``kv_segment_ids`` 0), as in the dense cache, and is not stored (trailing
-        padding takes no page).
+        (``kv_segment_ids`` 0), as in the dense cache.
 
         Raises:
           ValueError: concrete fills that would need more slots than ``max_len`` or more
@@ -170,12 +170,8 @@ class PagedKVCache(Cache):
                              f"[{B}, T, {self.k_pages.shape[2]}, {self.k_pages.shape[3]}]).")
         keep = jnp.ones((B, T), bool) if mask is None else jnp.asarray(mask, bool)
         new_len = self.length + T
-        # slots up to the last token need pages; trailing padding (the end of a prefill
-        # chunk, an idle serving slot) is invisible and takes none
-        t_idx = jnp.arange(1, T + 1, dtype=jnp.int32)[None, :]
-        needed = self.length + jnp.max(jnp.where(keep, t_idx, 0), axis=1)
-        if all(_checks.is_concrete(x) for x in (self.length, self.page_table, self.next_page,
-                                                 keep)):
+        needed = new_len  # padding takes a slot (and its page), as in the dense cache
+        if all(_checks.is_concrete(x) for x in (self.length, self.page_table, self.next_page)):
             end = np.asarray(needed)
             if (end > S).any():
                 raise ValueError(f"KV cache overflow: writing {T} token(s) after "
@@ -195,7 +191,7 @@ class PagedKVCache(Cache):
         table, next_page, short = assign_pages(self.page_table, self.next_page, needed,
                                                self.page_size, self.num_pages)
         k_pages, v_pages, _, overflow = write_pages(self.k_pages, self.v_pages, k, v, table,
-                                                    self.length, keep)
+                                                    self.length)
         slots = self.length[:, None] + jnp.arange(T, dtype=jnp.int32)
         rows = jnp.arange(B, dtype=jnp.int32)[:, None]
         pos = jnp.broadcast_to(positions, (B, T)).astype(jnp.int32)
@@ -212,7 +208,7 @@ class PagedKVCache(Cache):
                               poison, tables, table)
 
 
-def init_paged_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype,
+def init_paged_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype: Any,
                      page_size: int | None = None,
                      num_pages: int | None = None) -> PagedKVCache:
     """An empty :class:`PagedKVCache`: a pool of ``num_pages`` zero pages of ``page_size``
