@@ -144,6 +144,7 @@ def render(dec, serve, args) -> str:
         f"average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (a shared "
         f"machine: the timings are medians of round-robin repeats).",
         "",
+        "<!-- --8<-- [start:serve-table] -->",
         f"## Decode step: paged vs dense cache (batch {B}, {N} query / {NK} KV heads, "
         f"head_dim {H}, pages of {PS}; ms per call, medians of {args.repeats})",
         "",
@@ -181,6 +182,7 @@ def render(dec, serve, args) -> str:
             f"(goal <= 1.1) against {c['dense_slots_per_token_held']:.2f} for the dense cache.",
             "",
         ]
+    lines.append("<!-- --8<-- [end:serve-table] -->")
     return "\n".join(lines)
 
 

@@ -80,6 +80,23 @@ def _block_scores(call: AttentionCall, terms: Terms, qs: jax.Array, qg: jax.Arra
     return jnp.where(vis & (s != -jnp.inf), s, -jnp.inf)
 
 
+def _block_visibility(call: AttentionCall, terms, lim: jax.Array, bk: int, j: jax.Array):
+    """``(start, kv positions [B|1, bk], vis [B|1, N|1, Tq, bk])`` of key block ``j`` of
+    ``bk`` slots (rows filled to ``lim``), from positions, masks and segments only: no key
+    or value is read."""
+    Tk = call.k.shape[1]
+    start = jnp.minimum(j * bk, Tk - bk)  # the last block may overlap the one before
+    idx = start + jnp.arange(bk, dtype=jnp.int32)
+    valid = (idx >= j * bk)[None, :] & (idx[None, :] < lim[:, None])  # [B, bk]
+    kp_j = _slice(call.kv_positions, start, bk, 1)
+    mask_j = _maybe_slice(call.mask, start, bk, 3)
+    seg_kv = _maybe_slice(call.kv_segment_ids, start, bk, 1)
+    vis = visible(call.causal, call.q_positions, kp_j, valid, mask_j, call.segment_ids, seg_kv,
+                  terms.mask, (call.batch, call.num_heads))
+    assert vis is not None  # (valid is always given)
+    return start, kp_j, vis
+
+
 def run_chunked_decode(call: AttentionCall, load_kv: Callable | None = None,
                        block_k: int | None = None) -> jax.Array:
     """``[B, Tq, N, H_v]`` in q's dtype for a transformed, decode-shaped call
@@ -112,20 +129,6 @@ def run_chunked_decode(call: AttentionCall, load_kv: Callable | None = None,
     terms = call_terms(call, Tq, bk)
     q_pos = call.q_positions
 
-    def visibility(j):
-        """``(start, kv positions, vis [B|1, N|1, Tq, bk])`` of block ``j`` from positions,
-        masks and segments only (no key or value is read)."""
-        start = jnp.minimum(j * bk, Tk - bk)  # the last block may overlap the one before
-        idx = start + jnp.arange(bk, dtype=jnp.int32)
-        valid = (idx >= j * bk)[None, :] & (idx[None, :] < lim[:, None])  # [B, bk]
-        kp_j = _slice(call.kv_positions, start, bk, 1)
-        mask_j = _maybe_slice(call.mask, start, bk, 3)
-        seg_kv = _maybe_slice(call.kv_segment_ids, start, bk, 1)
-        vis = visible(call.causal, q_pos, kp_j, valid, mask_j, call.segment_ids, seg_kv,
-                      terms.mask, (B, N))
-        assert vis is not None  # (valid is always given)
-        return start, kp_j, vis
-
     def block(carry, start, kp_j, vis):
         k_j, v_j = load_kv(start, bk)
         if tabs is not None:
@@ -145,7 +148,7 @@ def run_chunked_decode(call: AttentionCall, load_kv: Callable | None = None,
         return online_softmax_step(carry, s, values)
 
     def visit(j, carry):
-        start, kp_j, vis = visibility(j)
+        start, kp_j, vis = _block_visibility(call, terms, lim, bk, j)
         return jax.lax.cond(jnp.any(vis), block, lambda c, *_: c, carry, start, kp_j, vis)
 
     def step(carry, j):

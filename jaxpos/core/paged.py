@@ -77,8 +77,8 @@ class PagedLayout:
                 f"pages_per_seq={self.pages_per_seq})")
 
 
-def check_paged_inputs(q: Any, k_pages: Any, v_pages: Any, page_table: Any,
-                       kv_lengths: Any) -> PagedLayout:
+def check_paged_inputs(q: ArrayLike, k_pages: ArrayLike, v_pages: ArrayLike,
+                       page_table: ArrayLike, kv_lengths: ArrayLike) -> PagedLayout:
     """Check the shapes and dtypes of a paged call, and its values when they are concrete.
 
     Args:
@@ -154,7 +154,8 @@ def check_paged_inputs(q: Any, k_pages: Any, v_pages: Any, page_table: Any,
     return layout
 
 
-def paged_bad_rows(page_table: Any, kv_lengths: Any, layout: PagedLayout) -> jax.Array:
+def paged_bad_rows(page_table: ArrayLike, kv_lengths: ArrayLike,
+                   layout: PagedLayout) -> jax.Array:
     """bool ``[B]``: rows whose ``kv_lengths`` lies outside ``[0, kv_len]`` or that read a
     page index outside ``[0, num_pages)`` (computed from the integers only; no key or
     value is read). Their outputs are NaN under ``jit``."""

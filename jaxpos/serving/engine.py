@@ -115,6 +115,26 @@ class _Running:
     first_token: float = float("nan")
 
 
+class _Loop:
+    """The state of one :meth:`ServingEngine.run`."""
+
+    def __init__(self, waiting: deque, slots: list, stats: ServingStats,
+                 progress: Callable[[int], Any] | None):
+        self.waiting, self.slots, self.stats, self.progress = waiting, slots, stats, progress
+        self.done: list[Completion] = []
+        self.page_ratios: list[float] = []
+        self.dense_ratios: list[float] = []
+        self._t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def generated(self, n: int) -> None:
+        self.stats.generated += n
+        if self.progress is not None:
+            self.progress(n)
+
+
 class ServingEngine:
     """Continuous batching of :class:`Request` s over a paged KV cache.
 
@@ -141,7 +161,8 @@ class ServingEngine:
         self.model, self.params = model, model.params
         self.num_slots, self.page_size, self.max_len = num_slots, page_size, max_len
         self.prefill_chunk, self.schedule = prefill_chunk, schedule
-        self.pages_per_seq = pages_for(max_len, page_size)
+        # wide enough for a prompt padded to whole prefill chunks
+        self.pages_per_seq = pages_for(-(-max_len // prefill_chunk) * prefill_chunk, page_size)
         self.allocator = PageAllocator(num_pages)
         self.pool = model.init_pool(num_pages, page_size)
         self._step = jax.jit(self._forward_and_sample, donate_argnums=(1,))
@@ -178,13 +199,19 @@ class ServingEngine:
         if len(r.prompt) + r.max_new_tokens > self.max_len:
             raise ValueError(f"request {r.id!r}: prompt ({len(r.prompt)}) + max_new_tokens "
                              f"({r.max_new_tokens}) exceeds max_len={self.max_len}.")
-        need = pages_for(len(r.prompt) + r.max_new_tokens, self.page_size)
+        need = self._pages_needed(r)
         if need > self.allocator.num_pages:
             raise ValueError(f"request {r.id!r} needs {need} pages; the pool holds "
                              f"num_pages={self.allocator.num_pages}.")
         if not 0 < r.top_p <= 1 or r.temperature < 0 or r.top_k < 0:
             raise ValueError(f"request {r.id!r}: need temperature >= 0, top_k >= 0 and top_p "
                              f"in (0, 1]; got {r.temperature}, {r.top_k}, {r.top_p}.")
+
+    def _pages_needed(self, r: Request) -> int:
+        """Pages a request may hold: its prompt and budget, or its prompt padded to whole
+        prefill chunks (a model may write the padding), whichever is more."""
+        padded = -(-len(r.prompt) // self.prefill_chunk) * self.prefill_chunk
+        return pages_for(max(len(r.prompt) + r.max_new_tokens, padded), self.page_size)
 
     def _grow(self, run: _Running, slots: int) -> None:
         """Hand ``run`` the pages for ``slots`` filled slots."""
@@ -204,7 +231,7 @@ class ServingEngine:
         tok = 0
         for start in range(0, len(prompt), C):
             chunk = prompt[start:start + C]
-            self._grow(run, run.length + len(chunk))
+            self._grow(run, run.length + C)  # the padding too: a model may write it
             tokens = np.zeros((1, C), np.int32)
             tokens[0, :len(chunk)] = chunk
             mask = np.arange(C)[None, :] < len(chunk)
@@ -221,6 +248,58 @@ class ServingEngine:
         if len(run.tokens) >= r.max_new_tokens:
             return "length"
         return None
+
+    def _admit(self, loop: _Loop) -> None:
+        """Admit waiting requests into free slots while the pool can book them (all slots
+        must be idle for ``schedule="static"``), prefill each and sample its first token."""
+        if self.schedule == "static" and any(s is not None for s in loop.slots):
+            return
+        while loop.waiting and None in loop.slots and loop.waiting[0].arrival <= loop.now():
+            r = loop.waiting[0]
+            need = self._pages_needed(r)
+            if not self.allocator.reserve(need):
+                return
+            loop.waiting.popleft()
+            b = loop.slots.index(None)
+            run = _Running(r, [], need, 0, [], max(r.arrival, 0.0))
+            loop.slots[b] = run
+            self._prefill(run, loop.now)
+            loop.generated(1)
+            self._maybe_finish(loop, b)
+
+    def _maybe_finish(self, loop: _Loop, b: int) -> None:
+        run = loop.slots[b]
+        assert run is not None
+        reason = self._finished(run)
+        if reason:
+            loop.done.append(Completion(run.request, run.tokens, reason, run.arrival,
+                                        run.first_token, loop.now()))
+            self.allocator.free(run.pages, run.booked)
+            loop.slots[b] = None
+
+    def _decode(self, loop: _Loop, active: list[int]) -> None:
+        """One jitted decode step over every slot (idle ones masked)."""
+        S = self.num_slots
+        tokens, mask = np.zeros((S, 1), np.int32), np.zeros((S, 1), bool)
+        lengths, counters = np.zeros((S,), np.int32), np.zeros((S,), np.int32)
+        runs = {b: loop.slots[b] for b in active}
+        for b, run in runs.items():
+            assert run is not None
+            self._grow(run, run.length + 1)
+            tokens[b, 0], lengths[b], mask[b, 0] = run.tokens[-1], run.length, True
+            counters[b] = len(run.tokens)
+        held = sum(run.length + 1 for run in runs.values() if run is not None)
+        loop.page_ratios.append(self.allocator.in_use * self.page_size / held)
+        loop.dense_ratios.append(self.num_slots * self.max_len / held)
+        out = self._run_step(tokens, self._table(loop.slots), lengths, mask,
+                             [None if s is None else s.request for s in loop.slots], counters)
+        loop.stats.decode_steps += 1
+        for b, run in runs.items():
+            assert run is not None
+            run.length += 1
+            run.tokens.append(int(out[b]))
+            self._maybe_finish(loop, b)
+        loop.generated(len(active))
 
     def run(self, requests: Iterable[Request], *,
             progress: Callable[[int], Any] | None = None) -> tuple[list[Completion],
@@ -242,78 +321,20 @@ class ServingEngine:
                 for i, r in enumerate(requests)]
         for r in reqs:
             self._check(r)
-        waiting = deque(sorted(reqs, key=lambda r: r.arrival))
-        slots: list[_Running | None] = [None] * self.num_slots
-        done: list[Completion] = []
-        stats = ServingStats(page_size=self.page_size, num_slots=self.num_slots,
-                             max_len=self.max_len)
-        page_ratios, dense_ratios = [], []
-        t0 = time.perf_counter()
-        now = lambda: time.perf_counter() - t0
-
-        def finish(b: int, reason: str) -> None:
-            run = slots[b]
-            assert run is not None
-            done.append(Completion(run.request, run.tokens, reason, run.arrival,
-                                   run.first_token, now()))
-            self.allocator.free(run.pages, run.booked)
-            slots[b] = None
-
-        while waiting or any(s is not None for s in slots):
-            # admit
-            may_admit = self.schedule == "continuous" or all(s is None for s in slots)
-            while may_admit and waiting and None in slots and waiting[0].arrival <= now():
-                r = waiting[0]
-                need = pages_for(len(r.prompt) + r.max_new_tokens, self.page_size)
-                if not self.allocator.reserve(need):
-                    break
-                waiting.popleft()
-                b = slots.index(None)
-                run = _Running(r, [], need, 0, [], max(r.arrival, 0.0))
-                slots[b] = run
-                self._prefill(run, now)
-                stats.generated += 1
-                if progress is not None:
-                    progress(1)
-                reason = self._finished(run)
-                if reason:
-                    finish(b, reason)
-            active = [b for b, s in enumerate(slots) if s is not None]
-            if not active:
-                if waiting:  # the next request has not arrived yet
-                    time.sleep(max(0.0, min(waiting[0].arrival - now(), 0.01)))
-                continue
-            # one decode step over every slot
-            tokens = np.zeros((self.num_slots, 1), np.int32)
-            lengths = np.zeros((self.num_slots,), np.int32)
-            mask = np.zeros((self.num_slots, 1), bool)
-            counters = np.zeros((self.num_slots,), np.int32)
-            for b in active:
-                run = slots[b]
-                assert run is not None
-                self._grow(run, run.length + 1)
-                tokens[b, 0], lengths[b], mask[b, 0] = run.tokens[-1], run.length, True
-                counters[b] = len(run.tokens)
-            held = sum(slots[b].length + 1 for b in active)  # type: ignore[union-attr]
-            page_ratios.append(self.allocator.in_use * self.page_size / held)
-            dense_ratios.append(self.num_slots * self.max_len / held)
-            out = self._run_step(tokens, self._table(slots), lengths, mask,
-                                 [None if s is None else s.request for s in slots], counters)
-            stats.decode_steps += 1
-            for b in active:
-                run = slots[b]
-                assert run is not None
-                run.length += 1
-                run.tokens.append(int(out[b]))
-                reason = self._finished(run)
-                if reason:
-                    finish(b, reason)
-            stats.generated += len(active)
-            if progress is not None:
-                progress(len(active))
-        stats.wall = now()
+        loop = _Loop(deque(sorted(reqs, key=lambda r: r.arrival)), [None] * self.num_slots,
+                     ServingStats(page_size=self.page_size, num_slots=self.num_slots,
+                                  max_len=self.max_len), progress)
+        while loop.waiting or any(s is not None for s in loop.slots):
+            self._admit(loop)
+            active = [b for b, s in enumerate(loop.slots) if s is not None]
+            if active:
+                self._decode(loop, active)
+            elif loop.waiting:  # the next request has not arrived yet
+                time.sleep(max(0.0, min(loop.waiting[0].arrival - loop.now(), 0.01)))
+        stats = loop.stats
+        stats.wall = loop.now()
         stats.peak_pages = self.allocator.peak_in_use
-        if page_ratios:
-            stats.page_ratio = float(np.mean(page_ratios))
-            stats.dense_ratio = float(np.mean(dense_ratios))
-        return done, stats
+        if loop.page_ratios:
+            stats.page_ratio = float(np.mean(loop.page_ratios))
+            stats.dense_ratio = float(np.mean(loop.dense_ratios))
+        return loop.done, stats

@@ -32,7 +32,7 @@ from jaxpos.layers.functional import (
 from jaxpos.schemes.base import PositionScheme, as_scheme
 from jaxpos.serving.pages import write_pages
 
-__all__ = ["PagedDecoder", "PagedModel"]
+__all__ = ["ModuleDecoder", "PagedDecoder", "PagedModel"]
 
 
 class PagedModel(Protocol):
@@ -159,3 +159,42 @@ class PagedDecoder:
             overflow = overflow | over
         logits = tied_logits(rms_norm(x, params["final_norm"]), params["embed"])
         return poison_rows(logits, overflow), tuple(new_pool)
+
+
+class ModuleDecoder:
+    """A :class:`PagedModel` over a :class:`jaxpos.nnx.DecoderLM` (any position the module
+    builds): each step hands the model one paged cache per layer
+    (:func:`jaxpos.layers.cache.paged.paged_view` of the loop's pages, page table and
+    lengths) and calls its ``decode_step``.
+
+    Args:
+      model: a :class:`jaxpos.nnx.DecoderLM` (its weights are split off as :attr:`params`).
+    """
+
+    def __init__(self, model: Any):
+        from flax import nnx
+
+        self._graphdef, self.params = nnx.split(model)
+        self.vocab_size = int(model.embed.embedding.shape[0])
+        self._model = model
+
+    def init_pool(self, num_pages: int, page_size: int) -> tuple:
+        """The model's empty paged caches' pools: ``num_layers`` pairs of zero pages."""
+        caches = self._model.init_cache(1, page_size, page_size=page_size, num_pages=num_pages)
+        return tuple((c.k_pages, c.v_pages) for c in caches)
+
+    def forward(self, params: Any, tokens: jax.Array, positions: jax.Array, pool: tuple,
+                page_table: jax.Array, lengths: jax.Array,
+                mask: jax.Array) -> tuple[jax.Array, tuple]:
+        """See :meth:`PagedModel.forward`. Masked tokens (the padding at the end of a
+        prefill chunk) are written like tokens: the loop's lengths count the others only,
+        so the next step's view hides those slots and later tokens overwrite them."""
+        from flax import nnx
+
+        from jaxpos.layers.cache.paged import paged_view
+
+        model = nnx.merge(self._graphdef, params)
+        caches = tuple(paged_view(kp, vp, page_table, lengths) for kp, vp in pool)
+        del mask  # (see above)
+        logits, caches = model.decode_step(tokens, caches, positions=positions)
+        return logits, tuple((c.k_pages, c.v_pages) for c in caches)

@@ -155,7 +155,8 @@ def test_eos_ends_a_request_and_static_batching_gives_the_same_tokens():
 
 def test_requests_that_can_never_run_are_refused():
     model = PagedDecoder(vocab_size=16, d_model=16, num_layers=1, num_heads=2)
-    eng = ServingEngine(model, num_slots=1, num_pages=2, page_size=4, max_len=12)
+    eng = ServingEngine(model, num_slots=1, num_pages=2, page_size=4, max_len=12,
+                        prefill_chunk=4)
     with pytest.raises(ValueError, match="exceeds max_len=12"):
         eng.run([Request([1] * 10, 3)])
     with pytest.raises(ValueError, match="needs 3 pages; the pool holds num_pages=2"):
@@ -168,3 +169,23 @@ def test_requests_that_can_never_run_are_refused():
         ServingEngine(model, num_slots=1, num_pages=2, page_size=4, max_len=12,
                       schedule="fifo")
     assert jax.devices()  # (the refusals happen before any device work)
+
+
+def test_the_loop_drives_a_decoder_lm_through_its_paged_cache():
+    """jaxpos.nnx.DecoderLM (T5 bias) behind ModuleDecoder: each greedy generation is the
+    argmax of the module's own full pass at every step."""
+    from flax import nnx
+
+    from jaxpos.nnx import DecoderLM
+    from jaxpos.serving import ModuleDecoder
+
+    lm = DecoderLM(32, d_model=16, num_layers=2, num_heads=2, position="t5", rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 32, n).tolist() for n in (9, 1, 4)]
+    eng = ServingEngine(ModuleDecoder(lm), num_slots=2, num_pages=8, page_size=4, max_len=16,
+                        prefill_chunk=4)
+    done, _ = eng.run([Request(p, 4) for p in prompts])
+    for c in done:
+        prompt = list(c.request.prompt)
+        full = np.asarray(lm(jnp.asarray([prompt + c.tokens[:-1]])))[0]
+        np.testing.assert_array_equal(c.tokens, np.argmax(full[len(prompt) - 1:], axis=-1))

@@ -10,6 +10,7 @@ through :func:`jaxpos.attention`'s ``page_table=`` (:mod:`jaxpos.core.paged`).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,13 +26,14 @@ from jaxpos.layers.cache.base import (
 )
 from jaxpos.schemes.base import PositionScheme
 
-__all__ = ["PagedKVCache", "assign_pages", "init_paged_cache", "pages_for", "write_pages"]
+__all__ = ["PagedKVCache", "assign_pages", "init_paged_cache", "pages_for", "paged_view",
+           "write_pages"]
 
 #: Slots per page when ``init_cache`` is given ``num_pages`` only (vLLM's default block size).
 DEFAULT_PAGE_SIZE = 16
 
 
-def pages_for(tokens, page_size: int):
+def pages_for(tokens: Any, page_size: int) -> Any:
     """Pages needed to hold ``tokens`` slots: ``ceil(tokens / page_size)`` (ints or int
     arrays)."""
     return -(-tokens // page_size)
@@ -79,7 +81,7 @@ def write_pages(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Arr
 
 
 def assign_pages(page_table: jax.Array, next_page: jax.Array, new_lengths: jax.Array,
-                 page_size: int, num_pages: int):
+                 page_size: int, num_pages: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Give each row the pages its new fill needs: the table's unassigned entries (< 0)
     among columns ``< ceil(new_lengths / page_size)`` take the pool's next free pages, rows
     in order, from ``next_page`` up. Entries already assigned (by a serving loop's
@@ -166,10 +168,11 @@ class PagedKVCache(Cache):
         if k.shape[0] != B or k.shape[2:] != self.k_pages.shape[2:]:
             raise ValueError(f"new keys {k.shape} do not fit the paged cache (expected "
                              f"[{B}, T, {self.k_pages.shape[2]}, {self.k_pages.shape[3]}]).")
+        keep = jnp.ones((B, T), bool) if mask is None else jnp.asarray(mask, bool)
         new_len = self.length + T
-        if _checks.is_concrete(self.length) and _checks.is_concrete(self.page_table) and \
-                _checks.is_concrete(self.next_page):
-            end = np.asarray(self.length) + T
+        needed = new_len  # padding takes a slot (and its page), as in the dense cache
+        if all(_checks.is_concrete(x) for x in (self.length, self.page_table, self.next_page)):
+            end = np.asarray(needed)
             if (end > S).any():
                 raise ValueError(f"KV cache overflow: writing {T} token(s) after "
                                  f"{np.asarray(self.length)} filled slot(s) needs "
@@ -185,14 +188,13 @@ class PagedKVCache(Cache):
                                  f"num_pages={self.num_pages} are free. Create the cache with "
                                  f"more pages (init_cache(..., num_pages=)).")
         q, k, scheme = rotate_at_write(scheme, q, k, positions)
-        table, next_page, short = assign_pages(self.page_table, self.next_page, new_len,
+        table, next_page, short = assign_pages(self.page_table, self.next_page, needed,
                                                self.page_size, self.num_pages)
         k_pages, v_pages, _, overflow = write_pages(self.k_pages, self.v_pages, k, v, table,
                                                     self.length)
         slots = self.length[:, None] + jnp.arange(T, dtype=jnp.int32)
         rows = jnp.arange(B, dtype=jnp.int32)[:, None]
         pos = jnp.broadcast_to(positions, (B, T)).astype(jnp.int32)
-        keep = jnp.ones((B, T), bool) if mask is None else jnp.asarray(mask, bool)
         new = PagedKVCache(
             k_pages, v_pages, table, next_page,
             self.positions.at[rows, slots].set(pos, mode="drop"),
@@ -200,13 +202,13 @@ class PagedKVCache(Cache):
             new_len, self.tokens + jnp.sum(keep, axis=-1, dtype=jnp.int32))
         scheme, q_pos, kv_pos, tables = read_positions(
             scheme, positions, new.positions, new.valid, mask, on_load=rotates_on_load(scheme))
-        poison = overflow | short | (new_len > S)
+        poison = overflow | short | (needed > S)
         return new, CacheRead(q, k_pages, v_pages, scheme, q_pos, kv_pos,
                               keep.astype(jnp.int32), new.valid, jnp.minimum(new_len, S),
                               poison, tables, table)
 
 
-def init_paged_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype,
+def init_paged_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype: Any,
                      page_size: int | None = None,
                      num_pages: int | None = None) -> PagedKVCache:
     """An empty :class:`PagedKVCache`: a pool of ``num_pages`` zero pages of ``page_size``
@@ -229,3 +231,24 @@ def init_paged_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int,
                         jnp.full((batch, pps), -1, jnp.int32), jnp.zeros((), jnp.int32),
                         jnp.zeros((batch, S), jnp.int32), jnp.zeros((batch, S), jnp.int32),
                         jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32))
+
+
+def paged_view(k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+               lengths: jax.Array) -> PagedKVCache:
+    """A :class:`PagedKVCache` over pages a serving loop owns: its rows hold slots ``0 ..
+    lengths[b] - 1`` of their ``page_table`` rows (tokens at positions equal to their slots,
+    no padding); the loop assigns every page the next write needs (the cache hands out
+    none of its own: a missing page gives a NaN row).
+
+    Args:
+      k_pages, v_pages: ``[num_pages, page_size, N_kv, H]``.
+      page_table: int32 ``[B, pages_per_seq]`` (``-1`` where unassigned).
+      lengths: int32 ``[B]``.
+    """
+    B, pps = page_table.shape
+    S = pps * k_pages.shape[1]
+    slots = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    lengths = jnp.asarray(lengths, jnp.int32)
+    valid = (slots < lengths[:, None]).astype(jnp.int32)
+    return PagedKVCache(k_pages, v_pages, jnp.asarray(page_table, jnp.int32),
+                        jnp.asarray(k_pages.shape[0], jnp.int32), slots, valid, lengths, lengths)
