@@ -1,10 +1,12 @@
 """The ring over an engine that returns its log-sum-exp (the fused kernel on GPU/TPU).
 
-:func:`jaxpos.parallel.ring_attention` with ``implementation="chunked"`` runs each
-(local queries, passing block) pair through the chunked path's tiles, forward and
-backward. With another engine, :func:`engine_ring` runs each pair as one attention call
-of that engine, asking it for the block's output and log-sum-exp, and merges the blocks
-by their log-sum-exps (the online softmax across blocks, Milakov & Gimelshein 2018; Liu,
+:func:`jaxpos.parallel.ring_attention` with the ``"chunked"`` engine (the CPU default)
+runs each (local queries, passing block) pair through the chunked path's tiles, forward
+and backward. With another engine (any registered engine with ``run_with_lse``, see
+:mod:`jaxpos.core.engines`), :func:`engine_ring` runs each pair as one attention call of
+that engine, asking it for the block's output and log-sum-exp, and merges the blocks
+by their log-sum-exps (:func:`jaxpos.core.tiles.lse_merge`: the online softmax across
+blocks, Milakov & Gimelshein 2018; Liu,
 Zaharia & Abbeel 2023, §3), the sinks joining the normaliser once at the end.
 
 The backward pass is a ``jax.custom_vjp`` with the ring's memory: each device keeps only
@@ -32,41 +34,62 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxpos import _checks
 from jaxpos._util import match_vma, sink_gradient, zero_cotangent
+from jaxpos.core import engines
 from jaxpos.core.call import AttentionCall
 from jaxpos.core.chunked import tile_kind, varying_zero
 from jaxpos.core.tiles import lse_merge
 from jaxpos.mods import EMPTY, ConvertedMod, convert_mod
 from jaxpos.parallel.ring import shift
 
-__all__ = ["Rebound", "engine_ring", "lse_runner"]
+__all__ = ["Rebound", "engine_ring", "lse_engines", "lse_runner", "ring_engine"]
 
 _NEG_INF = -jnp.inf
 
 
-def lse_runner(implementation: str) -> Callable[[AttentionCall], tuple[jax.Array, jax.Array]]:
-    """``call -> (out float32 [B, Tq, N, H_v], lse float32 [B, N, Tq])`` of the engine
-    ``implementation``, differentiable (the fused kernel's ``return_lse``).
+def lse_engines() -> tuple[str, ...]:
+    """The registered engines that return their log-sum-exp (``run_with_lse``)."""
+    return tuple(n for n in engines.engine_names()
+                 if hasattr(engines.get_engine(n), "run_with_lse"))
+
+
+def ring_engine(call: AttentionCall, implementation: str | None) -> str:
+    """The engine of the ring's blocks: ``implementation`` (checked: registered, returns its
+    log-sum-exp, does not refuse the call), or for ``None`` the first engine of the
+    backend's preference list that returns its log-sum-exp and takes the call (the fused
+    kernel on GPU/TPU, ``"chunked"`` on CPU).
 
     Raises:
-      ValueError: an engine that cannot return its log-sum-exp.
+      ValueError: an unknown engine, one without ``run_with_lse``, or one that refuses the
+        call (its reason); TypeError: one that refuses a value of the wrong kind.
     """
-    if implementation == "pallas":
-        def run(call: AttentionCall) -> tuple[jax.Array, jax.Array]:
-            from jaxpos.kernels.fused import kernel_attention
+    with_lse = lse_engines()
+    if implementation is None:
+        for name in engines.preference():
+            engine = engines.get_engine(name)
+            if name in with_lse and engine.refuses(call) is None and \
+                    getattr(engine, "prefers", lambda c: True)(call):
+                return name
+        return "chunked"
+    _checks.check_choice("implementation", implementation, engines.engine_names())
+    if implementation not in with_lse:
+        raise ValueError(f"implementation={implementation!r} cannot run the ring's blocks: it "
+                         f"does not return its log-sum-exp (no run_with_lse); engines that "
+                         f"do: {list(with_lse)}.")
+    engines.select_engine(call, implementation)  # raises the engine's refusal
+    return implementation
 
-            out, lse = kernel_attention(
-                call.q, call.k, call.v, score_mod=call.score_mod, mask_mod=call.mask_mod,
-                q_positions=call.q_positions, kv_positions=call.kv_positions,
-                causal=call.causal, segment_ids=call.segment_ids,
-                kv_segment_ids=call.kv_segment_ids, scale=call.scale, block_q=call.block_q,
-                block_k=call.block_k, return_lse=True)
-            return out.astype(jnp.float32), lse
 
-        return run
-    raise ValueError(f"implementation={implementation!r} cannot run the ring's blocks: it "
-                     f"does not return its log-sum-exp; use 'chunked', 'reference' or "
-                     f"'pallas'.")
+def lse_runner(implementation: str) -> Callable[[AttentionCall], tuple[jax.Array, jax.Array]]:
+    """``call -> (out float32 [B, Tq, N, H_v], lse float32 [B, N, Tq])`` of the engine
+    ``implementation`` (its ``run_with_lse``), differentiable."""
+
+    def run(call: AttentionCall) -> tuple[jax.Array, jax.Array]:
+        out, lse = engines.run_with_lse(call, implementation)
+        return out.astype(jnp.float32), lse
+
+    return run
 
 
 class Rebound:
@@ -236,7 +259,7 @@ def engine_ring(call: AttentionCall, axis_name: str, P: int, implementation: str
     (see the module docstring): this device's ``[B, Tq, N, H_v]`` rows in q's dtype.
 
     Raises:
-      ValueError: the engine cannot return its log-sum-exp.
+      ValueError: the engine cannot return its log-sum-exp (see :func:`ring_engine`).
     """
     cfg = _Cfg(axis_name, P, lse_runner(implementation), _Template(call))
     every = (call.q, call.k, call.q_positions, call.kv_positions)

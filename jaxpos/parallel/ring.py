@@ -82,7 +82,9 @@ __all__ = ["from_zigzag", "ring_attention", "shard_map", "to_zigzag", "zigzag_pe
 shard_map = jax.shard_map
 
 _NEG_INF = -jnp.inf
-RING_IMPLEMENTATIONS = ("chunked", "reference", "pallas")
+#: The engines whose tiles the ring runs itself (their forward and backward given the
+#: global output and log-sum-exp); other engines run one call per block (engine_ring).
+_TILE_ENGINES = ("chunked", "reference")
 
 
 # ----------------------------------------------------------------------------- zigzag
@@ -466,13 +468,16 @@ def ring_attention(
       scale: score scale (default ``1 / sqrt(H)``).
       sinks: float ``[N]``, a logit per query head in every row's softmax denominator
         (replicated; gradient summed over the devices).
-      implementation: the engine of each (local queries, passing block) pair:
-        ``"chunked"`` (default: ``block_q x block_k`` tiles of the chunked path, its
-        backward given the global output and log-sum-exp), ``"reference"`` (one tile per
-        pair) or ``"pallas"`` (the fused kernel, which returns each block's log-sum-exp;
-        its own backward computes each block's share of the gradients, see
-        :mod:`jaxpos.parallel.engine_ring`; on CPU the Pallas interpreter, which needs
-        ``check_vma=False`` on ``shard_map``).
+      implementation: the engine of each (local queries, passing block) pair, any
+        registered engine that returns its log-sum-exp: ``"chunked"``
+        (``block_q x block_k`` tiles of the chunked path, its backward given the global
+        output and log-sum-exp), ``"reference"`` (one tile per pair), ``"pallas"`` (the
+        fused kernel, ``return_lse``; its own backward computes each block's share of the
+        gradients, see :mod:`jaxpos.parallel.engine_ring`; on CPU the Pallas
+        interpreter, which needs ``check_vma=False`` on ``shard_map``), or one a user
+        registered with ``run_with_lse``. ``None``: the first such engine of the
+        backend's preference list that takes the call (the kernel on GPU/TPU,
+        ``"chunked"`` on CPU).
       block_q, block_k: chunked tile sizes (default 256, capped at the local lengths).
         For a zigzag layout, tiles that divide ``T / (2P)`` let hidden tiles be skipped.
 
@@ -483,22 +488,21 @@ def ring_attention(
     Raises:
       ValueError: called outside ``shard_map`` or with an axis name the mesh lacks;
         positions or segment ids whose length is not the local q/k length; missing
-        positions; ``implementation="pallas"`` with a scheme the kernel cannot run
-        (Shaw) or an engine that cannot return its log-sum-exp; and every error of
+        positions; an engine that refuses the call (``"pallas"`` with Shaw: its reason)
+        or cannot return its log-sum-exp; and every error of
         :func:`jaxpos.attention` (shapes, scheme/head mismatches, bad mods, sinks).
       TypeError: a non-str ``axis_name``; float positions; non-bool ``causal``; ...
     """
     P = bound_axis_size(axis_name)
-    if implementation is None:
-        implementation = "chunked"
-    _checks.check_choice("implementation", implementation, RING_IMPLEMENTATIONS)
     call = validate_call(q, k, v, position=position, score_mod=score_mod, mask_mod=mask_mod,
                          sinks=sinks, q_positions=q_positions, kv_positions=kv_positions,
                          causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                          scale=scale, block_q=block_q, block_k=block_k, sharded=True)
     if call.q_len == 0 or call.kv_len == 0:
         return call.zeros()
-    return _ring(call, axis_name, P, implementation)
+    from jaxpos.parallel.engine_ring import ring_engine
+
+    return _ring(call, axis_name, P, ring_engine(call, implementation))
 
 
 def _ring(call: AttentionCall, axis_name: str, P: int, implementation: str) -> jax.Array:
@@ -508,22 +512,12 @@ def _ring(call: AttentionCall, axis_name: str, P: int, implementation: str) -> j
     return ring_core(call.replace(q=q, k=k), axis_name, P, implementation)
 
 
-def _check_engine(call: AttentionCall, implementation: str) -> None:
-    """Refuse, naming the reason, what the block engine cannot run."""
-    if implementation == "pallas" and not call.scheme.fusable:
-        raise ValueError(
-            f"implementation='pallas' (the fused kernel) does not support the position scheme "
-            f"{type(call.scheme).__name__} (its content bias or value term depends on the "
-            f"query content or the weights); use implementation='chunked' (the default).")
-
-
 def ring_core(call: AttentionCall, axis_name: str, P: int, implementation: str) -> jax.Array:
     """The ring on a validated call whose scheme transform is already applied: this
     device's ``[B, Tq, N, H_v]`` rows (q's dtype)."""
-    if implementation not in ("chunked", "reference"):  # an engine returning its lse
+    if implementation not in _TILE_ENGINES:  # one engine call (with its lse) per block
         from jaxpos.parallel.engine_ring import engine_ring
 
-        _check_engine(call, implementation)
         return engine_ring(call, axis_name, P, implementation)
     Tq, Tk = call.q_len, call.kv_len
     qs, kk, vv, m = heads_major(call, repeat_kv=False)

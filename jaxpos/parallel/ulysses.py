@@ -49,7 +49,8 @@ from jaxpos.core import engines
 from jaxpos.core.call import AttentionCall, validate_call
 from jaxpos.core.chunked import varying_zero
 from jaxpos.mods import convert_mod, reads_input
-from jaxpos.parallel.ring import RING_IMPLEMENTATIONS, bound_axis_size, ring_core, transform_global
+from jaxpos.parallel.engine_ring import ring_engine
+from jaxpos.parallel.ring import bound_axis_size, ring_core, transform_global
 from jaxpos.schemes.base import PositionScheme
 
 __all__ = ["kv_head_repeats", "ulysses_attention"]
@@ -200,9 +201,11 @@ def ulysses_attention(
       q_positions, kv_positions: REQUIRED integer ``[Tq]``/``[Tk]`` or ``[B, T]``, the
         global positions of the local tokens.
       implementation: the engine of the local attention: ``None`` (the default rule of
-        :func:`jaxpos.attention`), ``"reference"``, ``"chunked"``, ``"pallas"`` (on CPU
-        the interpreter, which needs ``check_vma=False`` on ``shard_map``) or ``"xla"``.
-        With ``ring_axis``: the ring's (``"chunked"`` or ``"reference"``).
+        :func:`jaxpos.attention`) or any registered engine (``"reference"``,
+        ``"chunked"``, ``"pallas"``: on CPU the interpreter, which needs
+        ``check_vma=False`` on ``shard_map``; ``"xla"``; ...). With ``ring_axis``: the
+        ring's block engine (one that returns its log-sum-exp; see
+        :func:`jaxpos.parallel.ring_attention`).
       block_q, block_k: the engine's tile sizes.
       ring_axis: a second mesh axis for the ring (USP), or ``None``.
 
@@ -220,8 +223,7 @@ def ulysses_attention(
     R = None if ring_axis is None else bound_axis_size(ring_axis, "ulysses_attention")
     if ring_axis is not None and ring_axis == axis_name:
         raise ValueError(f"ring_axis must differ from axis_name; both are {axis_name!r}.")
-    choices = RING_IMPLEMENTATIONS if ring_axis is not None else engines.engine_names()
-    _checks.check_choice("implementation", implementation, choices + (None,))
+    _checks.check_choice("implementation", implementation, engines.engine_names() + (None,))
     call = validate_call(q, k, v, position=position, score_mod=score_mod, mask_mod=mask_mod,
                          sinks=sinks, q_positions=q_positions, kv_positions=kv_positions,
                          causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
@@ -237,5 +239,5 @@ def ulysses_attention(
         out = _local_attention(local, implementation)
     else:
         assert R is not None
-        out = ring_core(local, ring_axis, R, implementation or "chunked")
+        out = ring_core(local, ring_axis, R, ring_engine(local, implementation))
     return _heads_to_seq(out, axis_name)

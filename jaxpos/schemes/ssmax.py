@@ -18,6 +18,15 @@ Which ``n``:
 * non-causal: pass ``num_keys`` (a scalar or one count per batch row, e.g. the number of
   non-pad tokens); every query of a row then uses that ``n``.
 
+The call's visibility counts too (:meth:`SSMax.for_call`, asked by :func:`jaxpos.attention`
+once per call): under a named mask_mod with a closed form (a sliding window:
+``min(q_pos + 1, window)``; Llama 4's chunks: ``q_pos mod chunk + 1``; a prefix LM in a
+causal call: ``q_pos + 1``) and under ``kv_lengths`` (a KV cache's fill: at most
+``kv_lengths[b]`` keys) ``n`` is the number of keys in the query's softmax. Segments (packed
+sequences, padding) are counted by the positions, which restart at 0 in each segment. A
+dense ``mask``, another mask_mod, or a mask_mod in a non-causal call are refused: their
+counts are not known without a pass over the keys.
+
 :class:`SSMax` is a score_mod ``score * s[head] * log(n)``, so every implementation runs
 it (reference, chunked, the Pallas kernel, ``xla`` with a dense bias), with gradients for
 ``s``. Composition: it multiplies the score it receives, ``scale * q . k`` (after any
@@ -30,6 +39,9 @@ variant applied to the queries.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +58,7 @@ __all__ = ["SSMax", "ssmax_multiplier"]
 S_INIT = 0.43
 
 
-def ssmax_multiplier(n, s) -> jax.Array:
+def ssmax_multiplier(n: ArrayLike, s: ArrayLike) -> jax.Array:
     """``s[h] * log(n)``: the factor SSMax multiplies the scores by (Nakanishi 2025, Eq. 2).
 
     Args:
@@ -87,8 +99,11 @@ class SSMax(PositionScheme):
     # fields, set once in __init__ (the pytree's children and static data)
     s: jax.Array
     num_keys: jax.Array | None
+    kv_lengths: jax.Array | None  # the call's fill counts (for_call), int32 [B]
+    visible: Any  # the call's named mask_mod (for_call), or None
 
-    _children = ("s", "num_keys")
+    _children = ("s", "num_keys", "kv_lengths")
+    _static = ("visible",)
     params_per_layer = True  # one s per layer and head (Nakanishi 2025, §3)
 
     def __init__(self, s: ArrayLike, *, num_keys: ArrayLike | None = None):
@@ -101,12 +116,13 @@ class SSMax(PositionScheme):
                 raise ValueError(f"num_keys must be >= 1 (keys each query sees); got "
                                  f"{np.asarray(num_keys).tolist()}.")
             num_keys = jnp.asarray(num_keys, jnp.int32)
-        self._set(s=jnp.asarray(s, jnp.float32), num_keys=num_keys)
+        self._set(s=jnp.asarray(s, jnp.float32), num_keys=num_keys, kv_lengths=None,
+                  visible=None)
 
     # ---- for the Flax modules: one s per head and layer.
     @classmethod
-    def init_params(cls, key: jax.Array, *, num_heads: int, options: dict, param_dtype=jnp.float32,
-                    **_) -> dict:
+    def init_params(cls, key: jax.Array, *, num_heads: int, options: dict,
+                    param_dtype: Any = jnp.float32, **_: Any) -> dict:
         """``{"s": [num_heads]}`` filled with option ``s_init`` (default :data:`S_INIT`)."""
         s0 = options.get("s_init")
         s0 = S_INIT if s0 is None else _checks.check_real("s_init", s0)
@@ -114,7 +130,7 @@ class SSMax(PositionScheme):
 
     @classmethod
     def from_params(cls, params: dict, *, causal: bool, options: dict, x: jax.Array | None = None,
-                    **_) -> PositionScheme:
+                    **_: Any) -> PositionScheme:
         """Causal layers count ``q_pos + 1`` keys; a non-causal layer counts the length of
         its input ``x`` ``[B, T, D]`` (pads included: the modules do not pass the padding
         mask to the scheme)."""
@@ -127,21 +143,52 @@ class SSMax(PositionScheme):
             raise ValueError(f"SSMax s must have shape [{num_heads}] (one per query head); "
                              f"got {_checks.shape_of(self.s)}.")
 
-    def check_causal(self, causal):
+    def check_causal(self, causal: bool) -> None:
         if not causal and self.num_keys is None:
             raise ValueError("SSMax in a non-causal call needs num_keys= (the number of keys "
                              "each batch row sees); without it n = q_pos + 1 holds for causal "
                              "attention only.")
 
-    def score_mod(self):
-        """``score * s[head] * log(n)``, ``n = q_pos + 1`` (causal) or ``num_keys[batch]``."""
-        s, num_keys = self.s, self.num_keys
+    def for_call(self, *, causal: bool, mask: Any = None, mask_mod: Any = None,
+                 kv_lengths: Any = None) -> PositionScheme:
+        """SSMax counting the keys this call's query sees (Nakanishi 2025, Eq. 2: ``n`` is
+        the length of the softmax's input): the named mask_mod's closed form
+        (``causal_key_count``), bounded by ``kv_lengths[b]``.
+
+        Raises:
+          ValueError: a dense ``mask``; a mask_mod without a closed form, or any mask_mod
+            in a non-causal call (give the count as ``num_keys`` with no mask_mod instead).
+        """
+        if mask is not None:
+            raise ValueError("SSMax counts the keys each query sees (n); a dense mask hides "
+                             "keys it cannot count. Express the mask as segment_ids or a named "
+                             "mask_mod (SlidingWindowMask, ChunkedAttentionMask, PrefixLMMask).")
+        if mask_mod is not None and (not causal or self.num_keys is not None
+                                     or not callable(getattr(mask_mod, "causal_key_count", None))):
+            raise ValueError(f"SSMax counts the keys each query sees (n): it knows the count "
+                             f"under SlidingWindowMask, ChunkedAttentionMask and PrefixLMMask "
+                             f"in a causal call without num_keys; got mask_mod "
+                             f"{type(mask_mod).__name__} with causal={causal} and num_keys="
+                             f"{'set' if self.num_keys is not None else 'None'}.")
+        if mask_mod is None and kv_lengths is None:
+            return self
+        return self.replace(visible=mask_mod, kv_lengths=kv_lengths)
+
+    def score_mod(self) -> Callable[..., jax.Array] | None:
+        """``score * s[head] * log(n)``: ``n = q_pos + 1`` (causal), the call's mask_mod's
+        count (:meth:`for_call`) or ``num_keys[batch]``, at most ``kv_lengths[batch]``."""
+        s, num_keys, lengths, visible = self.s, self.num_keys, self.kv_lengths, self.visible
 
         def ssmax(score, batch, head, q_pos, kv_pos):
-            if num_keys is None:
-                n = jnp.maximum(q_pos + 1, 1)
+            if num_keys is not None:
+                n = num_keys if num_keys.ndim == 0 else num_keys[batch]
+            elif visible is not None:
+                n = visible.causal_key_count(batch, head, q_pos)
             else:
-                n = jnp.maximum(num_keys if num_keys.ndim == 0 else num_keys[batch], 1)
+                n = q_pos + 1
+            if lengths is not None:
+                n = jnp.minimum(n, lengths[batch])
+            n = jnp.maximum(n, 1)
             return score * (s[head] * jnp.log(n.astype(jnp.float32)))
 
         return ssmax

@@ -261,7 +261,8 @@ def test_pallas_ring_refuses_a_scheme_the_kernel_cannot_run():
     q, k, v = _qkv()
     pos = jnp.arange(8, dtype=jnp.int32)
     shaw = Shaw(jnp.zeros((5, 4)), jnp.zeros((5, 4)))
-    with pytest.raises(ValueError, match=r"implementation='pallas'.*position scheme Shaw"):
+    with pytest.raises(ValueError,
+                       match=r"fused Pallas kernel does not support the position scheme Shaw"):
         _in_shard_map(lambda q, k, v: ring_attention(q, k, v, axis_name="seq", q_positions=pos,
                                                      kv_positions=pos, position=shaw,
                                                      implementation="pallas"), q, k, v)
@@ -313,3 +314,40 @@ def test_memory_benchmark_runs(tmp_path):
     rows = [r.split("|") for r in text.splitlines() if r.startswith("| 512 | ")]
     ratio = {r[4].strip(): float(r[9]) for r in rows}
     assert ratio["ring"] < 1.0 and ratio["all_gather"] == 1.0, ratio
+
+
+def test_ring_runs_its_blocks_on_a_user_engine_with_lse():
+    """An engine registered from outside the package with run_with_lse: the ring calls it
+    per block (one-device ring, so the sinks' weights still split the cotangents) and equals
+    jaxpos.attention, forward and gradients (T5 table, captured table, sinks, q, k, v)."""
+    import _dense_lse_engine  # noqa: F401  (registers "dense_lse")
+
+    q, k, v = _qkv()
+    pos = jnp.arange(8, dtype=jnp.int32) + 3
+    r = np.random.default_rng(1)
+    table = jnp.asarray(r.normal(size=(32, 2)), jnp.float32)
+    bias = jnp.asarray(r.normal(size=(2, 9)), jnp.float32)
+    sinks = jnp.asarray([0.3, -0.5], jnp.float32)
+
+    def mod(bias):
+        return lambda s, b, h, qp, kp: s + bias[h, jnp.clip(kp - qp, -4, 4) + 4]
+
+    def ring(tab, bias, sinks, q, k, v):
+        seq = P(None, "seq")
+        f = shard_map(lambda t, bb, s, q, k, v: ring_attention(
+            q, k, v, axis_name="seq", position=T5Bias(t, bidirectional=False), sinks=s,
+            score_mod=mod(bb), q_positions=pos, kv_positions=pos, causal=True,
+            implementation="dense_lse"), mesh=_mesh1(),
+            in_specs=(P(), P(), P(), seq, seq, seq), out_specs=seq)
+        return f(tab, bias, sinks, q, k, v)
+
+    def plain(tab, bias, sinks, q, k, v):
+        return attention(q, k, v, position=T5Bias(tab, bidirectional=False), sinks=sinks,
+                         score_mod=mod(bias), q_positions=pos, kv_positions=pos, causal=True,
+                         implementation="reference")
+
+    args = (table, bias, sinks, q, k, v)
+    np.testing.assert_allclose(jax.jit(ring)(*args), plain(*args), atol=1e-5)
+    loss = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=range(6)))
+    for a, b in zip(loss(ring)(*args), loss(plain)(*args)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
