@@ -284,6 +284,17 @@ def test_table_shows_mean_and_std(lg):
     assert table[3] == "| ssmax  |       not run |       not run |"
 
 
+def test_drope_row_is_the_rope_model_recalibrated_without_rope(lg):
+    # DroPE (arXiv 2512.12167): the row trains as RoPE, is recalibrated as NoPE for
+    # --drope-steps steps (default a fifth of --steps) and is evaluated as that model
+    assert lg.base_scheme("drope") == "rope" and lg.RECALIBRATED["drope"] == ("rope", "nope")
+    args = lg.parse_args(["--schemes", "rope,drope", "--steps", "50"])
+    assert args.schemes == ["rope", "drope"] and args.drope_steps == 10
+    assert lg.parse_args(["--schemes", "drope", "--drope-steps", "7"]).drope_steps == 7
+    with pytest.raises(SystemExit):
+        lg.parse_args(["--schemes", "drope", "--drope-steps", "0"])
+
+
 def test_seeds_preset_and_options_arguments(lg, capsys):
     args = lg.parse_args([])
     assert args.seeds == 1 and args.schemes[:7] == list(lg.BASE_SCHEMES)
@@ -291,8 +302,8 @@ def test_seeds_preset_and_options_arguments(lg, capsys):
     args = lg.parse_args(["--preset", "study"])
     assert args.seeds == 3 and args.schemes == list(lg.STUDY_SCHEMES)
     assert args.out == "runs/study"
-    missing = [s for s in lg.STUDY_SCHEMES
-               if "+" not in s and s not in lg.registered_positions()]
+    missing = [s for s in lg.STUDY_SCHEMES if "+" not in s and s not in lg.RECALIBRATED
+               and s not in lg.registered_positions()]
     assert args.not_registered == missing  # rows reported as "not run"
     args = lg.parse_args(["--preset", "study", "--seeds", "2", "--schemes", "rope,alibi"])
     assert args.seeds == 2 and args.schemes == ["rope", "alibi"]
