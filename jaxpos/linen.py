@@ -71,6 +71,7 @@ from jaxpos.layers.options import (
     stack_positions,
 )
 from jaxpos.layers.stack import build_stack, stack_spec
+from jaxpos.parallel.context import check_context_parallel, check_zigzag
 from jaxpos.schemes.alibi import alibi_bias
 from jaxpos.schemes.base import REGISTRY
 from jaxpos.schemes.rope import apply_rope, check_rotary_dim
@@ -451,6 +452,8 @@ class _AttentionFields(nn.Module):
     mask_mod: Any = None
     dropout_rate: float = 0.0
     deterministic: bool | None = None
+    context_parallel: str | None = None
+    context_axis: str = "seq"
 
 
 class MultiHeadAttention(_LinenDropout, AttentionCore, _AttentionFields):
@@ -462,8 +465,8 @@ class MultiHeadAttention(_LinenDropout, AttentionCore, _AttentionFields):
     parent), ``causal``, ``rotary_dim``, ``rope_base``, ``num_buckets``, ``max_distance``,
     ``scale``, ``implementation``, ``use_bias``, ``dtype``, ``param_dtype``,
     ``scheme_options``, ``sinks``, ``mask_mod``, ``output_gate``: ``gate_proj/kernel``,
-    ``dropout_rate``, with Linen's ``deterministic`` field / call keyword and
-    ``make_rng("dropout")``). Parameters
+    ``context_parallel``, ``context_axis``, ``dropout_rate``, with Linen's
+    ``deterministic`` field / call keyword and ``make_rng("dropout")``). Parameters
     ``q_proj/k_proj/v_proj/o_proj.kernel`` (and ``.bias`` with ``use_bias``), ``sinks
     [num_heads]`` (zeros at init) with ``sinks=True``, and ``position_module/...`` for a
     position given by name. A
@@ -495,6 +498,7 @@ class MultiHeadAttention(_LinenDropout, AttentionCore, _AttentionFields):
         check_dropout_rate("dropout_rate", self.dropout_rate)
         check_attention_options(self.implementation, self.use_bias)
         check_mask_mod("mask_mod", self.mask_mod)
+        check_context_parallel(self.context_parallel, self.context_axis)
         # The parameter is named "sinks" as in the NNX twin (the field of the same name is
         # the bool that asks for it).
         self._sink_logits = (self.param("sinks", nn.initializers.zeros, (N,), self.param_dtype)
@@ -548,7 +552,8 @@ class TransformerBlock(_LinenDropout, BlockCore, _AttentionFields):
             implementation=self.implementation, dtype=self.dtype,
             param_dtype=self.param_dtype, scheme_options=self.scheme_options,
             sinks=self.sinks, mask_mod=self.mask_mod, dropout_rate=attn_rate,
-            deterministic=self.deterministic, name="attn")
+            deterministic=self.deterministic, context_parallel=self.context_parallel,
+            context_axis=self.context_axis, name="attn")
         self.mlp_norm = _Norm(D, self.param_dtype, name="mlp_norm")
         self.mlp_in = _Dense(D, F, False, self.param_dtype, name="mlp_in")
         self.mlp_out = _Dense(F, D, False, self.param_dtype, name="mlp_out")
@@ -561,8 +566,9 @@ class _LinenMaker:
     """The Linen constructors of a stack's submodules (:func:`jaxpos.layers.stack.build_stack`),
     named as the NNX twin's attributes (``blocks_{i}`` for ``blocks/{i}``)."""
 
-    def __init__(self, dtype, param_dtype):
+    def __init__(self, dtype, param_dtype, block_options=None):
         self.dtype, self.param_dtype = dtype, param_dtype
+        self.block_options = block_options or {}
 
     def embed(self, vocab_size, d_model):
         return _Embed(vocab_size, d_model, self.param_dtype, name="embed")
@@ -580,7 +586,7 @@ class _LinenMaker:
 
     def block(self, index, d_model, num_heads, **kwargs):
         return TransformerBlock(d_model, num_heads, param_dtype=self.param_dtype,
-                                name=f"blocks_{index}", **kwargs)
+                                name=f"blocks_{index}", **kwargs, **self.block_options)
 
     def block_list(self, blocks):
         return blocks
@@ -612,6 +618,9 @@ class _Stack(StackCore, nn.Module):
     layer_positions: Any = None
     dropout_rate: float = 0.0
     attention_dropout_rate: float | None = None
+    context_parallel: str | None = None
+    context_axis: str = "seq"
+    context_zigzag: bool = False
 
     _causal = True
 
@@ -639,7 +648,12 @@ class _Stack(StackCore, nn.Module):
                           mask_mod=self.mask_mod, layer_mask_mods=self.layer_mask_mods,
                           layer_positions=self.layer_positions,
                           causal=self._causal)
-        parts = build_stack(spec, _LinenMaker(self.dtype, self.param_dtype), mlp_dim=self.mlp_dim,
+        check_context_parallel(self.context_parallel, self.context_axis)
+        check_zigzag(self.context_zigzag, self.context_parallel)
+        block_options = {"context_parallel": self.context_parallel,
+                         "context_axis": self.context_axis}
+        parts = build_stack(spec, _LinenMaker(self.dtype, self.param_dtype, block_options),
+                            mlp_dim=self.mlp_dim,
                             implementation=self.implementation, dtype=self.dtype,
                             dropout_rate=self.dropout_rate,
                             attention_dropout_rate=self.attention_dropout_rate)

@@ -116,6 +116,7 @@ from jaxpos.layers.options import (
     stack_positions,
 )
 from jaxpos.layers.stack import build_stack, stack_spec
+from jaxpos.parallel.context import check_context_parallel, check_zigzag
 from jaxpos.schemes.alibi import alibi_bias
 from jaxpos.schemes.base import REGISTRY
 from jaxpos.schemes.rope import apply_rope, check_rotary_dim
@@ -496,6 +497,14 @@ class MultiHeadAttention(_NnxDropout, AttentionCore, nnx.Module):
         Flax NNX: on unless ``deterministic`` (the call's keyword, else the attribute that
         ``model.eval()`` / ``model.train()`` set), keys from the call's ``rngs`` or the
         ``dropout`` stream of ``rngs`` forked at construction. :meth:`decode` never drops.
+      context_parallel: ``"ring"``, ``"ulysses"`` or None (default): under
+        ``jax.set_mesh(mesh)`` the layer's attention runs sequence-parallel over the mesh
+        axis ``context_axis`` (default ``"seq"``) with global positions
+        (:func:`jaxpos.parallel.ring_attention` / :func:`jaxpos.parallel.ulysses_attention`
+        in ``shard_map``, :func:`jaxpos.parallel.context.context_attention`); the sequence
+        length must be divisible by the axis size (Ulysses: the heads too). No dense
+        ``mask`` or attention dropout then. :meth:`decode` runs the ordinary path (one
+        query per step needs no sequence parallelism).
       dtype: compute dtype; param_dtype: parameter dtype. rngs: :class:`flax.nnx.Rngs`.
 
     Parameters: ``q_proj.kernel [D, N*H]``, ``k_proj.kernel``/``v_proj.kernel [D, N_kv*H]``,
@@ -532,11 +541,14 @@ class MultiHeadAttention(_NnxDropout, AttentionCore, nnx.Module):
                  implementation: str | None = None, use_bias: bool = False,
                  output_gate: bool = False,
                  sinks: bool = False, mask_mod: Callable[..., Any] | None = None,
-                 dropout_rate: float = 0.0,
+                 dropout_rate: float = 0.0, context_parallel: str | None = None,
+                 context_axis: str = "seq",
                  dtype: DTypeLike = jnp.float32, param_dtype: DTypeLike = jnp.float32,
                  rngs: nnx.Rngs):
         d_model, num_heads, num_kv_heads, head_dim = attention_dims(d_model, num_heads,
                                                                     num_kv_heads, head_dim)
+        self.context_parallel = check_context_parallel(context_parallel, context_axis)
+        self.context_axis = context_axis
         self.dropout_rate = check_dropout_rate("dropout_rate", dropout_rate)
         check_attention_options(implementation, use_bias)
         sinks = check_sinks_flag(sinks)
@@ -577,7 +589,8 @@ class TransformerBlock(_NnxDropout, BlockCore, nnx.Module):
     """A pre-LN transformer block: ``x + attn(rms_norm(x))``, then ``x + mlp(rms_norm(x))``
     (Xiong et al. 2020; RMSNorm, Zhang & Sennrich 2019; GELU MLP).
 
-    Args: as :class:`MultiHeadAttention` (``sinks``, ``mask_mod`` included), plus
+    Args: as :class:`MultiHeadAttention` (``sinks``, ``mask_mod``, ``context_parallel``,
+    ``context_axis`` included), plus
     ``mlp_dim`` (default ``4 * d_model``); ``dropout_rate`` is residual dropout on the
     attention and MLP branches before they are added (Vaswani et al. 2017, Sec. 5.4) and,
     unless ``attention_dropout_rate`` is given, attention dropout too.
@@ -596,7 +609,9 @@ class TransformerBlock(_NnxDropout, BlockCore, nnx.Module):
                  scale: float | None = None, implementation: str | None = None,
                  sinks: bool = False, mask_mod: Callable[..., Any] | None = None,
                  dropout_rate: float = 0.0,
-                 attention_dropout_rate: float | None = None, dtype: DTypeLike = jnp.float32,
+                 attention_dropout_rate: float | None = None,
+                 context_parallel: str | None = None, context_axis: str = "seq",
+                 dtype: DTypeLike = jnp.float32,
                  param_dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs):
         d_model = _checks.check_positive_int("d_model", d_model)
         self.dropout_rate = check_dropout_rate("dropout_rate", dropout_rate)
@@ -610,7 +625,8 @@ class TransformerBlock(_NnxDropout, BlockCore, nnx.Module):
             causal=causal, rotary_dim=rotary_dim, rope_base=rope_base, num_buckets=num_buckets,
             max_distance=max_distance, scheme_options=scheme_options, scale=scale,
             implementation=implementation, sinks=sinks, mask_mod=mask_mod,
-            dropout_rate=attn_rate, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            dropout_rate=attn_rate, context_parallel=context_parallel,
+            context_axis=context_axis, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.mlp_norm = nnx.RMSNorm(d_model, param_dtype=param_dtype, rngs=rngs)
         lin = lambda i, o: nnx.Linear(i, o, use_bias=False, param_dtype=param_dtype, rngs=rngs)
         self.mlp_in = lin(d_model, mlp_dim)
@@ -620,8 +636,10 @@ class TransformerBlock(_NnxDropout, BlockCore, nnx.Module):
 class _NnxMaker:
     """The NNX constructors of a stack's submodules (:func:`jaxpos.layers.stack.build_stack`)."""
 
-    def __init__(self, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
+    def __init__(self, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs,
+                 block_options: dict | None = None):
         self.dtype, self.param_dtype, self.rngs = dtype, param_dtype, rngs
+        self.block_options = block_options or {}
 
     def embed(self, vocab_size, d_model):
         return nnx.Embed(vocab_size, d_model, param_dtype=self.param_dtype,
@@ -639,7 +657,7 @@ class _NnxMaker:
 
     def block(self, index, d_model, num_heads, **kwargs):
         return TransformerBlock(d_model, num_heads, param_dtype=self.param_dtype,
-                                rngs=self.rngs, **kwargs)
+                                rngs=self.rngs, **kwargs, **self.block_options)
 
     def block_list(self, blocks):
         return nnx.List(blocks)
@@ -661,9 +679,14 @@ class _Stack(nnx.Module):
                  implementation: str | None = None, sinks: bool = False,
                  mask_mod: Callable[..., Any] | None = None,
                  layer_mask_mods=None, layer_positions=None, dropout_rate: float = 0.0,
-                 attention_dropout_rate: float | None = None, dtype: DTypeLike = jnp.float32,
+                 attention_dropout_rate: float | None = None,
+                 context_parallel: str | None = None, context_axis: str = "seq",
+                 context_zigzag: bool = False, dtype: DTypeLike = jnp.float32,
                  param_dtype: DTypeLike = jnp.float32,
                  rngs: nnx.Rngs):
+        self.context_parallel = check_context_parallel(context_parallel, context_axis)
+        self.context_axis, self.context_zigzag = context_axis, check_zigzag(
+            context_zigzag, self.context_parallel)
         spec = stack_spec(vocab_size, d_model=d_model, num_layers=num_layers,
                           num_heads=num_heads, num_kv_heads=num_kv_heads, max_len=max_len,
                           position=position, rope_base=rope_base,
@@ -676,7 +699,10 @@ class _Stack(nnx.Module):
         self.d_model, self.num_layers, self.max_len = spec.d_model, spec.num_layers, max_len
         self.num_kv_heads, self.head_dim = spec.num_kv_heads, spec.head_dim
         self.implementation, self.dtype = implementation, dtype
-        parts = build_stack(spec, _NnxMaker(dtype, param_dtype, rngs), mlp_dim=mlp_dim,
+        block_options = {"context_parallel": self.context_parallel,
+                         "context_axis": context_axis}
+        parts = build_stack(spec, _NnxMaker(dtype, param_dtype, rngs, block_options),
+                            mlp_dim=mlp_dim,
                             implementation=implementation, dtype=dtype,
                             dropout_rate=dropout_rate,
                             attention_dropout_rate=attention_dropout_rate)
@@ -711,6 +737,14 @@ class DecoderLM(DecoderCore, _Stack):
       scheme_options: other options of the scheme, a dict (override the above).
       implementation: default :func:`jaxpos.attention` backend (``None`` = the backend's
         best: chunked on CPU, the Pallas kernel on GPU/TPU where it fuses the scheme).
+      context_parallel, context_axis: every layer's attention sequence-parallel
+        (``"ring"`` or ``"ulysses"``) over the mesh axis ``context_axis`` of the mesh set
+        with ``jax.set_mesh`` (:class:`MultiHeadAttention`); default None (off).
+      context_zigzag: True (with ``context_parallel``) keeps the tokens in the zigzag
+        order of ``context_axis`` from the embedding to the logits (returned in the
+        tokens' own order), so every device of a causal ring has the same work
+        (:func:`jaxpos.parallel.zigzag_permutation`); ``T`` a multiple of twice the axis
+        size. Default False.
       sinks: True gives every layer learned attention-sink logits, parameter
         ``blocks[i].attn.sinks [num_heads]`` (zeros at init; GPT-OSS;
         :class:`MultiHeadAttention`). Default False.
