@@ -24,7 +24,7 @@ def shape_of(x: Any) -> tuple[int, ...]:
     return tuple(np.shape(x))
 
 
-def dtype_of(x: Any):
+def dtype_of(x: Any) -> Any:
     """The NumPy dtype of ``x`` (JAX arrays and tracers included), without converting it."""
     if hasattr(x, "dtype"):
         return np.dtype(x.dtype) if not isinstance(x.dtype, np.dtype) else x.dtype
@@ -152,7 +152,7 @@ def check_int32_range(name: str, x: Any, span: int = 0) -> None:
         )
 
 
-def relative_offsets(q_positions, kv_positions) -> jax.Array:
+def relative_offsets(q_positions: Any, kv_positions: Any) -> jax.Array:
     """``kv_pos - q_pos`` as int32 ``[Tq, Tk]`` or ``[B, Tq, Tk]`` (T5's memory - context).
 
     Args:
@@ -199,12 +199,14 @@ def check_qkv(q: Any, k: Any, v: Any) -> None:
                          f"got q {(B, Tq, N, H)}, k {(Bk, Tk, Nk, Hk)}.")
 
 
-def check_kv_lengths(kv_lengths, B: int, Tk: int) -> jax.Array:
+def check_kv_lengths(kv_lengths: Any, B: int, Tk: int) -> jax.Array:
     """``kv_lengths`` (integer ``[B]`` fill lengths: keys at index ``>= kv_lengths[b]`` are
-    invisible to row ``b``) as int32 clipped to ``[0, Tk]``.
+    invisible to row ``b``) as int32 clipped to ``[0, Tk]``. Concrete lengths outside
+    ``[0, Tk]`` raise; traced ones cannot, and :func:`kv_lengths_out_of_range` says which
+    rows the caller must poison (the cache-overflow rule: NaN rows, never a silent clip).
 
     Raises:
-        ValueError: not rank 1, or not ``B`` long.
+        ValueError: not rank 1, not ``B`` long, or a concrete length outside ``[0, Tk]``.
         TypeError: not an integer dtype.
     """
     check_rank("kv_lengths", kv_lengths, (1,), "[batch]")
@@ -214,4 +216,21 @@ def check_kv_lengths(kv_lengths, B: int, Tk: int) -> jax.Array:
     if shape_of(kv_lengths)[0] != B:
         raise ValueError(f"kv_lengths must have shape [{B}] (one fill length per batch row); "
                          f"got {shape_of(kv_lengths)}.")
+    if is_concrete(kv_lengths):
+        lengths = np.asarray(kv_lengths)
+        bad = (lengths < 0) | (lengths > Tk)
+        if bad.any():
+            rows = np.flatnonzero(bad)
+            raise ValueError(f"kv_lengths must lie in [0, Tk] = [0, {Tk}] (the number of "
+                             f"filled keys of each row); got {lengths.tolist()} (rows "
+                             f"{rows.tolist()} out of range).")
     return jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, Tk)
+
+
+def kv_lengths_out_of_range(kv_lengths: Any, Tk: int) -> jax.Array | None:
+    """bool ``[B]``: rows whose traced length lies outside ``[0, Tk]`` (None for concrete
+    lengths, which :func:`check_kv_lengths` has checked)."""
+    if is_concrete(kv_lengths):
+        return None
+    lengths = jnp.asarray(kv_lengths)
+    return (lengths < 0) | (lengths > Tk)

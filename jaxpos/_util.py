@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["cast_varying", "match_vma", "pad_axis", "pow2_at_least", "sink_gradient",
-           "varying_axes", "zero_cotangent"]
+__all__ = ["cast_varying", "match_vma", "pad_axis", "poison_rows", "pow2_at_least",
+           "sink_gradient", "varying_axes", "zero_cotangent"]
 
 
 def pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0,
@@ -24,6 +24,15 @@ def pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0,
     if mode == "constant":
         return jnp.pad(x, widths, constant_values=value)
     return jnp.pad(x, widths, mode=mode)
+
+
+def poison_rows(x: jax.Array, bad: jax.Array, axis: int = 0) -> jax.Array:
+    """``x`` with NaN in the entries whose index along ``axis`` is a True of ``bad`` (bool
+    ``[x.shape[axis]]``): the rule for a traced value that cannot raise (an overflowing KV
+    cache, an out-of-range ``kv_lengths``)."""
+    shape = [1] * x.ndim
+    shape[axis] = -1
+    return jnp.where(bad.reshape(shape), jnp.array(jnp.nan, x.dtype), x)
 
 
 def pow2_at_least(n: int, lo: int = 1) -> int:

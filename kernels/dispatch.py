@@ -38,7 +38,7 @@ __all__ = ["DENSE_BIAS_BUDGET_BYTES", "PallasEngine", "attention_via_kernel",
            "choose_implementation", "run_kernel", "supports_scheme"]
 
 
-def supports_scheme(scheme) -> bool:
+def supports_scheme(scheme: Any) -> bool:
     """True when the fused kernel can run ``scheme``: the scheme protocol's ``fusable``
     (no term that depends on the query content or on the attention weights).
 

@@ -44,8 +44,12 @@ class AttentionCall:
       causal: Python bool.
       scale: the score scale (a Python float by default; may be traced).
       block_q, block_k: positive tile sizes or None (the block mask's when given).
-      kv_lengths: int32 ``[B]`` (clipped to ``[0, Tk]``) or None: keys at index
+      kv_lengths: int32 ``[B]`` in ``[0, Tk]`` or None: keys at index
         ``>= kv_lengths[b]`` are invisible to row ``b`` (a KV cache's fill counts).
+      kv_overflow: bool ``[B]`` or None: rows whose traced ``kv_lengths`` were outside
+        ``[0, Tk]`` (concrete ones raise in the validation); the engines' outputs are NaN
+        there (:func:`jaxpos.core.engines.run`), and the lengths above are clipped only so
+        that the engines stay in bounds.
       rope_tables: float32 :class:`jaxpos.schemes.rope.tables.RopeTables` or None: q and k are
         unrotated and the engine rotates them (on load where it can).
       dropout: a :class:`jaxpos.core.dropout.Dropout` (rate, seed, broadcast) or None: attention
@@ -74,6 +78,7 @@ class AttentionCall:
     block_q: int | None
     block_k: int | None
     kv_lengths: jax.Array | None = None
+    kv_overflow: jax.Array | None = None
     rope_tables: Any = None
     dropout: Any = None
     score_conv: ConvertedMod | None = None
@@ -100,7 +105,7 @@ class AttentionCall:
     def num_kv_heads(self) -> int:
         return self.k.shape[2]
 
-    def replace(self, **changes) -> AttentionCall:
+    def replace(self, **changes: Any) -> AttentionCall:
         """A copy with some fields changed (e.g. the transformed q and k)."""
         return dataclasses.replace(self, **changes)
 
@@ -110,7 +115,7 @@ class AttentionCall:
 
 
 # ------------------------------------------------------------------------ the checks
-def check_attention_inputs(q, k, v) -> None:
+def check_attention_inputs(q: Any, k: Any, v: Any) -> None:
     """q ``[B, Tq, N, H]``, k ``[B, Tk, N_kv, H]``, v ``[B, Tk, N_kv, H_v]`` float arrays
     (dtypes may differ), ``N`` a multiple of ``N_kv``.
 
@@ -371,6 +376,7 @@ def validate_call(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
     scale = _check_scale(scale, H)
     tile = (max(Tq, 1), max(Tk, 1))
     all_score_mods, score_conv, mask_conv = _check_mods(scheme, score_mod, mask_mod, tile)
+    kv_overflow = None if kv_lengths is None else _checks.kv_lengths_out_of_range(kv_lengths, Tk)
     kv_lengths = None if kv_lengths is None else _checks.check_kv_lengths(kv_lengths, B, Tk)
     rope_tables = _check_rope_tables(rope_tables, scheme, B, Tq, Tk, H)
     dropout = check_dropout(dropout_rate, dropout_rng, broadcast_dropout)
@@ -379,8 +385,8 @@ def validate_call(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
                          q_positions=q_pos, kv_positions=kv_pos, segment_ids=seg_q,
                          kv_segment_ids=seg_kv, mask=mask4, causal=causal, scale=scale,
                          block_q=block_q, block_k=block_k, kv_lengths=kv_lengths,
-                         rope_tables=rope_tables, dropout=dropout, score_conv=score_conv,
-                         mask_conv=mask_conv, mod_tile=tile)
+                         kv_overflow=kv_overflow, rope_tables=rope_tables, dropout=dropout,
+                         score_conv=score_conv, mask_conv=mask_conv, mod_tile=tile)
 
 
 def _check_rope_tables(tabs, scheme: PositionScheme, B: int, Tq: int, Tk: int, H: int):

@@ -15,6 +15,7 @@ the same forward and backward per passing key/value block.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import jax
@@ -50,7 +51,7 @@ BLOCK_Q = 256
 BLOCK_K = 256
 
 
-def blocks(x, axis, n):
+def blocks(x: jax.Array | None, axis: int, n: int) -> jax.Array | None:
     """Split ``axis`` into ``n`` blocks and move the block index to the front."""
     if x is None:
         return None
@@ -60,13 +61,14 @@ def blocks(x, axis, n):
     return jnp.moveaxis(x.reshape(shp), axis, 0)
 
 
-def unblocks(x, axis):
+def unblocks(x: Any, axis: int) -> jax.Array:
     """Inverse of :func:`blocks` for a full (not broadcast) axis."""
     x = jnp.moveaxis(x, 0, axis)
     return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
 
 
-def tile_kind(causal: bool, always_mask: bool, qp, kp, kval, sq, skv, bm_kind):
+def tile_kind(causal: bool, always_mask: bool, qp: Any, kp: Any, kval: Any, sq: Any, skv: Any,
+              bm_kind: Any) -> jax.Array:
     """int32 scalar: ``EMPTY``, ``FULL`` or ``PARTIAL`` for one tile.
 
     Conservative: a tile is only skipped when no pair in it can be visible, and only
@@ -138,7 +140,7 @@ class ChunkCfg(NamedTuple):
     dropout: tuple | None = None
 
 
-def split_terms(terms: Terms):
+def split_terms(terms: Terms) -> tuple[list, list, tuple, Any]:
     """Floating leaves (differentiable) and the rest (integer tables of a mod, ...)."""
     leaves, treedef = jax.tree_util.tree_flatten(terms)
     is_f = tuple(bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact)) for x in leaves)
@@ -146,13 +148,14 @@ def split_terms(terms: Terms):
             is_f, treedef)
 
 
-def merge_terms(cfg: ChunkCfg, fl, il) -> Terms:
-    fl, il = iter(fl), iter(il)
-    leaves = [next(fl) if f else next(il) for f in cfg.float_mask]
+def merge_terms(cfg: ChunkCfg, fl: list, il: list) -> Terms:
+    """The terms from their floating and other leaves (the inverse of :func:`split_terms`)."""
+    fi, ii = iter(fl), iter(il)
+    leaves = [next(fi) if f else next(ii) for f in cfg.float_mask]
     return jax.tree_util.tree_unflatten(cfg.terms_def, leaves)
 
 
-def chunk_inputs(qs, k, v, m: Masking, block_q: int,
+def chunk_inputs(qs: jax.Array, k: jax.Array, v: jax.Array, m: Masking, block_q: int,
                  block_k: int) -> tuple[Blocked, int, int]:
     """The heads-major inputs padded to whole tiles and blocked: ``(Blocked, nq, nk)``."""
     _B, _N, Tq, _H = qs.shape
@@ -231,7 +234,7 @@ def _block_kind(b: Blocked, i, j):
     return None if b.bm_kinds is None else b.bm_kinds[:, :, i, j]
 
 
-def varying_zero(*trees):
+def varying_zero(*trees: Any) -> jax.Array:
     """A float32 scalar 0 that varies over every mesh axis any leaf of ``trees`` varies
     over under ``shard_map`` (``jnp.zeros_like`` carries the leaf's axes). Added to loop
     carries and skipped-tile outputs, it gives them the type of the computed values, as
@@ -246,7 +249,8 @@ def _always_mask(b: Blocked, terms: Terms) -> bool:
     return b.mask is not None or (terms.mask is not None and b.bm_kinds is None)
 
 
-def chunked_forward(terms: Terms, sinks, b: Blocked, cfg: ChunkCfg):
+def chunked_forward(terms: Terms, sinks: jax.Array | None, b: Blocked,
+                    cfg: ChunkCfg) -> tuple[jax.Array, jax.Array]:
     """Returns out ``[nq, B, N, bq, H]`` and lse ``[nq, B, N, bq]`` (``-inf`` on empty rows
     without sinks; the sink is part of the normaliser): the tile library's online softmax
     (:mod:`jaxpos.core.tiles`) over the key tiles of each query tile, EMPTY tiles skipped."""
@@ -282,7 +286,8 @@ def chunked_forward(terms: Terms, sinks, b: Blocked, cfg: ChunkCfg):
     return jax.lax.map(q_block, (jnp.arange(cfg.nq), b.qs, b.q_pos, b.q_seg))
 
 
-def chunked_backward(cfg: ChunkCfg, fl, il, b: Blocked, out, lse, dout, dlse=None):
+def chunked_backward(cfg: ChunkCfg, fl: list, il: list, b: Blocked, out: jax.Array,
+                     lse: jax.Array, dout: jax.Array, dlse: jax.Array | None = None) -> tuple:
     """FlashAttention-2 style recomputing backward (Dao 2023, Alg. 2), tile by tile.
 
     ``dlse`` (or None): the cotangent of the lse output; since ``d lse / d s = p``, it
@@ -389,8 +394,10 @@ def _chunked_core_bwd(cfg, res, cotangents):
 _chunked_core.defvjp(_chunked_core_fwd, _chunked_core_bwd)
 
 
-def chunked_attention(terms_fn, qs, k, v, m: Masking, causal: bool, block_q: int, block_k: int,
-                      sinks, block_mask: BlockMask | None, dropout: Dropout | None = None):
+def chunked_attention(terms_fn: Callable[[int, int], Terms], qs: jax.Array, k: jax.Array,
+                      v: jax.Array, m: Masking, causal: bool, block_q: int, block_k: int,
+                      sinks: jax.Array | None, block_mask: BlockMask | None,
+                      dropout: Dropout | None = None) -> tuple[jax.Array, jax.Array]:
     """Chunked attention in the heads-major layout: ``(out float32 [B, N, Tq, H_v], lse
     float32 [B, N, Tq])`` from the inputs of
     :func:`jaxpos.core.reference.reference_attention`, both differentiable;

@@ -24,6 +24,8 @@ Differentiable (``lax.scan`` over ``lax.cond``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -60,14 +62,28 @@ def _maybe_slice(x, start, size: int, axis: int):
     return None if x is None else _slice(x, start, size, axis)
 
 
-def run_chunked_decode(call: AttentionCall) -> jax.Array:
+def run_chunked_decode(call: AttentionCall, load_kv: Callable | None = None,
+                       block_k: int | None = None) -> jax.Array:
     """``[B, Tq, N, H_v]`` in q's dtype for a transformed, decode-shaped call
-    (:func:`decode_shaped`); q and k unrotated when the call has ``rope_tables``."""
+    (:func:`decode_shaped`); q and k unrotated when the call has ``rope_tables``.
+
+    ``load_kv(start, size) -> (k_j, v_j)``, ``[B, size, N_kv, H]`` / ``[B, size, N_kv, H_v]``:
+    the keys and values of slots ``start .. start + size - 1`` (default: slices of
+    ``call.k`` and ``call.v``; :mod:`jaxpos.core.paged` gathers them from pages, when
+    ``call.k`` / ``call.v`` only carry the shapes). ``block_k`` overrides the block size;
+    a block start is ``min(j * block_k, Tk - block_k)``, so a page-aligned size gives
+    page-aligned starts. A block none of whose pairs is visible (past every row's fill,
+    outside a sliding window, another segment, ...) is decided from positions alone and
+    never loaded; in a loaded block, the values of slots no query of a row sees are
+    zeroed for that row, so they never reach its result (not even as ``0 * NaN``)."""
     B, Tq, N, H = call.q.shape
     Tk, Nk = call.k.shape[1], call.k.shape[2]
     g, Hv = N // Nk, call.v.shape[3]
-    bk = min(call.block_k or DECODE_BLOCK_K, Tk)
+    bk = block_k or min(call.block_k or DECODE_BLOCK_K, Tk)
     nb = -(-Tk // bk)
+    if load_kv is None:
+        load_kv = lambda start, size: (_slice(call.k, start, size, 1),
+                                       _slice(call.v, start, size, 1))
     tabs = call.rope_tables
     q = call.q if tabs is None else rotate(call.q, tabs.q_cos, tabs.q_sin, layout="half")
     qs = jnp.swapaxes(q.astype(jnp.float32), 1, 2) * jnp.float32(call.scale)  # [B, N, Tq, H]
@@ -78,17 +94,27 @@ def run_chunked_decode(call: AttentionCall) -> jax.Array:
     terms = call_terms(call, Tq, bk)
     q_pos = call.q_positions
 
-    def block(j, carry):
+    def visibility(j):
+        """``(start, kv positions, vis [B|1, N|1, Tq, bk])`` of block ``j`` from positions,
+        masks and segments only (no key or value is read)."""
         start = jnp.minimum(j * bk, Tk - bk)  # the last block may overlap the one before
         idx = start + jnp.arange(bk, dtype=jnp.int32)
         valid = (idx >= j * bk)[None, :] & (idx[None, :] < lim[:, None])  # [B, bk]
-        k_j = _slice(call.k, start, bk, 1)
-        v_j = _slice(call.v, start, bk, 1)
+        kp_j = _slice(call.kv_positions, start, bk, 1)
+        mask_j = _maybe_slice(call.mask, start, bk, 3)
+        seg_kv = _maybe_slice(call.kv_segment_ids, start, bk, 1)
+        vis = visible(call.causal, q_pos, kp_j, valid, mask_j, call.segment_ids, seg_kv,
+                      terms.mask, (B, N))
+        assert vis is not None  # (valid is always given)
+        return start, kp_j, vis
+
+    def block(carry, start, kp_j, vis):
+        k_j, v_j = load_kv(start, bk)
         if tabs is not None:
             k_j = rotate(k_j, _slice(tabs.k_cos, start, bk, 1), _slice(tabs.k_sin, start, bk, 1),
                          layout="half")
-        v_j = jnp.where(valid[:, :, None, None], v_j, jnp.zeros((), v_j.dtype))
-        kp_j = _slice(call.kv_positions, start, bk, 1)
+        seen = jnp.any(vis, axis=(1, 2))  # [B|1, bk]: slots some query of the row sees
+        v_j = jnp.where(seen[:, :, None, None], v_j, jnp.zeros((), v_j.dtype))
         kg = jnp.swapaxes(k_j.astype(jnp.float32), 1, 2)  # [B, Nk, bk, H]
         vg = jnp.swapaxes(v_j.astype(jnp.float32), 1, 2)
         s = jnp.einsum("bkqh,bkth->bkqt", qg, kg, preferred_element_type=jnp.float32)
@@ -99,11 +125,6 @@ def run_chunked_decode(call: AttentionCall) -> jax.Array:
         cb = call.scheme.content_bias(qs, q_pos, kp_j)
         if cb is not None:
             s = s + cb
-        mask_j = _maybe_slice(call.mask, start, bk, 3)
-        seg_kv = _maybe_slice(call.kv_segment_ids, start, bk, 1)
-        vis = visible(call.causal, q_pos, kp_j, valid, mask_j, call.segment_ids, seg_kv,
-                      terms.mask, (B, N))
-        assert vis is not None  # (valid is always given)
         vis = jnp.broadcast_to(vis & (s != -jnp.inf), s.shape)
         s = jnp.where(vis, s, -jnp.inf)
 
@@ -115,8 +136,12 @@ def run_chunked_decode(call: AttentionCall) -> jax.Array:
 
         return online_softmax_step(carry, s, values)
 
+    def visit(j, carry):
+        start, kp_j, vis = visibility(j)
+        return jax.lax.cond(jnp.any(vis), block, lambda c, *_: c, carry, start, kp_j, vis)
+
     def step(carry, j):
-        return jax.lax.cond(j * bk < stop, block, lambda j, c: c, j, carry), None
+        return jax.lax.cond(j * bk < stop, visit, lambda j, c: c, j, carry), None
 
     init = softmax_start((B, N, Tq), Hv, call.sinks)
     state, _ = jax.lax.scan(step, init, jnp.arange(nb, dtype=jnp.int32))

@@ -36,7 +36,7 @@ for every pair: one ``[Tq, Tk]`` mask shared by all batch rows and heads, as Fla
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.core
@@ -73,7 +73,7 @@ class Dropout(NamedTuple):
         return 1.0 / (1.0 - self.rate)
 
 
-def mix32(x):
+def mix32(x: jax.Array) -> jax.Array:
     """Wellons's ``lowbias32`` integer finaliser on uint32 arrays (a bijection of 32-bit
     words with full avalanche); elementwise, any shape."""
     x = x ^ (x >> 16)
@@ -87,7 +87,8 @@ def _u32(x):
     return jnp.asarray(x).astype(jnp.uint32)
 
 
-def keep_tile(seed, threshold: int, batch, head, q_index, kv_index):
+def keep_tile(seed: Any, threshold: int, batch: Any, head: Any, q_index: Any,
+              kv_index: Any) -> jax.Array:
     """bool keep decisions for broadcastable integer counters.
 
     Args:
@@ -113,7 +114,8 @@ def keep_tile(seed, threshold: int, batch, head, q_index, kv_index):
     return bits >= jnp.int32(threshold)
 
 
-def keep_mask(dropout: Dropout, B: int, N: int, Tq: int, Tk: int, *, q_offset=0, kv_offset=0):
+def keep_mask(dropout: Dropout, B: int, N: int, Tq: int, Tk: int, *, q_offset: int = 0,
+              kv_offset: int = 0) -> jax.Array:
     """The keep mask of a whole call (or of a tile at ``q_offset``, ``kv_offset``): bool
     ``[B, N, Tq, Tk]`` (``[1, 1, Tq, Tk]`` with ``dropout.broadcast``). For tests and for
     the reference path; the tiled paths call :func:`keep_tile` per tile."""
@@ -127,7 +129,7 @@ def keep_mask(dropout: Dropout, B: int, N: int, Tq: int, Tk: int, *, q_offset=0,
     return keep_tile(dropout.seed, dropout.threshold, b, h, i, j)
 
 
-def dropout_seed(dropout_rng) -> jax.Array:
+def dropout_seed(dropout_rng: Any) -> jax.Array:
     """Two uint32 words drawn from a JAX PRNG key (typed ``jax.random.key`` or a raw
     ``jax.random.PRNGKey``), with ``jax.random.bits``: uint32 ``[2]``."""
     return jax.random.bits(dropout_rng, (2,), jnp.uint32)
@@ -142,7 +144,7 @@ def _is_key(x) -> bool:
     return dt == jnp.uint32 and _checks.shape_of(x) in ((2,), (4,))
 
 
-def check_dropout_rate(name: str, rate) -> float:
+def check_dropout_rate(name: str, rate: Any) -> float:
     """``rate`` as a Python float in ``[0, 1)``.
 
     Raises:
@@ -159,7 +161,8 @@ def check_dropout_rate(name: str, rate) -> float:
     return float(rate)
 
 
-def check_dropout(dropout_rate, dropout_rng, broadcast_dropout=False) -> Dropout | None:
+def check_dropout(dropout_rate: Any, dropout_rng: Any,
+                  broadcast_dropout: Any = False) -> Dropout | None:
     """Validate attention's dropout arguments; ``None`` when there is no dropout.
 
     Raises:

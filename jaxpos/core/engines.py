@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpos import _checks
+from jaxpos._util import poison_rows
 
 if TYPE_CHECKING:
     from jaxpos.core.call import AttentionCall
@@ -220,9 +221,16 @@ def _prepared(engine: Engine, call: AttentionCall) -> AttentionCall:
     return apply_rope_tables(call)
 
 
+def _poisoned(call: AttentionCall, x: jax.Array) -> jax.Array:
+    """NaN rows of ``x [B, ...]`` where a traced ``kv_lengths`` was outside ``[0, Tk]``: the
+    cache-overflow rule, applied here once for every engine."""
+    return x if call.kv_overflow is None else poison_rows(x, call.kv_overflow)
+
+
 def run(engine: Engine, call: AttentionCall) -> jax.Array:
-    """``engine.run`` on ``call`` (a validated, transformed, non-empty call)."""
-    return engine.run(_prepared(engine, call))
+    """``engine.run`` on ``call`` (a validated, transformed, non-empty call); rows with an
+    out-of-range traced ``kv_lengths`` are NaN."""
+    return _poisoned(call, engine.run(_prepared(engine, call)))
 
 
 def run_with_lse(call: AttentionCall, implementation: str | None = None
@@ -230,7 +238,7 @@ def run_with_lse(call: AttentionCall, implementation: str | None = None
     """``(out [B, Tq, N, H_v] in q's dtype, lse float32 [B, N, Tq])`` of a validated,
     transformed call, by the requested or default engine that has ``run_with_lse``.
     The lse includes the sinks and is ``-inf`` for a row with no visible key; both are
-    differentiable.
+    differentiable. Rows with an out-of-range traced ``kv_lengths`` are NaN in both.
 
     Raises:
       ValueError: the engine refuses the call or has no ``run_with_lse``.
@@ -247,7 +255,7 @@ def run_with_lse(call: AttentionCall, implementation: str | None = None
             jnp.broadcast_to(jnp.asarray(call.sinks, jnp.float32)[None, :, None], rows)
         return call.zeros(), lse
     out, lse = fn(_prepared(engine, call))
-    return out, lse
+    return _poisoned(call, out), _poisoned(call, lse)
 
 
 # ------------------------------------------------------- refusals engines share

@@ -103,6 +103,7 @@ def attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     broadcast_dropout: bool = False,
+    page_table: ArrayLike | None = None,
 ) -> jax.Array:
     """Multi-head attention with any position scheme, score_mod and mask_mod.
 
@@ -147,9 +148,10 @@ def attention(
       block_q, block_k: tile sizes for ``"chunked"`` (default 256 x 256; any positive size)
         and ``"pallas"`` (the kernel's 128 x 128 defaults; powers of two). T need not be a
         multiple.
-      kv_lengths: integer ``[B]`` or None: keys at index ``>= kv_lengths[b]`` are invisible
-        to row ``b`` (a KV cache's fill counts); the chunked and Pallas paths never visit
-        them, so a decode step costs the filled length (``docs/decoding.md``); the
+      kv_lengths: integer ``[B]`` in ``[0, Tk]`` or None: keys at index ``>= kv_lengths[b]``
+        are invisible to row ``b`` (a KV cache's fill counts; a traced length outside
+        ``[0, Tk]`` makes its row NaN, the cache-overflow rule); the chunked and Pallas
+        paths never visit them, so a decode step costs the filled length (``docs/decoding.md``); the
         reference path masks them on its full grid, so a NaN left there can reach the
         rows (the NaN rule, ``docs/attention.md``). Not taken by ``"xla"``.
       rope_tables: a :class:`jaxpos.schemes.rope.tables.RopeTables` or None: q and k are passed
@@ -167,6 +169,10 @@ def attention(
       dropout_rng: a JAX PRNG key, required when ``dropout_rate > 0``.
       broadcast_dropout: one ``[Tq, Tk]`` mask for every batch row and head (Flax's
         ``broadcast_dropout``); default False (independent per row and head).
+      page_table: integer ``[B, pages_per_seq]`` or None: k and v are then pages
+        ``[num_pages, page_size, N_kv, H]`` and ``kv_lengths`` is required; the call means
+        the same call on the keys gathered from the pages (:mod:`jaxpos.core.paged`,
+        ``docs/serving.md``).
 
     Returns:
       ``[B, Tq, N, H_v]`` in q's dtype (softmax and accumulation in float32). A query with
@@ -178,10 +184,15 @@ def attention(
         contradicts ``causal``, unknown implementation, bad masks, a score_mod returning
         the wrong shape or dtype, a mask_mod not returning bool, a block mask built for
         other lengths or blocks, sinks of the wrong shape, a dropout_rate outside
-        ``[0, 1)`` or without dropout_rng, dropout with ``"xla"``.
+        ``[0, 1)`` or without dropout_rng, dropout with ``"xla"``, concrete kv_lengths
+        outside ``[0, Tk]``, an engine that refuses the call (its reason).
     """
     if implementation is not None:
         engines.get_engine(implementation)  # an unknown name fails before anything else
+    if page_table is not None:  # k and v are pages: jaxpos.core.paged
+        from jaxpos.core.paged import paged_attention
+        kw = {n: x for n, x in locals().items() if n not in ("q", "k", "v", "paged_attention")}
+        return paged_attention(q, k, v, **kw)
     call = validate_call(q, k, v, position=position, score_mod=score_mod, mask_mod=mask_mod,
                          block_mask=block_mask, sinks=sinks, q_positions=q_positions,
                          kv_positions=kv_positions, causal=causal, mask=mask,

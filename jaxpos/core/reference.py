@@ -10,7 +10,8 @@ v`` and the scheme's value term (Shaw's ``sum p_ij a^V_ij``).
 
 from __future__ import annotations
 
-from typing import NamedTuple, cast
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,8 @@ class Terms(NamedTuple):
     mask: ConvertedMod | None
 
 
-def make_terms(scheme: PositionScheme, score_mod, mask_mod, tq: int, tk: int) -> Terms:
+def make_terms(scheme: PositionScheme, score_mod: Callable | None, mask_mod: Callable | None,
+               tq: int, tk: int) -> Terms:
     """The terms of a call, with the mods traced at a ``[tq, tk]`` tile."""
     conv = lambda fn, kind: None if fn is None else convert_mod(fn, kind, tq, tk)
     return Terms(scheme, conv(score_mod, "score"), conv(mask_mod, "mask"))
@@ -58,8 +60,10 @@ def call_terms(call: AttentionCall, tq: int, tk: int) -> Terms:
     return Terms(call.scheme, *converted_mods(call, tq, tk))
 
 
-def visible(causal: bool, q_pos, kv_pos, kv_valid, mask, seg_q, seg_kv, mask_mod=None,
-            heads=None):
+def visible(causal: bool, q_pos: jax.Array, kv_pos: jax.Array, kv_valid: jax.Array | None,
+            mask: jax.Array | None, seg_q: jax.Array | None, seg_kv: Any,
+            mask_mod: ConvertedMod | None = None,
+            heads: Any = None) -> jax.Array | None:
     """bool ``[B|1, N|1, tq, tk]`` (or None when everything is visible).
 
     ``mask_mod``: a converted mask_mod evaluated on the tile for ``heads = (B, N)``."""
@@ -81,7 +85,8 @@ def visible(causal: bool, q_pos, kv_pos, kv_valid, mask, seg_q, seg_kv, mask_mod
     return vis
 
 
-def tile_scores(terms: Terms, qs, k, q_pos, kv_pos):
+def tile_scores(terms: Terms, qs: jax.Array, k: jax.Array, q_pos: jax.Array,
+                kv_pos: jax.Array) -> jax.Array:
     """Scaled scores, then the score_mod, then the scheme's content bias: float32
     ``[B, N, tq, tk]``. ``qs``: scaled queries ``[B, N, tq, H]``; ``k``: ``[B, N, tk, H]``
     (float32); positions int32 ``[B|1, t]``.
@@ -95,7 +100,8 @@ def tile_scores(terms: Terms, qs, k, q_pos, kv_pos):
     return s
 
 
-def tile_output(terms: Terms, p, v, q_pos, kv_pos):
+def tile_output(terms: Terms, p: jax.Array, v: jax.Array, q_pos: jax.Array,
+                kv_pos: jax.Array) -> jax.Array:
     """``p @ v`` plus the scheme's value term: float32 ``[B, N, tq, H]``."""
     o = jnp.einsum("bnqk,bnkh->bnqh", p, v, preferred_element_type=jnp.float32)
     t = terms.scheme.value_term(p, q_pos, kv_pos)
@@ -104,8 +110,10 @@ def tile_output(terms: Terms, p, v, q_pos, kv_pos):
     return o
 
 
-def reference_attention(terms: Terms, qs, k, v, m: Masking, causal: bool, sinks,
-                        dropout: Dropout | None = None, *, with_lse: bool = False):
+def reference_attention(terms: Terms, qs: jax.Array, k: jax.Array, v: jax.Array, m: Masking,
+                        causal: bool, sinks: jax.Array | None,
+                        dropout: Dropout | None = None, *,
+                        with_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Dense attention in the heads-major layout: float32 ``[B, N, Tq, H_v]`` from scaled
     queries ``qs [B, N, Tq, H]``, ``k [B, N, Tk, H]``, ``v [B, N, Tk, H_v]`` (float32, key/
     value heads already repeated to the query heads). ``dropout``: the probabilities are
@@ -138,7 +146,8 @@ def reference_attention(terms: Terms, qs, k, v, m: Masking, causal: bool, sinks,
     return out, jnp.where(seen, mx + jnp.log(jnp.where(seen, den, 1.0)), -jnp.inf)
 
 
-def heads_major(call: AttentionCall, *, repeat_kv: bool = True):
+def heads_major(call: AttentionCall, *,
+                repeat_kv: bool = True) -> tuple[jax.Array, jax.Array, jax.Array, Masking]:
     """``(qs, k, v, masking)`` of a (transformed) call in the engines' layout: float32
     ``[B, N, T, H]`` with the queries scaled, k and v repeated to the query heads when
     ``repeat_kv`` (grouped-query attention), and the call's :class:`Masking`."""

@@ -15,7 +15,6 @@ one extra key.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -26,9 +25,9 @@ from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos.core import engines
-from jaxpos.core.call import AttentionCall, converted_mods
+from jaxpos.core.call import AttentionCall, converted_mods, validate_call
 from jaxpos.core.tiles import online_softmax_step, softmax_finish, softmax_start
-from jaxpos.mods import ConvertedMod, apply_mod, convert_mod, is_additive, reads_input
+from jaxpos.mods import ConvertedMod, apply_mod, is_additive, reads_input
 
 __all__ = ["DENSE_BIAS_BUDGET_BYTES", "GPU_BACKENDS", "XlaEngine", "adds_a_term",
            "attention_via_xla", "cudnn_allowed", "dense_attention", "is_arange", "run_xla",
@@ -61,7 +60,7 @@ def xla_preferred(*, has_score_mod: bool, has_mask_mod: bool, dense_bytes: int,
     return not has_mask_mod or dense_bytes <= limit
 
 
-def is_arange(pos, T) -> bool:
+def is_arange(pos: Any, T: int) -> bool:
     """True when ``pos`` is known (not traced) and equals ``arange(T)`` in every row."""
     if not _checks.is_concrete(pos):
         return False
@@ -69,7 +68,7 @@ def is_arange(pos, T) -> bool:
     return bool(np.all(p == np.arange(T)))
 
 
-def adds_a_term(conv) -> bool:
+def adds_a_term(conv: ConvertedMod | None) -> bool:
     """True when a converted score_mod is ``score + term`` with ``term`` independent of
     the score, so that it can be materialised as a bias (the mod at score 0).
 
@@ -142,27 +141,16 @@ def attention_via_xla(q: jax.Array, k: jax.Array, v: jax.Array, *,
       ValueError / TypeError: as :func:`attention_via_kernel`.
     """
     _checks.check_qkv(q, k, v)
-    B, Tq, N, H = _checks.shape_of(q)
-    Tk = _checks.shape_of(k)[1]
-    if _checks.shape_of(v)[3] != H:
-        raise ValueError(f"attention_via_xla needs v's head_dim equal to q's ({H}); got "
-                         f"{_checks.shape_of(v)[3]} (use implementation='pallas' or 'chunked').")
     if (segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("segment_ids and kv_segment_ids must be given together; got one.")
-    if sinks is not None:
-        _checks.check_rank("sinks", sinks, (1,), "[num_heads]")
-        if _checks.shape_of(sinks)[0] != N:
-            raise ValueError(f"sinks must have shape [{N}]; got {_checks.shape_of(sinks)}.")
-    seg = None if segment_ids is None else (
-        _checks.positions_2d("segment_ids", segment_ids, B, Tq),
-        _checks.positions_2d("kv_segment_ids", kv_segment_ids, B, Tk))
-    conv = lambda fn, kind: None if fn is None else convert_mod(fn, kind, Tq, Tk)
-    return _xla_attention(
-        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), conv(score_mod, "score"),
-        conv(mask_mod, "mask"), _checks.positions_2d("q_positions", q_positions, B, Tq),
-        _checks.positions_2d("kv_positions", kv_positions, B, Tk), bool(causal), seg,
-        1.0 / math.sqrt(H) if scale is None else float(scale), sinks, implementation,
-        is_arange(q_positions, Tq) and is_arange(kv_positions, Tk))
+    call = validate_call(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
+                         q_positions=q_positions, kv_positions=kv_positions, causal=causal,
+                         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, scale=scale,
+                         sinks=sinks)
+    reason = xla_refusal(call)
+    if reason is not None:
+        raise ValueError(reason)
+    return run_xla(call, implementation)
 
 
 def _visibility(B, N, Tq, Tk, mmod, q_pos, kv_pos, causal, seg, is_causal):
@@ -243,7 +231,7 @@ def _xla_attention(q, k, v, smod, mmod, q_pos, kv_pos, causal: bool, seg, scale:
     return out.astype(q.dtype)
 
 
-def cudnn_allowed(*, backend: str, dtype, has_bias: bool) -> bool:
+def cudnn_allowed(*, backend: str, dtype: Any, has_bias: bool) -> bool:
     """Whether :func:`sdpa` may ask ``jax.nn.dot_product_attention`` for cuDNN.
 
     Only on an NVIDIA GPU, for bfloat16 / float16 inputs, and never with a materialised
@@ -262,7 +250,9 @@ def cudnn_allowed(*, backend: str, dtype, has_bias: bool) -> bool:
             and not has_bias)
 
 
-def sdpa(q, k, v, bias, mask, is_causal, scale, implementation):
+def sdpa(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,
+         mask: jax.Array | None, is_causal: bool, scale: float,
+         implementation: str | None) -> jax.Array:
     """``jax.nn.dot_product_attention`` with a float32 ``bias`` (or None), cuDNN first
     where :func:`cudnn_allowed` (falling back to XLA if cuDNN refuses the shapes)."""
     if mask is not None:
@@ -279,7 +269,9 @@ def sdpa(q, k, v, bias, mask, is_causal, scale, implementation):
     return call("xla")
 
 
-def dense_attention(q, k, v, smod, mask, is_causal, q_pos, kv_pos, scale, sinks):
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, smod: ConvertedMod | None,
+                    mask: jax.Array | None, is_causal: bool, q_pos: jax.Array,
+                    kv_pos: jax.Array, scale: float, sinks: jax.Array | None) -> jax.Array:
     """Dense attention in XLA for a score_mod that is not a pure added term (``smod`` may
     be None: float16 on CPU)."""
     Tq, N = q.shape[1], q.shape[2]
@@ -302,17 +294,17 @@ def dense_attention(q, k, v, smod, mask, is_causal, q_pos, kv_pos, scale, sinks)
     return jnp.swapaxes(softmax_finish(state)[0], 1, 2).astype(q.dtype)
 
 
-def run_xla(call: AttentionCall) -> jax.Array:
+def run_xla(call: AttentionCall, implementation: str | None = None) -> jax.Array:
     """The ``"xla"`` engine on a validated, transformed call (nothing checked or converted
-    again: the record's mods, positions and segments are used as they are). ``[B, Tq, N,
-    H]`` in q's dtype."""
+    again: the record's mods, positions and segments are used as they are).
+    ``implementation``: as :func:`attention_via_xla`'s. ``[B, Tq, N, H]`` in q's dtype."""
     smod, mmod = converted_mods(call, call.q_len, call.kv_len)
     seg = None if call.segment_ids is None else (call.segment_ids, call.kv_segment_ids)
     arange = is_arange(call.q_positions, call.q_len) and is_arange(call.kv_positions,
                                                                     call.kv_len)
     return _xla_attention(jnp.asarray(call.q), jnp.asarray(call.k), jnp.asarray(call.v), smod,
                           mmod, call.q_positions, call.kv_positions, call.causal, seg,
-                          float(call.scale), call.sinks, None, arange)
+                          float(call.scale), call.sinks, implementation, arange)
 
 
 def xla_refusal(call: AttentionCall) -> str | None:

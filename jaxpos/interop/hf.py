@@ -36,7 +36,15 @@ from jaxpos.schemes.rope import scaling as rope_scaling
 __all__ = ["LAYER_TYPES", "hf_layer_types", "hf_rope_settings", "rope_from_hf_config",
            "rope_per_layer_from_hf_config", "softmax_scale_from_hf_config"]
 
-_INTERLEAVED_MODELS = ("gptj", "codegen", "llama4", "llama4_text")
+# Families whose rotary pairs features (2i, 2i+1): transformers' ``rotate_half`` there is
+# ``stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)`` (each family's modeling file).
+_INTERLEAVED_MODELS = ("gptj", "codegen", "llama4", "llama4_text", "glm", "glm4", "glm4v",
+                       "glm4v_text", "glm_ocr", "glm_ocr_text", "cohere", "cohere2",
+                       "cohere2_moe", "ernie4_5", "ernie4_5_moe", "helium", "moonshine",
+                       "moonshine_streaming", "moonshine_streaming_encoder", "blt",
+                       "blt_local_encoder", "blt_local_decoder", "blt_global_transformer")
+# Of those, the families whose config's ``rotary_dim`` is the rotated width (GPT-J style).
+_ROTARY_DIM_MODELS = ("gptj", "codegen", "llama4", "llama4_text")
 # M-RoPE with the temporal/height/width rows interleaved over the frequencies (HF's
 # ``recomposition_frequencies``) whether or not the config says ``mrope_interleaved``.
 _INTERLEAVED_MROPE_PREFIXES = ("qwen3_vl", "qwen3_5", "qwen3_omni_moe")
@@ -93,37 +101,15 @@ def hf_rope_settings(config: Any, *, layer_type: str | None = None) -> dict:
     d = _as_dict(config)
     _check_whole_config(d)
     model_type = d.get("model_type")
-    params: Any = d.get("rope_parameters")  # a dict of rope keys (values of any JSON type)
-    if params is None or params == {}:
-        params = d.get("rope_scaling")
-    params = dict(params or {})
-    if params and all(isinstance(v, dict) for v in params.values()):  # per layer type (Gemma 3)
-        if layer_type not in params:
-            raise ValueError(f"this config has rope parameters per layer type {sorted(params)}; "
-                             f"pass layer_type=one of them; got {layer_type!r}.")
-        params = dict(params[layer_type])
-    params = {k: v for k, v in params.items() if v is not None}  # a JSON null means absent
-
+    params = _rope_parameters(d, layer_type)
     base = params.get("rope_theta", d.get("rope_theta", d.get("rotary_emb_base")))
     base = 10000.0 if base is None else float(base)
-
-    if d.get("qk_rope_head_dim") is not None:
-        head_dim = int(d["qk_rope_head_dim"])
-    elif d.get("head_dim") is not None:
-        head_dim = int(d["head_dim"])
-    elif d.get("hidden_size") is not None and d.get("num_attention_heads"):
-        head_dim = int(d["hidden_size"]) // int(d["num_attention_heads"])
-    elif d.get("n_embd") is not None and d.get("n_head"):  # GPT-J style names
-        head_dim = int(d["n_embd"]) // int(d["n_head"])
-    else:
-        raise ValueError("config needs head_dim, or hidden_size and num_attention_heads, to "
-                         f"know the head width; got keys {sorted(d)}.")
-
+    head_dim = _head_dim(d)
     prf = params.get("partial_rotary_factor", d.get("partial_rotary_factor", d.get("rotary_pct")))
     if prf is None:
         prf = 0.25 if model_type == "gpt_neox" else 1.0
     rotary_dim = int(head_dim * float(prf))
-    if model_type in _INTERLEAVED_MODELS and d.get("rotary_dim"):
+    if model_type in _ROTARY_DIM_MODELS and d.get("rotary_dim"):
         rotary_dim = int(d["rotary_dim"])
 
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -145,20 +131,54 @@ def hf_rope_settings(config: Any, *, layer_type: str | None = None) -> dict:
                          f"dict, else from the config's top level; some types fall back on "
                          f"max_position_embeddings, which this config lacks too.") from None
 
-    if model_type in _INTERLEAVED_MODELS:
-        layout = "interleaved"
-    elif model_type in _DEEPSEEK_MODELS or d.get("qk_rope_head_dim") is not None:
-        layout = "interleaved" if d.get("rope_interleave", True) else "half"
-    else:
-        layout = "half"
     section = params.get("mrope_section")
     interleaved = params.get("mrope_interleaved", params.get("interleaved"))
     if interleaved is None:
         interleaved = str(model_type or "").startswith(_INTERLEAVED_MROPE_PREFIXES)
-    return {"rotary_dim": rotary_dim, "base": base, "layout": layout, "scaling": scaling,
+    return {"rotary_dim": rotary_dim, "base": base, "layout": _layout(d), "scaling": scaling,
             "mrope_section": tuple(section) if section is not None else None,
             "mrope_interleaved": bool(interleaved) and section is not None,
             "head_dim": head_dim}
+
+
+def _rope_parameters(d: dict, layer_type: str | None) -> dict:
+    """The rope dict of a config (v5 ``rope_parameters`` or v4 ``rope_scaling``), for
+    ``layer_type`` when it is given per layer type (Gemma 3); JSON nulls dropped."""
+    params: Any = d.get("rope_parameters")  # a dict of rope keys (values of any JSON type)
+    if params is None or params == {}:
+        params = d.get("rope_scaling")
+    params = dict(params or {})
+    if params and all(isinstance(v, dict) for v in params.values()):  # per layer type (Gemma 3)
+        if layer_type not in params:
+            raise ValueError(f"this config has rope parameters per layer type {sorted(params)}; "
+                             f"pass layer_type=one of them; got {layer_type!r}.")
+        params = dict(params[layer_type])
+    return {k: v for k, v in params.items() if v is not None}  # a JSON null means absent
+
+
+def _head_dim(d: dict) -> int:
+    """The width of one attention head (the rope part for MLA, ``qk_rope_head_dim``)."""
+    if d.get("qk_rope_head_dim") is not None:
+        return int(d["qk_rope_head_dim"])
+    if d.get("head_dim") is not None:
+        return int(d["head_dim"])
+    if d.get("hidden_size") is not None and d.get("num_attention_heads"):
+        return int(d["hidden_size"]) // int(d["num_attention_heads"])
+    if d.get("n_embd") is not None and d.get("n_head"):  # GPT-J style names
+        return int(d["n_embd"]) // int(d["n_head"])
+    raise ValueError("config needs head_dim, or hidden_size and num_attention_heads, to "
+                     f"know the head width; got keys {sorted(d)}.")
+
+
+def _layout(d: dict) -> str:
+    """``"interleaved"`` for the families whose rotary pairs features ``(2i, 2i + 1)``
+    (and DeepSeek's MLA unless ``rope_interleave`` is False), else ``"half"``."""
+    model_type = d.get("model_type")
+    if model_type in _INTERLEAVED_MODELS:
+        return "interleaved"
+    if model_type in _DEEPSEEK_MODELS or d.get("qk_rope_head_dim") is not None:
+        return "interleaved" if d.get("rope_interleave", True) else "half"
+    return "half"
 
 
 def rope_from_hf_config(config: Any, *, layer_type: str | None = None,
@@ -260,7 +280,7 @@ def hf_layer_types(config: Any) -> list[str]:
         elif model_type.startswith("llama4"):
             chunk = d.get("attention_chunk_size")
             types = ["chunked_attention" if r and chunk is not None else "full_attention"
-                     for r in _llama4_rope_flags(d, n) or [1] * n]
+                     for r in _rope_layer_flags(d, n) or [1] * n]
         elif d.get("use_sliding_window") and d.get("sliding_window") is not None:
             first = int(d.get("max_window_layers", n))
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
@@ -276,12 +296,19 @@ def hf_layer_types(config: Any) -> list[str]:
     return types
 
 
-def _llama4_rope_flags(d: dict, n: int) -> list[int] | None:
-    """Llama 4's ``no_rope_layers`` (1 = RoPE layer), defaulted as HF does; None for other
-    families."""
+# Families whose config defaults ``no_rope_layers`` from ``no_rope_layer_interval`` (HF's
+# config ``__post_init__``: every ``interval``-th layer has no position), and of those the
+# ones whose no-position layers scale their queries (Llama 4's attention temperature tuning).
+_NO_ROPE_LAYER_MODELS = ("llama4", "smollm3")
+_TEMPERATURE_TUNED_MODELS = ("llama4",)
+
+
+def _rope_layer_flags(d: dict, n: int) -> list[int] | None:
+    """``no_rope_layers`` (1 = RoPE layer; Llama 4, SmolLM3), defaulted as HF does; None
+    for families without it."""
     flags = d.get("no_rope_layers")
     if not flags:
-        if not str(d.get("model_type") or "").startswith("llama4"):
+        if not str(d.get("model_type") or "").startswith(_NO_ROPE_LAYER_MODELS):
             return None
         from jaxpos.schemes.irope import no_rope_layers
 
@@ -301,10 +328,12 @@ def rope_per_layer_from_hf_config(config: Any, *, angle_precision: str = "high")
       transformers-v4 form ``rope_theta`` + ``rope_scaling`` for global layers and
       ``rope_local_base_freq`` for sliding ones is read too): layer ``i`` gets
       ``rope_from_hf_config(config, layer_type=layer_types[i])``.
-    * Llama 4's iRoPE (``no_rope_layers``, defaulted from ``no_rope_layer_interval``;
-      Meta AI 2025, "The Llama 4 herd"): a layer with flag 0 gets
-      :class:`jaxpos.schemes.irope.TemperatureTunedNoPE` (``attn_scale``, ``floor_scale``) when
-      ``attn_temperature_tuning`` is on (HF's default), else :class:`jaxpos.NoPE`.
+    * Layers without position (``no_rope_layers``, flag 0; defaulted from
+      ``no_rope_layer_interval`` for Llama 4 and SmolLM3, as HF does): Llama 4's iRoPE
+      (Meta AI 2025, "The Llama 4 herd") gets
+      :class:`jaxpos.schemes.irope.TemperatureTunedNoPE` (``attn_scale``, ``floor_scale``)
+      when ``attn_temperature_tuning`` is on (HF's default); every other family (SmolLM3)
+      gets :class:`jaxpos.NoPE`: attention-temperature tuning is Llama 4's alone.
     * Otherwise the same :func:`rope_from_hf_config` scheme on every layer.
 
     Args:
@@ -336,8 +365,9 @@ def rope_per_layer_from_hf_config(config: Any, *, angle_precision: str = "high")
                                  rope_parameters={"full_attention": full,
                                                   "sliding_attention": sliding})
         per_type = True
-    flags = _llama4_rope_flags(d, len(types))
-    tuned = d.get("attn_temperature_tuning", True)
+    flags = _rope_layer_flags(d, len(types))
+    tuned = (str(d.get("model_type") or "").startswith(_TEMPERATURE_TUNED_MODELS)
+             and d.get("attn_temperature_tuning", True))
     cache: dict = {}
     schemes = []
     for i, t in enumerate(types):

@@ -57,7 +57,7 @@ class BlockMask:
                  "q_positions", "kv_positions")
     _static = ("mask_mod", "block_q", "block_k", "q_len", "kv_len")
 
-    def __init__(self, **fields):
+    def __init__(self, **fields: Any):
         for n in self._children + self._static:
             object.__setattr__(self, n, fields[n])
 
@@ -65,7 +65,7 @@ class BlockMask:
         raise AttributeError("BlockMask is immutable")
 
     @property
-    def shape(self):
+    def shape(self) -> tuple[int, ...]:
         """``(B|1, N|1, nq, nk)``."""
         return tuple(self.kinds.shape)
 

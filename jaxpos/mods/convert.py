@@ -30,19 +30,19 @@ class ConvertedMod:
     mod's own arguments: ``converted(score, batch, head, q_pos, kv_pos)``.
     """
 
-    def __init__(self, jaxpr, consts, kind: str, name: str):
+    def __init__(self, jaxpr: Any, consts: Any, kind: str, name: str):
         self.jaxpr = jaxpr
         self.consts = tuple(consts)
         self.kind = kind
         self.name = name
 
-    def __call__(self, *args):
+    def __call__(self, *args: Any) -> jax.Array:
         if not any(varying_axes(x) for x in (*args, *self.consts)):
             closed = jex.ClosedJaxpr(self.jaxpr, list(self.consts))
             return jex.jaxpr_as_fun(closed)(*args)[0]
         return _eval_matching_vma(self.jaxpr, self.consts, args)[0]
 
-    def with_consts(self, consts) -> ConvertedMod:
+    def with_consts(self, consts: Any) -> ConvertedMod:
         """The same function with other values for the captured arrays (e.g. loaded from
         kernel refs)."""
         return ConvertedMod(self.jaxpr, consts, self.kind, self.name)
@@ -236,7 +236,7 @@ def apply_mod(mod: ConvertedMod | None, q_pos: Any, kv_pos: Any,
     return batch(score, jnp.arange(B, dtype=jnp.int32), jnp.arange(N, dtype=jnp.int32), qp, kp)
 
 
-def reads_input(jaxpr, index: int) -> bool:
+def reads_input(jaxpr: Any, index: int) -> bool:
     """Whether the jaxpr's input ``index`` reaches any equation or output (e.g. whether a
     converted mod reads ``batch``: ``reads_input(conv.jaxpr, 1)``)."""
     var = jaxpr.invars[index]

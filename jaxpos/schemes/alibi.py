@@ -8,6 +8,9 @@ geometric sequence fixed before training.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,7 +90,8 @@ def alibi_bias(q_positions: ArrayLike, kv_positions: ArrayLike, slopes: ArrayLik
     return alibi_bias_from_offsets(rel, slopes, bidirectional=bidirectional)
 
 
-def alibi_bias_from_offsets(rel, slopes, *, bidirectional: bool = False) -> jax.Array:
+def alibi_bias_from_offsets(rel: jax.Array, slopes: ArrayLike, *,
+                            bidirectional: bool = False) -> jax.Array:
     """ALiBi bias from int offsets (Press et al. 2022, §3), the form the attention paths use.
 
     Args:
@@ -105,7 +109,8 @@ def alibi_bias_from_offsets(rel, slopes, *, bidirectional: bool = False) -> jax.
     return m[:, None, None] * r[..., None, :, :]
 
 
-def alibi_score_mod(slopes, *, bidirectional=False):
+def alibi_score_mod(slopes: ArrayLike, *,
+                    bidirectional: bool = False) -> Callable[..., jax.Array]:
     """``score + slopes[head] * (kv_pos - q_pos)`` (``- slopes[head] * |kv_pos - q_pos|``
     when ``bidirectional``): ALiBi, Press et al. 2022 §3, as a score_mod. ``slopes``:
     float ``[N]``, captured (differentiable).
@@ -151,7 +156,7 @@ class ALiBi(PositionScheme):
         self._set(slopes=jnp.asarray(slopes, jnp.float32), bidirectional=bool(bidirectional))
 
     @classmethod
-    def from_params(cls, params: dict, *, num_heads: int, causal: bool, **_) -> PositionScheme:
+    def from_params(cls, params: dict, *, num_heads: int, causal: bool, **_: Any) -> PositionScheme:
         """The paper's fixed slopes; bidirectional (``-m |kv - q|``) unless causal."""
         return cls(num_heads, bidirectional=not causal)
 
@@ -165,7 +170,7 @@ class ALiBi(PositionScheme):
         """Heads of the score term: one slope each."""
         return _checks.shape_of(self.slopes)[0]
 
-    def score_mod(self):
+    def score_mod(self) -> Callable[..., jax.Array] | None:
         """``score + slopes[head] * (kv_pos - q_pos)`` (``- slopes[head] * |kv_pos - q_pos|``
         when bidirectional), computed in float32 from the positions of each tile."""
         return alibi_score_mod(self.slopes, bidirectional=self.bidirectional)

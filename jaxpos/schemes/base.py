@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 __all__ = ["ATTENTIONS", "REGISTRY", "NoPE", "PositionScheme", "as_scheme", "get_scheme",
            "register", "register_attention"]
@@ -44,7 +45,7 @@ REGISTRY: dict[str, type] = {}
 ATTENTIONS: dict[str, Callable[..., Any]] = {}
 
 
-def register(name: str):
+def register(name: str) -> Callable[[type], type]:
     """Class decorator: make a scheme class available as ``REGISTRY[name]``."""
 
     def deco(cls):
@@ -125,7 +126,7 @@ class PositionScheme:
     def __setattr__(self, name, value):
         raise AttributeError(f"{type(self).__name__} is immutable; use .replace(...)")
 
-    def replace(self, **changes):
+    def replace(self, **changes: Any) -> PositionScheme:
         """A copy with some fields changed (like ``dataclasses.replace``)."""
         children, aux = self._flatten()
         obj = self._unflatten(aux, children)
@@ -156,7 +157,7 @@ class PositionScheme:
         at int32 positions ``[B|1, T]``. Returns ``(q, k)``, shapes and dtypes kept."""
         return q, k
 
-    def score_mod(self):
+    def score_mod(self) -> Callable[..., jax.Array] | None:
         """The scheme's score term as a score_mod ``(score, batch, head, q_pos, kv_pos)
         -> score`` (see :mod:`jaxpos.mods`), or ``None``."""
         return
@@ -173,7 +174,8 @@ class PositionScheme:
         the term is the same for every batch row."""
         return 1
 
-    def bias(self, q_positions, kv_positions, *, batch_size: int | None = None) -> jax.Array:
+    def bias(self, q_positions: ArrayLike, kv_positions: ArrayLike, *,
+             batch_size: int | None = None) -> jax.Array:
         """The scheme's score term as an array: its :meth:`score_mod` evaluated on a zero
         score grid, float32 ``[B|1, N, Tq, Tk]`` (``bias[b, h, i, j]`` is what attention
         adds to ``scale * q_i . k_j`` of head ``h``; for plots, debugging and dense paths).
@@ -223,12 +225,14 @@ class PositionScheme:
                             f"define the score_heads property.")
         return apply_mod(conv, qp, kp, score=jnp.zeros((B, N, Tq, Tk), jnp.float32))
 
-    def content_bias(self, qs, q_positions, kv_positions):
+    def content_bias(self, qs: jax.Array, q_positions: ArrayLike,
+                     kv_positions: ArrayLike) -> jax.Array | None:
         """A score term that depends on the scaled queries ``qs`` ``[B, N, tq, H]``
         (float32): an array broadcastable to ``[B, N, tq, tk]``, or ``None``."""
         return
 
-    def value_term(self, p, q_positions, kv_positions):
+    def value_term(self, p: jax.Array, q_positions: ArrayLike,
+                   kv_positions: ArrayLike) -> jax.Array | None:
         """A term added to the output, linear in the weights ``p`` ``[B, N, tq, tk]``:
         float32 ``[B, N, tq, H_v]``, or ``None``."""
         return
@@ -253,7 +257,7 @@ class PositionScheme:
 
     @classmethod
     def init_params(cls, key: jax.Array, *, num_heads: int, head_dim: int, d_model: int,
-                    causal: bool, param_dtype, options: dict) -> dict:
+                    causal: bool, param_dtype: Any, options: dict) -> dict:
         """Initial values of the scheme's learned parameters, ``{name: array}`` (``{}``
         for none). ``options``: the module's scheme options (``rotary_dim``, ``rope_base``,
         ``num_buckets``, ``max_distance``, ... ; None where unset)."""
@@ -268,7 +272,8 @@ class PositionScheme:
         layer's input, for schemes computed from the tokens (FoX's forget gates)."""
         raise NotImplementedError(f"{cls.__name__} cannot be built by the Flax modules.")
 
-    def cache_write(self, q, k, positions):
+    def cache_write(self, q: jax.Array, k: jax.Array,
+                    positions: ArrayLike) -> tuple[jax.Array, jax.Array, PositionScheme]:
         """KV-cache rule: ``(q, k, scheme_for_reading)``.
 
         The default stores keys as given and lets the cached attention apply the whole
@@ -278,7 +283,8 @@ class PositionScheme:
         """
         return q, k, self
 
-    def load_tables(self, q_positions, kv_positions, seq_len=None) -> Any | None:
+    def load_tables(self, q_positions: ArrayLike, kv_positions: ArrayLike,
+                    seq_len: ArrayLike | None = None) -> Any | None:
         """What the scheme needs where attention loads q and k, for keys stored raw:
         cos/sin tables (:class:`jaxpos.schemes.rope.tables.RopeTables`) that rotate
         unrotated q and k as the engines load them, or ``None`` (the default: the scheme
@@ -328,7 +334,7 @@ class NoPE(PositionScheme):
         pass
 
     @classmethod
-    def from_params(cls, params: dict, **_) -> PositionScheme:
+    def from_params(cls, params: dict, **_: Any) -> PositionScheme:
         return cls()
 
 

@@ -30,6 +30,9 @@ there, by design.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,7 +49,7 @@ EPS = 1e-6
 
 
 def fire_normalized_distance(q_pos: ArrayLike, kv_pos: ArrayLike, c: ArrayLike,
-                             threshold: ArrayLike, eps: float = EPS):
+                             threshold: ArrayLike, eps: float = EPS) -> jax.Array:
     """``log(|c (i - j)| + 1) / (log(|c max(threshold, i)| + 1) + eps)``, float32.
 
     ``q_pos`` (``i``) and ``kv_pos`` (``j``) are integer arrays that broadcast against
@@ -211,8 +214,8 @@ class FIRE(PositionScheme):
     # ---- for the Flax modules: one FIRE for the stack (as T5's table), options
     # ``mlp_width``, ``init_c``, ``init_L``, ``eps``.
     @classmethod
-    def init_params(cls, key: jax.Array, *, num_heads: int, options: dict, param_dtype=jnp.float32,
-                    **_) -> dict:
+    def init_params(cls, key: jax.Array, *, num_heads: int, options: dict,
+                    param_dtype: Any = jnp.float32, **_: Any) -> dict:
         """:meth:`init`'s arrays, ``{"w1", "b1", "w2", "b2", "c", "L_multiplier"}``."""
         s = cls.init(num_heads, key=key, mlp_width=_option(options, "mlp_width", 32),
                      init_c=_option(options, "init_c", 0.1),
@@ -220,7 +223,7 @@ class FIRE(PositionScheme):
         return {n: getattr(s, n).astype(param_dtype) for n in cls._children}
 
     @classmethod
-    def from_params(cls, params: dict, *, options: dict, **_) -> PositionScheme:
+    def from_params(cls, params: dict, *, options: dict, **_: Any) -> PositionScheme:
         return cls(params["w1"], params["b1"], params["w2"], params["b2"], c=params["c"],
                    L_multiplier=params["L_multiplier"],
                    init_L=_option(options, "init_L", 512.0), eps=_option(options, "eps", EPS))
@@ -242,7 +245,7 @@ class FIRE(PositionScheme):
         """Heads of the score term: one output of the MLP each."""
         return _checks.shape_of(self.w2)[1]
 
-    def score_mod(self):
+    def score_mod(self) -> Callable[..., jax.Array] | None:
         """``score + MLP(normalised distance)[head]`` on the tile.
 
         The hidden layer is a ``[tq, tk, mlp_width]`` intermediate reduced with a sum (no

@@ -36,6 +36,9 @@ move with it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,7 +50,7 @@ from jaxpos.schemes.base import PositionScheme, register
 __all__ = ["FoX", "fox_bias", "fox_cumulative", "forget_gate"]
 
 
-def forget_gate(x, w, b) -> jax.Array:
+def forget_gate(x: ArrayLike, w: ArrayLike, b: ArrayLike) -> jax.Array:
     """``log f = log_sigmoid(x @ w + b)``, the log forget gates of Lin et al. 2025, §2.
 
     Args:
@@ -80,7 +83,7 @@ def _check_log_forget(log_forget) -> None:
     _checks.check_floating("log_forget", log_forget)
 
 
-def fox_cumulative(log_forget) -> jax.Array:
+def fox_cumulative(log_forget: ArrayLike) -> jax.Array:
     """``c = cumsum(log_forget)`` over the sequence, per head, transposed for gathers:
     float32 ``[B, N, T]``, ``c[b, h, i] = sum_{l <= i} log_forget[b, l, h]``.
 
@@ -117,7 +120,7 @@ def _check_positions_increasing(name: str, positions) -> None:
                 f"so each segment gets the answer it would get alone).")
 
 
-def fox_bias(log_forget, q_positions, kv_positions) -> jax.Array:
+def fox_bias(log_forget: ArrayLike, q_positions: ArrayLike, kv_positions: ArrayLike) -> jax.Array:
     """The FoX bias ``D_ij = c_i - c_j`` (Lin et al. 2025, §2) at the given positions.
 
     ``c`` is :func:`fox_cumulative`; ``i`` runs over ``q_positions``, ``j`` over
@@ -183,8 +186,8 @@ class FoX(PositionScheme):
     params_per_layer = True
 
     @classmethod
-    def init_params(cls, key: jax.Array, *, num_heads: int, d_model: int, param_dtype=jnp.float32,
-                    **_) -> dict:
+    def init_params(cls, key: jax.Array, *, num_heads: int, d_model: int,
+                    param_dtype: Any = jnp.float32, **_: Any) -> dict:
         """The forget-gate projection ``{"w": [d_model, N], "b": [N]}``: ``w ~ N(0,
         0.02^2)``, ``b = 0``, as the authors' code initialises its ``fgate_proj``."""
         w = 0.02 * jax.random.normal(key, (d_model, num_heads), jnp.float32)
@@ -192,7 +195,7 @@ class FoX(PositionScheme):
 
     @classmethod
     def from_params(cls, params: dict, *, x: jax.Array | None = None,
-                    positions: jax.Array | None = None, **_) -> PositionScheme:
+                    positions: jax.Array | None = None, **_: Any) -> PositionScheme:
         """``FoX(forget_gate(x, w, b))`` from the layer's input ``x`` ``[B, T, D]``.
 
         The gates are indexed by position, so ``positions`` must be ``0 .. T-1`` along
@@ -216,7 +219,8 @@ class FoX(PositionScheme):
                     f"sequences as separate rows starting at position 0.")
         return cls(forget_gate(x, params["w"], params["b"]))
 
-    def cache_write(self, q, k, positions):
+    def cache_write(self, q: jax.Array, k: jax.Array,
+                    positions: ArrayLike) -> tuple[jax.Array, jax.Array, PositionScheme]:
         """KV-cache decoding is not supported: the bias of a new query needs the gates of
         every cached token, which the cache does not keep.
 
@@ -268,7 +272,7 @@ class FoX(PositionScheme):
         """The gates' batch: the term differs per row (computed from each row's tokens)."""
         return _checks.shape_of(self.log_forget)[0]
 
-    def score_mod(self):
+    def score_mod(self) -> Callable[..., jax.Array] | None:
         """``score + c[batch, head, q_pos] - c[batch, head, kv_pos]`` with ``c`` from
         :func:`fox_cumulative` (computed once per call; positions clamped to ``[0, T)``)."""
         c = fox_cumulative(self.log_forget)

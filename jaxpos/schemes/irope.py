@@ -29,9 +29,12 @@ llama4.py`` does).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos.schemes.base import PositionScheme, register
@@ -66,8 +69,8 @@ def _check_temperature_args(attn_scale, floor_scale):
     return a, f
 
 
-def attention_temperature(positions, *, attn_scale: float = 0.1,
-                          floor_scale: float = 8192.0):
+def attention_temperature(positions: ArrayLike, *, attn_scale: float = 0.1,
+                          floor_scale: float = 8192.0) -> jax.Array:
     """Llama 4's query temperature on NoPE layers (HF ``Llama4TextAttention``, the
     ``attn_temperature_tuning`` branch): ``1 + attn_scale * log1p(floor((pos + 1) /
     floor_scale))``, computed in float32 in HF's order.
@@ -117,7 +120,7 @@ class TemperatureTunedNoPE(PositionScheme):
         self._set(attn_scale=a, floor_scale=f)
 
     @classmethod
-    def from_params(cls, params: dict, *, options: dict, **_) -> PositionScheme:
+    def from_params(cls, params: dict, *, options: dict, **_: Any) -> PositionScheme:
         """No parameters; ``scheme_options={"attn_scale": ..., "floor_scale": ...}``
         (Llama 4's 0.1 and 8192 when unset).
 

@@ -37,6 +37,9 @@ and ``U(0, 1)`` for the other, then clamp.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,7 +98,8 @@ def _check_params(r1, r2, kind: str, *, require_concrete_range: bool = True) -> 
                              f"{a.tolist()}.")
 
 
-def kerple_bias(q_positions, kv_positions, r1, r2, *, kind: str = "log") -> jax.Array:
+def kerple_bias(q_positions: ArrayLike, kv_positions: ArrayLike, r1: ArrayLike, r2: ArrayLike,
+                *, kind: str = "log") -> jax.Array:
     """The KERPLE score bias for every (query, key) pair and head (Chi et al. 2022).
 
     ``kind="log"``: ``-r1[h] * log(1 + r2[h] * |kv_pos - q_pos|)``;
@@ -177,8 +181,8 @@ class KERPLE(PositionScheme):
     # ---- for the Flax modules: one (r1, r2) pair per head, shared by the layers of a
     # stack, as the authors' GPT-NeoX model passes one KERPLE module to every layer.
     @classmethod
-    def init_params(cls, key: jax.Array, *, num_heads: int, options: dict, param_dtype=jnp.float32,
-                    **_) -> dict:
+    def init_params(cls, key: jax.Array, *, num_heads: int, options: dict,
+                    param_dtype: Any = jnp.float32, **_: Any) -> dict:
         """``{"r1", "r2"}``, float ``[num_heads]``, drawn as :meth:`init` does. Options:
         ``kind`` (the generic class only), ``eps``."""
         eps = options.get("eps")
@@ -187,7 +191,7 @@ class KERPLE(PositionScheme):
         return {"r1": s.r1.astype(param_dtype), "r2": s.r2.astype(param_dtype)}
 
     @classmethod
-    def from_params(cls, params: dict, *, options: dict, **_) -> PositionScheme:
+    def from_params(cls, params: dict, *, options: dict, **_: Any) -> PositionScheme:
         """The scheme from a module's stored ``r1``, ``r2``: raw values, which may have
         left the range during training (the forward pass clamps them), so their values
         are not checked here, only their shapes and dtypes."""
@@ -196,7 +200,8 @@ class KERPLE(PositionScheme):
                    eps=EPS if eps is None else eps, _check_range=False)
 
     @classmethod
-    def init(cls, num_heads: int, *, key, kind: str | None = None, eps: float = EPS):
+    def init(cls, num_heads: int, *, key: jax.Array, kind: str | None = None,
+             eps: float = EPS) -> KERPLE:
         """Random parameters as the authors initialise them: the log multiplier (log
         ``r1``) or the exponent (power ``r2``) ``~ U(0, 2)``, the other ``~ U(0, 1)``,
         both clamped to ``>= eps``.
@@ -232,7 +237,7 @@ class KERPLE(PositionScheme):
             raise ValueError(f"KERPLE r1 and r2 must have shape [{num_heads}] (one per query "
                              f"head); got {_checks.shape_of(self.r1)}.")
 
-    def clamped(self):
+    def clamped(self) -> tuple[jax.Array, jax.Array]:
         """``(r1, r2)`` as the forward pass uses them: float32 ``[N]`` each, clamped with a
         straight-through gradient."""
         hi = MAX_POWER if self.kind == "power" else jnp.inf
@@ -244,7 +249,7 @@ class KERPLE(PositionScheme):
         """Heads of the score term: one (r1, r2) pair each."""
         return _checks.shape_of(self.r1)[0]
 
-    def score_mod(self):
+    def score_mod(self) -> Callable[..., jax.Array] | None:
         """``score + kernel(|kv_pos - q_pos|)`` with the head's clamped ``r1``, ``r2``."""
         r1, r2 = self.clamped()
         kind = self.kind

@@ -29,6 +29,9 @@ every tile: exact at any distance, but many times the work of ALiBi's one multip
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,8 +89,8 @@ def _check_head_scales(head_scales) -> None:
     _checks.check_floating("head_scales", head_scales)
 
 
-def sandwich_bias(q_positions, kv_positions, head_scales, *, d_bar: int = 128,
-                  base: float = 10000.0) -> jax.Array:
+def sandwich_bias(q_positions: ArrayLike, kv_positions: ArrayLike, head_scales: ArrayLike, *,
+                  d_bar: int = 128, base: float = 10000.0) -> jax.Array:
     """The Sandwich bias for every (query, key) pair and head (Chi et al. 2023).
 
     ``head_scales[h] * (sum_{i=1}^{d_bar/2} cos((kv_pos - q_pos) base^(-2i/d_bar)) -
@@ -159,7 +162,8 @@ class Sandwich(PositionScheme):
                   base=float(base))
 
     @classmethod
-    def from_params(cls, params: dict, *, num_heads: int, options: dict, **_) -> PositionScheme:
+    def from_params(cls, params: dict, *, num_heads: int, options: dict,
+                    **_: Any) -> PositionScheme:
         """For the Flax modules (no parameters): options ``d_bar`` (128) and ``base``
         (10000)."""
         d_bar, base = options.get("d_bar"), options.get("base")
@@ -176,7 +180,7 @@ class Sandwich(PositionScheme):
         """Heads of the score term: one scale each."""
         return _checks.shape_of(self.head_scales)[0]
 
-    def score_mod(self):
+    def score_mod(self) -> Callable[..., jax.Array] | None:
         """``score + head_scales[head] * (sum_i cos((kv_pos - q_pos) inv_freq[i]) -
         d_bar/2)``, computed on the tile."""
         scales, inv_freq = self.head_scales, _inv_freq(self.d_bar, self.base)

@@ -18,6 +18,8 @@ a negative index).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,13 +156,14 @@ class Shaw(PositionScheme):
         self._set(rel_k=rel_k, rel_v=rel_v, max_distance=K)
 
     @property
-    def has_value_term(self):
+    def has_value_term(self) -> bool:
         return self.rel_v is not None
 
     params_per_layer = True  # Shaw et al. 2018, §3.1: shared across heads, not layers
 
     @classmethod
-    def init_params(cls, key: jax.Array, *, head_dim: int, param_dtype, options: dict, **_) -> dict:
+    def init_params(cls, key: jax.Array, *, head_dim: int, param_dtype: Any, options: dict,
+                    **_: Any) -> dict:
         """``rel_k`` and ``rel_v`` ``[2K + 1, head_dim]``, Glorot uniform (tensor2tensor's
         default); ``K = options["max_distance"]`` (16 if unset); ``options["values"]``
         False learns the key table only."""
@@ -174,17 +177,19 @@ class Shaw(PositionScheme):
         return params
 
     @classmethod
-    def from_params(cls, params: dict, **_) -> PositionScheme:
+    def from_params(cls, params: dict, **_: Any) -> PositionScheme:
         return cls(params["rel_k"], params.get("rel_v"))
 
     def check(self, num_heads: int, head_dim: int) -> None:
         check_shaw_table("rel_k", self.rel_k, head_dim)
 
-    def content_bias(self, qs: jax.Array, q_positions: ArrayLike, kv_positions: ArrayLike):
+    def content_bias(self, qs: jax.Array, q_positions: ArrayLike,
+                     kv_positions: ArrayLike) -> jax.Array | None:
         idx = shaw_clipped_index(q_positions, kv_positions, self.max_distance)
         return shaw_logits(qs, idx, self.rel_k)
 
-    def value_term(self, p: jax.Array, q_positions: ArrayLike, kv_positions: ArrayLike):
+    def value_term(self, p: jax.Array, q_positions: ArrayLike,
+                   kv_positions: ArrayLike) -> jax.Array | None:
         if self.rel_v is None:
             return None
         idx = shaw_clipped_index(q_positions, kv_positions, self.max_distance)

@@ -31,6 +31,9 @@ variant applied to the queries.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,7 +49,7 @@ __all__ = ["SSMax", "ssmax_multiplier"]
 S_INIT = 0.43
 
 
-def ssmax_multiplier(n, s) -> jax.Array:
+def ssmax_multiplier(n: ArrayLike, s: ArrayLike) -> jax.Array:
     """``s[h] * log(n)``: the factor SSMax multiplies the scores by (Nakanishi 2025, Eq. 2).
 
     Args:
@@ -105,8 +108,8 @@ class SSMax(PositionScheme):
 
     # ---- for the Flax modules: one s per head and layer.
     @classmethod
-    def init_params(cls, key: jax.Array, *, num_heads: int, options: dict, param_dtype=jnp.float32,
-                    **_) -> dict:
+    def init_params(cls, key: jax.Array, *, num_heads: int, options: dict,
+                    param_dtype: Any = jnp.float32, **_: Any) -> dict:
         """``{"s": [num_heads]}`` filled with option ``s_init`` (default :data:`S_INIT`)."""
         s0 = options.get("s_init")
         s0 = S_INIT if s0 is None else _checks.check_real("s_init", s0)
@@ -114,7 +117,7 @@ class SSMax(PositionScheme):
 
     @classmethod
     def from_params(cls, params: dict, *, causal: bool, options: dict, x: jax.Array | None = None,
-                    **_) -> PositionScheme:
+                    **_: Any) -> PositionScheme:
         """Causal layers count ``q_pos + 1`` keys; a non-causal layer counts the length of
         its input ``x`` ``[B, T, D]`` (pads included: the modules do not pass the padding
         mask to the scheme)."""
@@ -127,13 +130,13 @@ class SSMax(PositionScheme):
             raise ValueError(f"SSMax s must have shape [{num_heads}] (one per query head); "
                              f"got {_checks.shape_of(self.s)}.")
 
-    def check_causal(self, causal):
+    def check_causal(self, causal: bool) -> None:
         if not causal and self.num_keys is None:
             raise ValueError("SSMax in a non-causal call needs num_keys= (the number of keys "
                              "each batch row sees); without it n = q_pos + 1 holds for causal "
                              "attention only.")
 
-    def score_mod(self):
+    def score_mod(self) -> Callable[..., jax.Array] | None:
         """``score * s[head] * log(n)``, ``n = q_pos + 1`` (causal) or ``num_keys[batch]``."""
         s, num_keys = self.s, self.num_keys
 

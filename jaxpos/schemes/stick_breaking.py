@@ -10,6 +10,8 @@ the attention itself, :func:`jaxpos.stick_breaking_attention`, is an engine of i
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 
 from jaxpos.schemes.base import PositionScheme, register
@@ -49,13 +51,13 @@ class StickBreaking(PositionScheme):
         self._set(attend_current=bool(attend_current), remainder=bool(remainder))
 
     @classmethod
-    def from_params(cls, params: dict, *, options: dict, **_) -> PositionScheme:
+    def from_params(cls, params: dict, *, options: dict, **_: Any) -> PositionScheme:
         """Options ``attend_current`` (False) and ``remainder`` (True)."""
         ac, rem = options.get("attend_current"), options.get("remainder")
         return cls(attend_current=bool(ac) if ac is not None else False,
                    remainder=bool(rem) if rem is not None else True)
 
-    def check_causal(self, causal):
+    def check_causal(self, causal: bool) -> None:
         if not causal:
             raise ValueError("stick-breaking attention is causal by definition (Tan et al. "
                              "2025, §2); got a non-causal layer (an Encoder or causal=False).")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +29,7 @@ from jaxpos.schemes.base import PositionScheme, register
 __all__ = ["T5Bias", "check_bucket_args", "t5_bias", "t5_bucket"]
 
 
-def check_bucket_args(num_buckets, max_distance, bidirectional) -> None:
+def check_bucket_args(num_buckets: int, max_distance: int, bidirectional: bool) -> None:
     """Validate T5 bucket hyperparameters (Raffel et al. 2020, §2.1).
 
     Raises:
@@ -158,7 +160,8 @@ def t5_bias(
                                 num_buckets=num_buckets, max_distance=max_distance)
 
 
-def transposed_hint(shape, *, num_buckets=None, num_heads=None) -> str:
+def transposed_hint(shape: tuple[int, ...], *, num_buckets: int | None = None,
+                    num_heads: int | None = None) -> str:
     """`` It looks transposed ...`` when a ``[N, num_buckets]`` table was passed where
     ``[num_buckets, N]`` is expected (judged from whichever size is known), else ''."""
     if len(shape) != 2 or shape[0] == shape[1]:
@@ -170,7 +173,7 @@ def transposed_hint(shape, *, num_buckets=None, num_heads=None) -> str:
     return ""
 
 
-def check_t5_table(table, num_buckets) -> None:
+def check_t5_table(table: ArrayLike, num_buckets: int) -> None:
     """Raise ``ValueError`` unless ``table`` is ``[num_buckets, num_heads]``."""
     _checks.check_rank("table", table, (2,), "[num_buckets, num_heads]")
     shape = _checks.shape_of(table)
@@ -183,7 +186,8 @@ def check_t5_table(table, num_buckets) -> None:
 
 
 @functools.partial(jax.jit, static_argnames=("bidirectional", "num_buckets", "max_distance"))
-def t5_bias_from_offsets(rel, table, *, bidirectional, num_buckets, max_distance) -> jax.Array:
+def t5_bias_from_offsets(rel: ArrayLike, table: ArrayLike, *, bidirectional: bool,
+                         num_buckets: int, max_distance: int) -> jax.Array:
     """``table[bucket(rel), h]`` for int offsets ``rel`` ``[..., Tq, Tk]``.
 
     Args:
@@ -241,8 +245,8 @@ class T5Bias(PositionScheme):
                              f"{transposed_hint(shape, num_heads=num_heads)}")
 
     @classmethod
-    def init_params(cls, key: jax.Array, *, num_heads: int, d_model: int, causal: bool, param_dtype,
-                    options: dict, **_) -> dict:
+    def init_params(cls, key: jax.Array, *, num_heads: int, d_model: int, causal: bool,
+                    param_dtype: Any, options: dict, **_: Any) -> dict:
         """``table [num_buckets, num_heads]`` from ``N(0, 1/d_model)`` (Hugging Face's T5
         initialisation)."""
         nb = options.get("num_buckets")
@@ -251,7 +255,7 @@ class T5Bias(PositionScheme):
         return {"table": init(key, (nb, num_heads), param_dtype)}
 
     @classmethod
-    def from_params(cls, params: dict, *, causal: bool, options: dict, **_) -> PositionScheme:
+    def from_params(cls, params: dict, *, causal: bool, options: dict, **_: Any) -> PositionScheme:
         """Causal buckets in a causal stack, bidirectional ones otherwise."""
         md = options.get("max_distance")
         return cls(params["table"], bidirectional=not causal,
@@ -284,7 +288,7 @@ class T5Bias(PositionScheme):
         """Heads of the score term: one column of the table each."""
         return _checks.shape_of(self.table)[1]
 
-    def score_mod(self):
+    def score_mod(self) -> Callable[..., jax.Array] | None:
         """``score + table[bucket(kv_pos - q_pos), head]``, as a gather from
         :meth:`offset_vector` (computed once per call, so tiles do no bucket arithmetic)."""
         return offset_score_mod(self.offset_vector(), self.max_distance)

@@ -54,8 +54,8 @@ def xpos_zeta(rotary_dim: int, gamma: float = 0.4) -> np.ndarray:
     return ((i + g * d) / ((1.0 + g) * d)).astype(np.float32)
 
 
-def xpos_scale(positions, rotary_dim: int, *, scale_base: float = 512.0, gamma: float = 0.4,
-               downscale: bool = False) -> jax.Array:
+def xpos_scale(positions: ArrayLike, rotary_dim: int, *, scale_base: float = 512.0,
+               gamma: float = 0.4, downscale: bool = False) -> jax.Array:
     """Per-pair factors ``zeta_i ** (pos / scale_base)`` (``** (-pos / scale_base)`` when
     ``downscale``), the query's (key's) scale in Sun et al. 2022, §3.
 
@@ -80,8 +80,9 @@ def xpos_scale(positions, rotary_dim: int, *, scale_base: float = 512.0, gamma: 
     return jnp.exp(jnp.float32(sign) * e[..., None] * log_zeta)
 
 
-def apply_xpos(x, positions, inv_freq, *, scale_base: float = 512.0, gamma: float = 0.4,
-               downscale: bool = False, layout: str = "half", scale_offset=0,
+def apply_xpos(x: jax.Array, positions: ArrayLike, inv_freq: ArrayLike, *,
+               scale_base: float = 512.0, gamma: float = 0.4, downscale: bool = False,
+               layout: str = "half", scale_offset: ArrayLike = 0,
                angle_precision: str = "high") -> jax.Array:
     """Rotate ``x`` as RoPE does and scale each rotated pair by xPos's factor (Sun et al.
     2022, §3): queries with ``downscale=False``, keys with ``downscale=True``.
@@ -184,7 +185,7 @@ class XPos(PositionScheme):
                   gamma=float(gamma), layout=layout, angle_precision=angle_precision)
 
     @classmethod
-    def from_params(cls, params: dict, *, head_dim: int, options: dict, **_) -> PositionScheme:
+    def from_params(cls, params: dict, *, head_dim: int, options: dict, **_: Any) -> PositionScheme:
         """For the Flax modules (no parameters): options ``rotary_dim`` (default
         ``head_dim``), ``rope_base`` (10000), ``rope_layout`` ("half"), ``scale_base``
         (512)."""

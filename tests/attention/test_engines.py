@@ -127,3 +127,26 @@ def test_run_with_lse_of_an_engine_without_it_says_which_have_it():
     call = transform_call(validate_call(*_qkv()))
     with pytest.raises(ValueError, match="does not return the log-sum-exp"):
         engines.run_with_lse(call, "xla")
+
+
+def test_concrete_kv_lengths_outside_the_keys_raise_naming_them():
+    q, k, v = _qkv(B=2, T=8)
+    for bad in ([200, 3], [-1, 3]):
+        with pytest.raises(ValueError, match=r"kv_lengths must lie in \[0, Tk\] = \[0, 8\]"):
+            jaxpos.attention(q, k, v, kv_lengths=jnp.asarray(bad))
+
+
+@pytest.mark.parametrize("name", ["reference", "chunked",
+                                  pytest.param("pallas", marks=pytest.mark.slow)])
+def test_traced_kv_lengths_outside_the_keys_give_nan_rows(name):
+    """Under jit the lengths cannot raise: a row with a length outside [0, Tk] is NaN
+    (the cache-overflow rule), never the clipped length's answer; other rows are exact."""
+    q, k, v = _qkv(B=3, T=8, seed=5)
+    run = jax.jit(lambda n: jaxpos.attention(q[:, :1], k, v, kv_lengths=n,
+                                             q_positions=jnp.asarray([7]),
+                                             implementation=name))
+    out = np.asarray(run(jnp.asarray([200, 5, -1], jnp.int32)))
+    assert np.isnan(out[0]).all() and np.isnan(out[2]).all()
+    want = jaxpos.attention(q[1:2, :1], k[1:2, :5], v[1:2, :5], q_positions=jnp.asarray([7]),
+                            kv_positions=jnp.arange(5), implementation="reference")
+    np.testing.assert_allclose(out[1:2], want, atol=2e-6)

@@ -479,6 +479,55 @@ def _with_unfilled_slots(impl, extra=13, **opts):
     return attend
 
 
+def _paged(impl, page_size=3, spare=2, unfilled_v=np.nan, **opts):
+    """``attend`` through ``impl`` with k and v stored in pages of ``page_size`` slots
+    (FlashAttention's paged layout), ``jaxpos.attention(q, k_pages, v_pages, page_table=,
+    kv_lengths=)``: each row's pages are scattered over a pool in a shuffled order, the
+    pool holds ``spare`` pages nobody owns, each row's table has one more entry (-1) than
+    its keys need, and the last page is only partly filled. Unowned pages and unfilled
+    slots hold k 1e4 and v ``unfilled_v`` (NaN: any read of them into the result shows,
+    even as ``0 * NaN``). Key positions and segment ids continue past the filled keys;
+    the default positions are the paged call's own (queries at the end of each row)."""
+    def attend(q, k, v, scheme, sinks, *, q_positions=None, kv_positions=None,
+               segment_ids=None, kv_segment_ids=None, **kw):
+        B, Tk, Nk, H = k.shape
+        used = -(-Tk // page_size)
+        pps = used + 1
+        S = pps * page_size
+        num_pages = B * used + spare
+        order = np.random.default_rng(3).permutation(num_pages)[:B * used]
+        table = np.full((B, pps), -1, np.int32)
+        table[:, :used] = order.reshape(B, used)
+
+        def pool(x, fill):
+            xs = jnp.concatenate([x, jnp.full((B, used * page_size - Tk) + x.shape[2:], fill,
+                                              x.dtype)], axis=1)
+            base = jnp.full((num_pages, page_size) + x.shape[2:], fill, x.dtype)
+            return base.at[jnp.asarray(order)].set(
+                xs.reshape((B * used, page_size) + x.shape[2:]))
+
+        def extend(x, step):
+            x = np.broadcast_to(np.asarray(x), (B, Tk))
+            tail = x[:, -1:] + step * (1 + np.arange(S - Tk))[None]
+            return np.concatenate([x, tail], 1)
+
+        if kv_positions is not None:
+            kv_positions = extend(kv_positions, 1)
+        if kv_segment_ids is not None:
+            kv_segment_ids = extend(kv_segment_ids, 0)
+        return jaxpos.attention(q, pool(k, 1e4), pool(v, unfilled_v), page_table=table,
+                                kv_lengths=np.full((B,), Tk, np.int32), position=scheme,
+                                sinks=sinks, implementation=impl, q_positions=q_positions,
+                                kv_positions=kv_positions, segment_ids=segment_ids,
+                                kv_segment_ids=kv_segment_ids, **opts, **kw)
+    return attend
+
+
+#: Default-run cases of the paged chunked path (the rest run in the slow run).
+PAGED_DEFAULT = ("decode-none", "decode-alibi", "decode-t5", "decode-rope", "gqa-none",
+                 "sliding_window-none", "sinks-none", "left_padded-none", "training-none")
+
+
 #: Default-run cases of the kv_lengths paths (a cache with unfilled slots).
 KV_LENGTHS_DEFAULT = ("decode-none", "decode-rope", "decode-alibi", "decode-t5", "gqa-none",
                       "training-none", "sinks_minus_inf_empty_rows-none")
@@ -563,6 +612,16 @@ IMPLEMENTATIONS: dict[str, Path] = {
     # Flax's attention_fn hook with dropout_rate=0 (jaxpos.flax_attention_fn)
     "flax_adapter": Path(_flax_adapter, takes=_flax_adapter_takes,
                          default=lambda cid: cid in FLAX_ADAPTER_DEFAULT),
+    # k and v in pages (jaxpos.core.paged): the chunked path walks the page table (decode
+    # shapes) or gathers the pages (longer Tq); the reference and the kernel on the
+    # gathered keys, with finite garbage in the unfilled slots (they mask them on their
+    # grid, the NaN rule)
+    "paged_chunked": Path(_paged("chunked", block_k=6),
+                          default=lambda cid: cid in PAGED_DEFAULT),
+    "paged_reference": Path(_paged("reference", unfilled_v=1e3),
+                            default=lambda cid: cid in ("decode-none", "gqa-none")),
+    "paged_pallas": Path(_paged("pallas", unfilled_v=1e3, block_q=4, block_k=4),
+                         default=lambda cid: False),
     # run by tests/conformance/_ring_conformance_worker.py in an 8-device subprocess
     "ring": Path(None, takes=_ring_takes, default=lambda cid: False),
     "ulysses": Path(None, takes=_ulysses_takes, default=lambda cid: False),

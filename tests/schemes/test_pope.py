@@ -42,8 +42,7 @@ def np_pope_scores(q, k, q_pos, kv_pos, theta, delta=None):
 def np_pope_attention(q, k, v, theta, delta=None, *, pos):
     H = q.shape[-1]
     s = np_pope_scores(q, k, pos, pos, theta, delta) / np.sqrt(H)
-    T = q.shape[1]
-    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    s = np.where(np.asarray(pos)[:, None] >= np.asarray(pos)[None, :], s, -np.inf)
     w = np.exp(s - s.max(-1, keepdims=True))
     w /= w.sum(-1, keepdims=True)
     v = np.repeat(np.asarray(v, np.float64), q.shape[2] // v.shape[2], axis=2)
@@ -147,3 +146,67 @@ def test_bad_input():
         jaxpos.attention(q, k, v, position=PoPE(8, phase_bias=np.zeros((2, 8), np.float32)))
     with pytest.raises(ValueError, match="inv_freq"):
         apply_pope(q, np.arange(4), np.ones(3, np.float32))
+
+
+# Positions far from the origin: a float32 ``pos * theta`` is off by up to pos * 6e-8 rad
+# there (9e-5 relative in the outputs at 1e5, 2e-3 at 1e6); PoPE's phases are reduced
+# exactly, as RoPE's angles.
+FAR = [123_457, 987_651]
+
+
+def _max_rel(got, ref):
+    return float(np.max(np.abs(np.asarray(got, np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+@pytest.mark.parametrize("offset", FAR)
+def test_features_far_from_the_origin_match_float64(offset):
+    x, _, _ = qkv(5, B=1, T=6, N=4, H=8)
+    pos = np.arange(6) * 1009 + offset
+    theta = pope_frequencies(8)
+    got = apply_pope(x, pos, theta, phase_bias=clamp_phase_bias(DELTA))
+    phase = pos[None, :, None, None] * theta.astype(np.float64) - np.clip(DELTA, -2 * np.pi, 0)
+    mu = np_softplus(np.asarray(x, np.float64))
+    ref = np.concatenate([mu * np.cos(phase), mu * np.sin(phase)], axis=-1)
+    assert _max_rel(got, ref) <= 2e-5
+
+
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+@pytest.mark.parametrize("offset", FAR)
+def test_attention_far_from_the_origin_matches_float64(impl, offset):
+    q, k, v = qkv(6, B=1, T=9, N=4, H=8, Nk=2)
+    pos = np.arange(9) * 977 + offset
+    out = attn(impl, q, k, v, position=PoPE(8, phase_bias=DELTA), causal=True,
+               q_positions=pos, kv_positions=pos)
+    ref = np_pope_attention(q, k, v, pope_frequencies(8), DELTA, pos=pos)
+    assert _max_rel(out, ref) <= 2e-5
+
+
+def test_gradients_far_from_the_origin_match_float64():
+    q, k, v = qkv(7, B=1, T=6, N=4, H=8)
+    pos = np.arange(6) * 1013 + FAR[1]
+    theta = pope_frequencies(8)
+    delta = np.linspace(-5.0, -0.5, 32).reshape(4, 8).astype(np.float32)
+    w = np.asarray(jax.random.normal(jax.random.PRNGKey(3), (1, 6, 4, 8)), np.float64)
+
+    def loss64(q, k, d):
+        return float(np.sum(w * np_pope_attention(q, k, v, theta, d, pos=pos)))
+
+    def loss(q, k, d):
+        return jnp.sum(jnp.asarray(w, jnp.float32) * attn(
+            "reference", q, k, v, position=PoPE(8, phase_bias=d), causal=True,
+            q_positions=pos, kv_positions=pos))
+
+    g = jax.grad(loss, argnums=(0, 1, 2))(q, k, jnp.asarray(delta))
+    args = [np.asarray(x, np.float64) for x in (q, k, delta)]
+    eps = 1e-6
+    for i, name in enumerate(("q", "k", "phase_bias")):
+        fd = np.zeros(args[i].size)
+        for j in range(args[i].size):  # every entry: the relative error of the gradient
+            hi, lo = list(args), list(args)
+            hi[i] = args[i].copy()
+            lo[i] = args[i].copy()
+            hi[i].flat[j] += eps
+            lo[i].flat[j] -= eps
+            fd[j] = (loss64(*hi) - loss64(*lo)) / (2 * eps)
+        got = np.asarray(g[i], np.float64).ravel()
+        assert np.max(np.abs(got - fd)) <= 2e-5 * np.max(np.abs(fd)) + 1e-7, name

@@ -6,7 +6,9 @@ cache type behind one protocol (:mod:`jaxpos.layers.cache.base`):
   (:func:`rotate_at_write`, :func:`read_positions`);
 * :mod:`~jaxpos.layers.cache.dense`: :class:`KVCache`, ``[B, max_len]`` slots per row;
 * :mod:`~jaxpos.layers.cache.streaming`: :class:`StreamingKVCache` (StreamingLLM, Xiao et
-  al. 2024, §3.2).
+  al. 2024, §3.2);
+* :mod:`~jaxpos.layers.cache.paged`: :class:`PagedKVCache` (vLLM's paged cache, Kwon et al.
+  2023, §4.2).
 
 :func:`new_cache` builds the cache that the options of ``init_cache`` ask for. A new cache
 type is one file: a :class:`Cache` subclass and its empty-cache function, plus one
@@ -28,6 +30,7 @@ from jaxpos.layers.cache.base import (
     rotates_on_load,
 )
 from jaxpos.layers.cache.dense import KVCache, init_kv_cache, update_kv_cache
+from jaxpos.layers.cache.paged import PagedKVCache, init_paged_cache
 from jaxpos.layers.cache.streaming import (
     StreamingKVCache,
     init_streaming_cache,
@@ -36,8 +39,9 @@ from jaxpos.layers.cache.streaming import (
     update_streaming_cache,
 )
 
-__all__ = ["Cache", "CacheRead", "KVCache", "StreamingKVCache", "check_cache", "init_kv_cache",
-           "init_streaming_cache", "new_cache", "place_order", "poison_rows", "read_positions",
+__all__ = ["Cache", "CacheRead", "KVCache", "PagedKVCache", "StreamingKVCache", "check_cache",
+           "init_kv_cache", "init_paged_cache", "init_streaming_cache", "new_cache",
+           "place_order", "poison_rows", "read_positions",
            "register_cache", "rotate_at_write", "rotates_on_load", "streaming_ranks",
            "update_kv_cache", "update_streaming_cache"]
 
@@ -88,3 +92,4 @@ def new_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype:
 
 
 register_cache(("keep_first",), init_streaming_cache)
+register_cache(("page_size", "num_pages"), init_paged_cache)

@@ -82,7 +82,8 @@ class CacheRead(NamedTuple):
 class Cache(abc.ABC):
     """The protocol of a module KV cache (one attention layer's; a model keeps a tuple,
     one per layer). An implementation is a pytree (``jax.tree_util.register_dataclass`` on
-    a frozen dataclass, sizes such as ``keep_first`` or ``page_size`` static), built empty
+    a frozen dataclass, sizes such as ``keep_first`` or ``page_size`` static, or a
+    NamedTuple subclass), built empty
     by a function the modules' ``init_cache`` calls, with every array field its own
     buffer so that a jitted step may donate it.
 

@@ -3,7 +3,7 @@ row's fill count (padding stored as invisible slots)."""
 
 from __future__ import annotations
 
-import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,10 +22,18 @@ from jaxpos.schemes.base import PositionScheme
 __all__ = ["KVCache", "check_new_keys", "init_kv_cache", "update_kv_cache"]
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVCache(Cache):
-    """The KV cache of one attention layer (a pytree; pass it through ``jit``).
+class _KVCacheFields(NamedTuple):
+    k: jax.Array
+    v: jax.Array
+    positions: jax.Array
+    length: jax.Array
+    valid: jax.Array
+    tokens: jax.Array
+
+
+class KVCache(_KVCacheFields, Cache):
+    """The KV cache of one attention layer (a pytree, a NamedTuple: pass it through
+    ``jit``, donate it, ``_replace`` its fields).
 
     Attributes:
       k: ``[B, S, N_kv, H]`` keys as the scheme's ``cache_write`` stores them: RoPE keys
@@ -44,12 +52,7 @@ class KVCache(Cache):
         step needs no count over the cache.
     """
 
-    k: jax.Array
-    v: jax.Array
-    positions: jax.Array
-    length: jax.Array
-    valid: jax.Array
-    tokens: jax.Array
+    __slots__ = ()
 
     @property
     def batch_size(self) -> int:

@@ -61,7 +61,7 @@ def default_inv_freq(rotary_dim: int, base: float) -> np.ndarray:
     return (np.float32(1.0) / pow32(base, exps)).astype(np.float32)
 
 
-def pow32(base, exps) -> np.ndarray:
+def pow32(base: float, exps: ArrayLike) -> np.ndarray:
     """float32 ``base ** exps``, correctly rounded: computed in float64 from the float32
     operands and rounded once. NumPy's own float32 power may use a vectorised routine
     that is one ulp off in some entries (AVX-512 builds), which would make the
@@ -70,7 +70,7 @@ def pow32(base, exps) -> np.ndarray:
     return (b ** np.asarray(exps, np.float32).astype(np.float64)).astype(np.float32)
 
 
-def check_rotary_dim(rotary_dim, head_dim=None) -> int:
+def check_rotary_dim(rotary_dim: int, head_dim: int | None = None) -> int:
     """Validate ``rotary_dim`` (positive even int, at most ``head_dim``); return it."""
     r = _checks.check_positive_int("rotary_dim", rotary_dim)
     if r % 2:
@@ -268,7 +268,7 @@ def _apply_rope(x, pos, inv_freq, attention_factor, *, layout, angle_precision):
 
 
 def apply_rope_angles(x: jax.Array, angles: jax.Array, *, layout: str = "half",
-                      attention_factor: ArrayLike = 1.0):
+                      attention_factor: ArrayLike = 1.0) -> jax.Array:
     """Rotate ``x`` ``[B, T, N, H]`` by precomputed float ``angles`` ``[B|1, T, half]``
     (M-RoPE, axial RoPE, or angles a caller built). Same conventions as :func:`apply_rope`.
 
@@ -294,7 +294,7 @@ def _apply_angles(x, ang, attention_factor, *, layout):
 
 
 def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, *, layout: str,
-           attention_factor: ArrayLike = 1.0):
+           attention_factor: ArrayLike = 1.0) -> jax.Array:
     """Rotate ``x`` ``[B, T, N, H]`` by ``cos``/``sin`` ``[B|1, T, half]`` (float32).
 
     Per pair ``(x1, x2)``: ``(x1 c - x2 s, x2 c + x1 s)``, the order of HF's

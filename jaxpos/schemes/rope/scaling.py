@@ -430,7 +430,8 @@ def _check_scaling(scaling):
                         f"{type(scaling).__name__} {scaling!r}.")
 
 
-def scaled_frequencies(rotary_dim: int, base: float, scaling, *, seq_len=None):
+def scaled_frequencies(rotary_dim: int, base: float, scaling: Any, *,
+                       seq_len: ArrayLike | None = None) -> tuple[jax.Array, float]:
     """``(inv_freq, attention_factor)`` of a context-extension method, as HF's
     ``ROPE_INIT_FUNCTIONS[rope_type](config, seq_len=seq_len)`` returns them.
 
@@ -458,7 +459,7 @@ def scaled_frequencies(rotary_dim: int, base: float, scaling, *, seq_len=None):
     return jnp.asarray(inv_freq, jnp.float32), float(af)
 
 
-def depends_on_length(scaling) -> bool:
+def depends_on_length(scaling: Any) -> bool:
     """True for the methods whose frequencies change with the sequence length (dynamic
     NTK, LongRoPE); False for ``None`` and the fixed ones.
 

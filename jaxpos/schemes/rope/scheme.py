@@ -123,7 +123,8 @@ class RoPE(PositionScheme):
     def check(self, num_heads: int, head_dim: int) -> None:
         check_rotary_dim(self.rotary_dim, head_dim)
 
-    def frequencies(self, q_positions: ArrayLike, kv_positions: ArrayLike):
+    def frequencies(self, q_positions: ArrayLike,
+                    kv_positions: ArrayLike) -> tuple[jax.Array, float]:
         """``(inv_freq, attention_factor)`` for this call.
 
         Dynamic NTK and LongRoPE use ``seq_len = max(q_positions, kv_positions) + 1`` of
@@ -138,7 +139,8 @@ class RoPE(PositionScheme):
                                                           self.scaling, seq_len)
         return inv_freq, self.attention_factor
 
-    def rotate(self, x: jax.Array, positions: ArrayLike, *, inv_freq: ArrayLike | None = None):
+    def rotate(self, x: jax.Array, positions: ArrayLike, *,
+               inv_freq: ArrayLike | None = None) -> jax.Array:
         """Rotate ``x`` ``[B, T, N, H]`` at ``positions`` (``[T]`` or ``[B, T]``; with
         ``mrope_section`` also M-RoPE's ``[3, B, T]``), with this call's frequencies (or
         ``inv_freq`` if given). Returns ``x``'s shape and dtype.
@@ -172,7 +174,7 @@ class RoPE(PositionScheme):
         return q, k
 
     @classmethod
-    def from_params(cls, params: dict, *, head_dim: int, options: dict, **_) -> PositionScheme:
+    def from_params(cls, params: dict, *, head_dim: int, options: dict, **_: Any) -> PositionScheme:
         """Options ``rotary_dim`` (default ``head_dim``), ``rope_base`` (10000),
         ``rope_scaling`` (a :mod:`jaxpos.schemes.rope.scaling` dataclass), ``rope_layout``."""
         rd = options.get("rotary_dim")
@@ -183,7 +185,8 @@ class RoPE(PositionScheme):
                    scaling=options.get("rope_scaling"),
                    cache_rotation=options.get("rope_cache_rotation") or "write")
 
-    def cache_write(self, q: jax.Array, k: jax.Array, positions: ArrayLike):
+    def cache_write(self, q: jax.Array, k: jax.Array,
+                    positions: ArrayLike) -> tuple[jax.Array, jax.Array, PositionScheme]:
         """What a KV cache stores: ``(q, k, scheme_for_reading)``.
 
         ``cache_rotation="write"`` (default): ``q`` and ``k`` are rotated now, with this

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos.schemes.rope.angles import rope_angles, rotate
@@ -37,8 +39,9 @@ class RopeTables(NamedTuple):
     k_sin: Any
 
 
-def rope_tables(q_positions, kv_positions, inv_freq, *, attention_factor=1.0,
-                k_inv_freq=None, angle_precision: str = "high") -> RopeTables:
+def rope_tables(q_positions: ArrayLike, kv_positions: ArrayLike, inv_freq: ArrayLike, *,
+                attention_factor: ArrayLike = 1.0, k_inv_freq: ArrayLike | None = None,
+                 angle_precision: str = "high") -> RopeTables:
     """The :class:`RopeTables` of query and key positions.
 
     Args:
@@ -76,7 +79,7 @@ def rope_tables(q_positions, kv_positions, inv_freq, *, attention_factor=1.0,
     return RopeTables(qc, qs, kc, ks)
 
 
-def check_rope_tables(tabs, B: int, Tq: int, Tk: int, H: int) -> tuple[RopeTables, int]:
+def check_rope_tables(tabs: Any, B: int, Tq: int, Tk: int, H: int) -> tuple[RopeTables, int]:
     """Validate ``tabs`` for q ``[B, Tq, N, H]`` and k ``[B, Tk, N_kv, H]``: float32
     :class:`RopeTables` and ``half``.
 
@@ -103,7 +106,8 @@ def check_rope_tables(tabs, B: int, Tq: int, Tk: int, H: int) -> tuple[RopeTable
     return RopeTables(*out), halves[0]
 
 
-def rotate_with_tables(q, k, tabs: RopeTables):
+def rotate_with_tables(q: jax.Array, k: jax.Array,
+                       tabs: RopeTables) -> tuple[jax.Array, jax.Array]:
     """q and k rotated by the tables before attention (the engines that do not rotate on
     load), in their dtypes."""
     return (rotate(q, tabs.q_cos, tabs.q_sin, layout="half"),

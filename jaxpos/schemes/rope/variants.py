@@ -118,7 +118,7 @@ def mrope_frequency_axes(mrope_section: Sequence[int], half: int, *,
 
 def mrope_angles(positions: ArrayLike, inv_freq: ArrayLike, *, mrope_section: Sequence[int],
                  angle_precision: str = "high",
-                 mrope_interleaved: bool = False):
+                 mrope_interleaved: bool = False) -> jax.Array:
     """Multimodal RoPE angles of Qwen2-VL (Wang et al. 2024, "Qwen2-VL: Enhancing
     Vision-Language Model's Perception of the World at Any Resolution", §2, M-RoPE).
 
@@ -168,7 +168,7 @@ def _mrope_angles(pos, inv_freq, *, axes, angle_precision):
 def apply_mrope(x: jax.Array, positions: ArrayLike, inv_freq: ArrayLike, *,
                 mrope_section: Sequence[int], layout: str = "half",
                 attention_factor: ArrayLike = 1.0, angle_precision: str = "high",
-                mrope_interleaved: bool = False):
+                mrope_interleaved: bool = False) -> jax.Array:
     """Rotate ``x`` ``[B, T, N, H]`` with M-RoPE (:func:`mrope_angles`; Qwen2-VL §2).
 
     With ``layout="half"`` and positions ``[3, B, T]`` this equals HF's
@@ -207,7 +207,7 @@ def axial_rope_frequencies(head_dim: int, base: float = 10000.0) -> jax.Array:
 
 
 def axial_rope_angles(positions_hw: ArrayLike, inv_freq: ArrayLike, *,
-                      angle_precision: str = "high"):
+                      angle_precision: str = "high") -> jax.Array:
     """2-D axial RoPE angles for image patches (Heo et al. 2024, §3, RoPE-Axial): the first half of
     the pairs rotate with the row (height) index, the second half with the column (width)
     index, ``angles = [h * inv_freq, w * inv_freq]``. Rotating with ``layout="half"``
@@ -241,7 +241,7 @@ def _axial_angles(pos, inv_freq, *, angle_precision):
 
 
 def apply_axial_rope(x: jax.Array, positions_hw: ArrayLike, inv_freq: ArrayLike, *,
-                     layout: str = "half", angle_precision: str = "high"):
+                     layout: str = "half", angle_precision: str = "high") -> jax.Array:
     """Rotate patch queries/keys ``x`` ``[B, T, N, H]`` with 2-D axial RoPE
     (:func:`axial_rope_angles`; Heo et al. 2024, §3). ``4 * len(inv_freq)`` features rotate.
 

@@ -1,0 +1,24 @@
+"""Serving: a paged KV cache and continuous batching (``docs/serving.md``).
+
+* :mod:`jaxpos.serving.pages`: the host-side :class:`PageAllocator` and
+  :func:`write_pages` (the device-side write of new keys and values into the pool);
+* :mod:`jaxpos.serving.sampling`: :func:`sample_tokens`, greedy / temperature / top-k /
+  top-p per request inside the jitted step;
+* :mod:`jaxpos.serving.model`: the :class:`PagedModel` interface the loop drives and
+  :class:`PagedDecoder`, a small functional decoder over pages;
+* :mod:`jaxpos.serving.engine`: :class:`ServingEngine`, continuous batching over a fixed
+  number of batch slots.
+
+The paged attention call itself is :func:`jaxpos.attention` with ``page_table=``
+(:mod:`jaxpos.core.paged`).
+"""
+
+from jaxpos.core.paged import gather_pages
+from jaxpos.serving.engine import Completion, Request, ServingEngine, ServingStats
+from jaxpos.serving.model import PagedDecoder, PagedModel
+from jaxpos.serving.pages import PageAllocator, pages_for, write_pages
+from jaxpos.serving.sampling import sample_tokens
+
+__all__ = ["Completion", "PageAllocator", "PagedDecoder", "PagedModel", "Request",
+           "ServingEngine", "ServingStats", "gather_pages", "pages_for", "sample_tokens",
+           "write_pages"]

@@ -1,0 +1,170 @@
+"""``jaxpos.serving``: the page allocator's bookkeeping, the page write, per-request
+sampling, and the continuous-batching loop, whose greedy generations must equal a loop
+that reruns the full causal forward pass (dense ``jaxpos.attention`` over the whole
+sequence, no cache) and appends the argmax, token by token."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpos
+from jaxpos.layers.functional import embed_tokens, merge_heads, mlp, project_heads, rms_norm
+from jaxpos.serving import (
+    PageAllocator,
+    PagedDecoder,
+    Request,
+    ServingEngine,
+    sample_tokens,
+    write_pages,
+)
+
+
+# ------------------------------------------------------------------------ allocator
+def test_allocator_books_hands_out_and_takes_back_pages():
+    a = PageAllocator(5)
+    assert a.reserve(3) and not a.reserve(3) and a.available == 2
+    got = a.allocate(2)
+    assert got == [0, 1] and a.in_use == 2
+    a.free(got, reserved=3)
+    assert a.in_use == 0 and a.available == 5 and a.peak_in_use == 2
+    with pytest.raises(ValueError, match="page 1 is not an allocated page"):
+        a.free([1])
+    with pytest.raises(ValueError, match="page pool exhausted: 6 page"):
+        a.allocate(6)
+    with pytest.raises(ValueError, match="num_pages"):
+        PageAllocator(0)
+
+
+# ------------------------------------------------------------------------ page write
+def test_write_pages_puts_token_t_at_slot_length_plus_t_and_flags_rows_without_a_page():
+    kp = jnp.zeros((4, 2, 1, 1))
+    k = jnp.arange(1.0, 7.0).reshape(2, 3, 1, 1)  # row 0: 1, 2, 3; row 1: 4, 5, 6
+    table = jnp.asarray([[2, 0], [3, -1]])
+    lengths = jnp.asarray([1, 0])
+    mask = jnp.asarray([[True, True, True], [True, True, False]])
+    kp2, _, new_len, over = write_pages(kp, kp, k, k, table, lengths, mask)
+    got = np.asarray(kp2)[..., 0, 0]
+    # row 0: slots 1, 2, 3 -> page 2 offset 1, page 0 offsets 0 and 1
+    np.testing.assert_array_equal(got, [[2, 3], [0, 0], [0, 1], [4, 5]])
+    np.testing.assert_array_equal(np.asarray(new_len), [4, 2])
+    np.testing.assert_array_equal(np.asarray(over), [False, False])
+    # row 1 writing a third token needs table entry 1 = -1: flagged, and nothing written
+    kp3, _, _, over = write_pages(kp, kp, k, k, table, lengths, jnp.ones((2, 3), bool))
+    np.testing.assert_array_equal(np.asarray(over), [False, True])
+    np.testing.assert_array_equal(np.asarray(kp3)[..., 0, 0], [[2, 3], [0, 0], [0, 1], [4, 5]])
+
+
+# ------------------------------------------------------------------------- sampling
+def test_sampling_greedy_top_k_and_top_p():
+    n = 200
+    logits = jnp.asarray([[0.0, 3.0, 2.9, -1.0]] * n)
+    # n draws of one request: the same seed, counters 0 .. n - 1
+    draw = lambda t, k, p: np.asarray(sample_tokens(
+        logits, jnp.full((n,), t), jnp.full((n,), k), jnp.full((n,), p), jnp.full((n,), 7),
+        jnp.arange(n)))
+    assert (draw(0.0, 0, 1.0) == 1).all()  # greedy
+    assert (draw(1.0, 1, 1.0) == 1).all()  # top-1 is greedy
+    assert (draw(1.0, 0, 0.3) == 1).all()  # p(1) = 0.49 >= 0.3: the nucleus is token 1
+    two = draw(1.0, 2, 1.0)
+    assert set(two.tolist()) == {1, 2}  # only the two best, both drawn
+    every = draw(5.0, 0, 1.0)
+    assert set(every.tolist()) == {0, 1, 2, 3}
+    # the same seed and counter give the same token, in any batch
+    batch = sample_tokens(logits[:4], jnp.full((4,), 5.0), jnp.zeros((4,), jnp.int32),
+                          jnp.ones((4,)), jnp.full((4,), 7), jnp.arange(4))
+    np.testing.assert_array_equal(np.asarray(batch), every[:4])
+
+
+# ------------------------------------------------------------------------ the loop
+def _full_pass_logits(model: PagedDecoder, seq):
+    """float32 ``[T, V]``: the whole causal forward pass over ``seq`` (dense reference
+    attention, no cache)."""
+    p = model.params
+    x = embed_tokens(p["embed"], jnp.asarray([seq], jnp.int32), model.d_model, jnp.float32)
+    for lyr in p["layers"]:
+        h = rms_norm(x, lyr["attn_norm"])
+        q = project_heads(h, lyr["q"], model.num_heads, model.head_dim, jnp.float32)
+        k = project_heads(h, lyr["k"], model.kv_heads, model.head_dim, jnp.float32)
+        v = project_heads(h, lyr["v"], model.kv_heads, model.head_dim, jnp.float32)
+        o = jaxpos.attention(q, k, v, position=p["scheme"], causal=True,
+                             implementation="reference")
+        x = x + merge_heads(o, lyr["o"], jnp.float32)
+        x = x + mlp(rms_norm(x, lyr["mlp_norm"]), lyr["w_in"], lyr["w_out"], jnp.float32)
+    return np.asarray(rms_norm(x, p["final_norm"])[0] @ p["embed"].T)
+
+
+def _assert_greedy(model, prompt, tokens):
+    """``tokens`` is what greedy decoding of ``prompt`` generates: at every step the argmax
+    of the full pass over the sequence so far (one pass over prompt + tokens gives every
+    step's logits: the model is causal)."""
+    logits = _full_pass_logits(model, list(prompt) + list(tokens[:-1]))
+    want = np.argmax(logits[len(prompt) - 1:], axis=-1)
+    np.testing.assert_array_equal(tokens, want)
+
+
+@pytest.mark.parametrize("position", [
+    lambda: jaxpos.RoPE(rotary_dim=4),
+    pytest.param(lambda: jaxpos.ALiBi(4), marks=pytest.mark.slow),
+    pytest.param(lambda: jaxpos.T5Bias(jnp.linspace(-2, 2, 128).reshape(32, 4),
+                                       bidirectional=False), marks=pytest.mark.slow)],
+    ids=["rope", "alibi", "t5"])
+def test_continuous_batching_greedy_equals_the_full_forward_pass(position):
+    """5 requests through 2 slots with pages of 4 slots and prefill chunks of 4: prompts
+    of 1-9 tokens span several chunks and pages, requests join as others leave, and each
+    generation equals the cacheless full pass; every page is back in the pool at the end."""
+    model = PagedDecoder(vocab_size=32, d_model=16, num_layers=2, num_heads=4, num_kv_heads=2,
+                         position=position(), seed=1)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 32, n).tolist() for n in (9, 1, 4, 6, 2)]
+    budgets = [3, 6, 2, 5, 4]
+    reqs = [Request(p, b) for p, b in zip(prompts, budgets)]
+    eng = ServingEngine(model, num_slots=2, num_pages=8, page_size=4, max_len=16,
+                        prefill_chunk=4)
+    done, stats = eng.run(reqs)
+    got = {c.request.id: c.tokens for c in done}
+    for i, (p, b) in enumerate(zip(prompts, budgets)):
+        assert len(got[i]) == b
+        _assert_greedy(model, p, got[i])
+    assert stats.generated == sum(budgets)
+    assert eng.allocator.in_use == 0 and eng.allocator.reserved == 0
+    assert all(c.finish_reason == "length" for c in done)
+    assert 1.0 <= stats.page_ratio < stats.dense_ratio
+
+
+@pytest.mark.slow
+def test_eos_ends_a_request_and_static_batching_gives_the_same_tokens():
+    model = PagedDecoder(vocab_size=16, d_model=16, num_layers=1, num_heads=2, seed=3)
+    prompt = [3, 1, 4]
+    free_run = []
+    for _ in range(6):
+        free_run.append(int(np.argmax(_full_pass_logits(model, prompt + free_run)[-1])))
+    eos = free_run[2]
+    reqs = [Request(prompt, 6, eos_id=eos), Request([5, 9], 4)]
+    outs = {}
+    for schedule in ("continuous", "static"):
+        eng = ServingEngine(model, num_slots=2, num_pages=6, page_size=4, max_len=12,
+                            prefill_chunk=4, schedule=schedule)
+        done, _ = eng.run(reqs)
+        outs[schedule] = {c.request.id: (c.tokens, c.finish_reason) for c in done}
+    assert outs["continuous"][0] == (free_run[:free_run.index(eos) + 1], "eos")
+    assert outs["continuous"] == outs["static"]
+
+
+def test_requests_that_can_never_run_are_refused():
+    model = PagedDecoder(vocab_size=16, d_model=16, num_layers=1, num_heads=2)
+    eng = ServingEngine(model, num_slots=1, num_pages=2, page_size=4, max_len=12)
+    with pytest.raises(ValueError, match="exceeds max_len=12"):
+        eng.run([Request([1] * 10, 3)])
+    with pytest.raises(ValueError, match="needs 3 pages; the pool holds num_pages=2"):
+        eng.run([Request([1] * 9, 3)])
+    with pytest.raises(ValueError, match="prompt must hold at least one token"):
+        eng.run([Request([], 3)])
+    with pytest.raises(ValueError, match="top_p"):
+        eng.run([Request([1], 3, top_p=0.0)])
+    with pytest.raises(ValueError, match="schedule"):
+        ServingEngine(model, num_slots=1, num_pages=2, page_size=4, max_len=12,
+                      schedule="fifo")
+    assert jax.devices()  # (the refusals happen before any device work)
