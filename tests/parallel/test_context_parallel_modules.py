@@ -1,14 +1,15 @@
 """The modules' context-parallel switch (``context_parallel="ring" | "ulysses"``,
 ``context_axis``, ``context_zigzag``; :mod:`jaxpos.parallel.context`).
 
-On 8 CPU devices (one subprocess, ``tests/parallel/_modules_worker.py``): a jitted training
-step of ``DecoderLM`` built with ``context_parallel`` under ``jax.set_mesh(mesh)`` equals the
-same model's single-device step, loss and every parameter's gradient, NNX and Linen; the
-compiled step holds the method's collectives (so it did run sequence-parallel); and
-``decode_step`` of a context-parallel model equals the plain model's. The default run
-covers RoPE with the zigzag ring (NNX), T5 with Ulysses (NNX) and ALiBi with the ring
-(Linen); ``-m slow`` every scheme the modules build with both methods, and a 2 x 4
-(data x seq) mesh. Option errors are checked here, in this process.
+On 8 CPU devices (the default run's one subprocess, ``_ring_worker.py --quick``, runs the
+quick cases of ``tests/parallel/_modules_worker.py``; ``-m slow`` its full list): a
+jitted training step of ``DecoderLM`` built with ``context_parallel`` under
+``jax.set_mesh(mesh)`` equals the same model's single-device step, loss and every
+parameter's gradient, NNX and Linen; the compiled step holds the method's collectives
+(so it did run sequence-parallel); and ``decode_step`` of a context-parallel model
+equals the plain model's. The default run covers RoPE with the zigzag ring (NNX) and T5
+with Ulysses (Linen); ``-m slow`` every scheme the modules build with both methods, and
+a 2 x 4 (data x seq) mesh. Option errors are checked here, in this process.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ WORKER_TOL = 1e-5
 
 
 def _check(res):
-    bad = {k: v for k, v in res.items() if k.startswith(("loss/", "grads/", "decode/"))
-           and not v <= WORKER_TOL}
+    bad = {k: v for k, v in res.items() if k.startswith("refused/") or (
+        k.startswith(("loss/", "grads/", "decode/")) and not v <= WORKER_TOL)}
     assert not bad, bad
     for k, v in res.items():
         if k.startswith("collectives/"):
@@ -36,16 +37,12 @@ def _check(res):
             assert v > 1.0, k
 
 
-@pytest.fixture(scope="module")
-def modules_results(tmp_path_factory):
-    return _run_worker(tmp_path_factory, "--modules")
-
-
-def test_context_parallel_training_step_equals_single_device(modules_results):
-    _check(modules_results)
-    names = {k.split("/", 1)[1] for k in modules_results if k.startswith("loss/")}
-    assert {"nnx/rope/ring/zigzag", "nnx/t5/ulysses", "linen/alibi/ring"} <= names, names
-    assert modules_results["decode/nnx/rope/ring"] <= WORKER_TOL
+def test_context_parallel_training_step_equals_single_device(cp_quick):
+    res = {k.split("/", 1)[1]: v for k, v in cp_quick.items() if k.startswith("modules/")}
+    _check(res)
+    names = {k.split("/", 1)[1] for k in res if k.startswith("loss/")}
+    assert {"nnx/rope/ring/zigzag", "linen/t5/ulysses"} <= names, names
+    assert res["decode/nnx/rope/ring"] <= WORKER_TOL
 
 
 @pytest.mark.slow
