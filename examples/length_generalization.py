@@ -18,6 +18,11 @@ deviation as a band, and ``results.json`` keeps every seed's numbers. Two cells 
 beyond the spread when ``|mean_a - mean_b| > 2 * pooled std``, ``pooled std =
 sqrt((std_a**2 + std_b**2) / 2)`` (:func:`compare_cells`).
 
+DroPE (arXiv 2512.12167): the row ``drope`` takes each seed's trained RoPE model, removes
+RoPE (the same weights in a NoPE model) and recalibrates it for ``--drope-steps`` more
+steps (default ``--steps // 5``) at the training length with a fresh optimizer, then
+evaluates it at every length (:func:`recalibrate`, :data:`RECALIBRATED`).
+
 ``--preset study`` is the committed study (docs/study.md): the rows of
 :data:`STUDY_SCHEMES` with 3 seeds; a row whose scheme this jaxpos does not register is
 reported as "not run". ``--report RESULTS_JSON`` prints the table and the paper-claim
@@ -100,7 +105,12 @@ DEFAULT_SCHEMES = BASE_SCHEMES + ("rope+yarn",)
 # The committed study (docs/study.md): KERPLE is its logarithmic variant (Chi et al. 2022
 # report it as the better extrapolator of the two).
 STUDY_SCHEMES = ("nope", "sinusoidal", "rope", "rope+yarn", "alibi", "t5", "shaw", "kerple_log",
-                 "fire", "sandwich", "xpos", "fox", "ssmax", "stick_breaking", "pope")
+                 "fire", "sandwich", "xpos", "fox", "ssmax", "stick_breaking", "pope", "path",
+                 "path_fox", "cope", "drope")
+# Rows that take another row's trained model, drop its position scheme and recalibrate it
+# for --drope-steps more steps at the training length before evaluation:
+# name -> (trained as, recalibrated as). DroPE (arXiv 2512.12167): RoPE dropped, NoPE after.
+RECALIBRATED = {"drope": ("rope", "nope")}
 # --preset NAME: defaults that explicit flags override.
 PRESETS = {"study": {"schemes": STUDY_SCHEMES, "seeds": 3}}
 # A cell differs from another beyond the spread when |mean difference| > SPREAD_FACTOR *
@@ -244,7 +254,10 @@ def eval_chunks(heldout: np.ndarray, eval_lens, eval_bytes: int) -> np.ndarray:
 
 # ---------------------------------------------------------------------------- schemes
 def base_scheme(name: str) -> str:
-    """The position scheme a model is trained with: ``"rope+yarn"`` -> ``"rope"``."""
+    """The position scheme a model is trained with: ``"rope+yarn"`` -> ``"rope"``,
+    ``"drope"`` -> ``"rope"`` (:data:`RECALIBRATED`)."""
+    if name in RECALIBRATED:
+        return RECALIBRATED[name][0]
     return name.split("+", 1)[0]
 
 
@@ -296,6 +309,8 @@ def scheme_options_for(position: str, args) -> dict | None:
     """Options the run gives scheme ``position``: FIRE's threshold ``init_L = train_len / 4``
     (the authors' 512 for 2048-token training, scaled) updated by ``--scheme-options``."""
     options = {"init_L": max(1.0, args.train_len / 4)} if position == "fire" else {}
+    if position == "cope":  # one embedding per position 0 .. train_len (the authors' default)
+        options = {"cope_npos": args.train_len + 1}
     options.update((getattr(args, "scheme_options", None) or {}).get(position, {}))
     return options or None
 
@@ -329,27 +344,32 @@ def cross_entropy_nats(logits, targets):
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
 
 
-def make_optimizer(args):
-    """AdamW with linear warm-up, cosine decay and global-norm clipping (optax)."""
+def make_optimizer(args, steps: int | None = None):
+    """AdamW with linear warm-up, cosine decay over ``steps`` (default ``args.steps``) and
+    global-norm clipping (optax)."""
     import jax
     import optax
 
-    warmup = max(1, min(args.steps // 10, 100))
+    steps = args.steps if steps is None else steps
+    warmup = max(1, min(steps // 10, 100))
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=args.lr, warmup_steps=warmup,
-        decay_steps=max(args.steps, warmup + 1), end_value=args.lr / 10)
+        decay_steps=max(steps, warmup + 1), end_value=args.lr / 10)
     decay_mask = functools.partial(jax.tree.map, lambda p: p.ndim >= 2)
     return optax.chain(optax.clip_by_global_norm(1.0),
                        optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=0.1, mask=decay_mask))
 
 
 def train(position: str, args, corpus: Corpus, offsets: np.ndarray, progress: bool,
-          seed: int | None = None, compiled: dict | None = None):
+          seed: int | None = None, compiled: dict | None = None, init_params=None):
     """Train one model initialised from ``seed`` (default ``args.seed``) on the batches at
-    ``offsets`` ``[steps, batch_size]``; returns ``(graphdef, params, rest, stats)``.
+    ``offsets`` ``[steps, batch_size]`` (one optimizer step per row, the schedule of
+    :func:`make_optimizer` over them); returns ``(graphdef, params, rest, stats)``.
 
     ``compiled`` caches the compiled training step by model structure across calls (the
-    seeds of one row differ only in values, so they compile once).
+    seeds of one row differ only in values, so they compile once). ``init_params``: start
+    from these parameters (another model's, of the same structure) instead of the
+    initialisation (:func:`recalibrate`).
     """
     import jax
     from flax import nnx
@@ -358,7 +378,10 @@ def train(position: str, args, corpus: Corpus, offsets: np.ndarray, progress: bo
     compiled = {} if compiled is None else compiled
     model = build_model(position, args, seed)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx = make_optimizer(args)
+    if init_params is not None:
+        params = jax.tree.map(lambda a: a.copy(), init_params)  # the training step donates
+    steps = len(offsets)
+    tx = make_optimizer(args, steps)
     opt_state = tx.init(params)
 
     def loss_fn(p, r, batch):
@@ -382,14 +405,14 @@ def train(position: str, args, corpus: Corpus, offsets: np.ndarray, progress: bo
 
     losses = []
     shown_seed = args.seed if seed is None else seed
-    bar = tqdm(range(args.steps), desc=f"train {position:<10} seed {shown_seed}", unit="step",
+    bar = tqdm(range(steps), desc=f"train {position:<10} seed {shown_seed}", unit="step",
                disable=not progress, leave=False, file=sys.stderr, dynamic_ncols=True)
     t0 = time.perf_counter()
     for i in bar:
         batch = first if i == 0 else windows(corpus.train, offsets[i], args.train_len + 1)
         params, opt_state, loss = step_fn(params, opt_state, rest, batch)
         losses.append(loss)
-        if progress and (i % 25 == 0 or i == args.steps - 1):
+        if progress and (i % 25 == 0 or i == steps - 1):
             bar.set_postfix(bpb=f"{float(loss) / math.log(2):.3f}")
     jax.block_until_ready(params)
     train_s = time.perf_counter() - t0
@@ -403,12 +426,35 @@ def train(position: str, args, corpus: Corpus, offsets: np.ndarray, progress: bo
         "compile_s": round(compile_s, 3),
         "train_s": round(train_s, 3),
         "train_cpu_s": round(cpu_s, 3),  # process CPU time, compile included (all threads)
-        "train_tokens_per_s": round(args.steps * args.batch_size * args.train_len / train_s, 1),
+        "train_tokens_per_s": round(steps * args.batch_size * args.train_len / train_s, 1),
         "final_train_bits_per_byte": round(float(losses[-tail:].mean()), 4),
         "train_curve_bits_per_byte": [round(float(v), 4)
                                       for v in losses[:: max(1, len(losses) // 50)]],
     }
     return graphdef, params, rest, stats
+
+
+def recalibrate(name: str, params, args, corpus: Corpus, progress: bool, seed: int,
+                compiled: dict):
+    """DroPE ("Extending the Context of Pretrained LLMs by Dropping Their Positional
+    Embeddings", arXiv 2512.12167, 2025): the trained parameters ``params`` of
+    the row's base model (RoPE) put in a model with the position scheme of
+    :data:`RECALIBRATED` (NoPE: RoPE removed; the two models have the same parameters) and
+    trained ``--drope-steps`` more steps at the training length with a fresh optimizer
+    (the same warm-up and cosine schedule over those steps) on batches of their own
+    (stream ``seed + 1000``), then evaluated at every length like any row.
+
+    Returns ``(graphdef, params, rest, stats)`` as :func:`train`, with
+    ``recalibration_steps`` and ``recalibrated_from`` in ``stats``.
+    """
+    base, after = RECALIBRATED[name]
+    offsets = train_offsets(len(corpus.train), steps=args.drope_steps,
+                            batch_size=args.batch_size, train_len=args.train_len,
+                            seed=seed + 1000)
+    graphdef, new, rest, stats = train(after, args, corpus, offsets, progress, seed=seed,
+                                       compiled=compiled, init_params=params)
+    stats = {"recalibrated_from": base, "recalibration_steps": args.drope_steps, **stats}
+    return graphdef, new, rest, stats
 
 
 def packed_positions(period: int, length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -567,6 +613,9 @@ def summarize_row(base: str, per_seed: list[dict], eval_lens) -> dict:
            "seeds": [e["seed"] for e in per_seed]}
     if "same_model_as" in per_seed[0]:
         row["same_model_as"] = per_seed[0]["same_model_as"]
+    for k in ("recalibrated_from", "recalibration_steps"):
+        if k in per_seed[0]:
+            row[k] = per_seed[0][k]
     for k in _MEAN_STATS:
         values = [e[k] for e in per_seed if e.get(k) is not None]
         if values:
@@ -651,6 +700,17 @@ CLAIMS = (
           "softmax with no positions (NoPE)", "stick_breaking", "nope"),
     Claim("Nakanishi 2025 (SSMax)", "Scalable-Softmax lowers the loss past the training "
           "length against plain softmax (NoPE)", "ssmax", "nope"),
+    Claim("Yang et al. 2025 (PaTH)", "PaTH extrapolates better than RoPE", "path", "rope"),
+    Claim("Yang et al. 2025 (PaTH)", "PaTH-FoX extrapolates better than FoX", "path_fox",
+          "fox"),
+    Claim("Yang et al. 2025 (PaTH)", "PaTH-FoX extrapolates better than PaTH", "path_fox",
+          "path"),
+    Claim("Golovneva et al. 2024 (CoPE)", "CoPE extrapolates better than RoPE", "cope",
+          "rope"),
+    Claim("DroPE 2025 (arXiv 2512.12167)", "dropping RoPE and recalibrating extends the "
+          "context zero-shot better than RoPE scaling (YaRN)", "drope", "rope+yarn"),
+    Claim("DroPE 2025 (arXiv 2512.12167)", "dropping RoPE and recalibrating extrapolates "
+          "better than keeping RoPE", "drope", "rope"),
 )
 
 
@@ -861,6 +921,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2, help="transformer blocks")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--batch-size", type=int, default=16, help="training sequences per step")
+    p.add_argument("--drope-steps", type=int, default=None,
+                   help="DroPE's recalibration (the drope row: the trained RoPE model with RoPE "
+                        "removed, trained this many more steps at --train-len before "
+                        "evaluation); default --steps // 5")
     p.add_argument("--t5-max-distance", type=int, default=None,
                    help="T5's max_distance; default max(32, min(128, --train-len)), so that every "
                         "bucket is trained, as in Press et al. (trained on 512+ tokens)")
@@ -897,8 +961,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.schemes = list(preset.get("schemes", DEFAULT_SCHEMES))
     if args.out is None:
         args.out = f"runs/{args.preset}" if args.preset else "runs/length_generalization"
+    if args.drope_steps is None:
+        args.drope_steps = max(1, args.steps // 5)
     for name in ("steps", "train_len", "d_model", "layers", "heads", "batch_size", "eval_bytes",
-                 "eval_batch_tokens", "seeds"):
+                 "eval_batch_tokens", "seeds", "drope_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     if args.d_model % args.heads:
@@ -915,6 +981,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     known = registered_positions()
     args.not_registered = []
     for s in args.schemes:
+        if s in RECALIBRATED:
+            continue
         if "+" in s:
             if s not in ROPE_VARIANTS:
                 p.error(f"--schemes: unknown variant {s!r}; the RoPE variants are "
@@ -960,7 +1028,8 @@ def _previous_rows(args, path: Path) -> dict:
         print(f"--resume: {path} was run with other settings; starting afresh", file=sys.stderr)
         return {}
     return {n: r for n, r in old["schemes"].items()
-            if r["per_seed"] and r["seeds"] == old["seeds"]}
+            if r["per_seed"] and r["seeds"] == old["seeds"] and
+            r.get("recalibration_steps") in (None, args.drope_steps)}
 
 
 def run(args) -> dict:
@@ -1031,10 +1100,11 @@ def run(args) -> dict:
                 print(f"{name:<14} not run: this jaxpos registers no scheme {base!r}", flush=True)
             write()
             continue
-        if all(n in previous for n in names):
-            for name in names:
-                results["schemes"][name] = previous[name]
-                print(f"{name:<14} kept from the previous results.json (--resume)", flush=True)
+        for name in [n for n in names if n in previous]:
+            results["schemes"][name] = previous[name]
+            print(f"{name:<14} kept from the previous results.json (--resume)", flush=True)
+        names = [n for n in names if n not in previous]
+        if not names:
             write()
             continue
         t0 = time.perf_counter()
@@ -1044,11 +1114,15 @@ def run(args) -> dict:
             graphdef, params, rest, train_stats = train(base, args, corpus, offsets[seed],
                                                         progress, seed=seed, compiled=compiled)
             for name in names:
-                bpb, status, eval_stats = evaluate(name, graphdef, params, rest, args, chunks,
-                                                   progress, compiled)
+                model, stats = (graphdef, params, rest), train_stats
+                if name in RECALIBRATED:
+                    *model, stats = recalibrate(name, params, args, corpus, progress, seed,
+                                                compiled)
+                bpb, status, eval_stats = evaluate(name, *model, args, chunks, progress,
+                                                   compiled)
                 entry = {"seed": seed, "bits_per_byte": bpb, "status": status}
-                shared = name != base and base in args.schemes
-                entry.update({"same_model_as": base} if shared else train_stats)
+                shared = name != base and base in args.schemes and name not in RECALIBRATED
+                entry.update({"same_model_as": base} if shared else stats)
                 entry.update(eval_stats)
                 per_seed[name].append(entry)
                 if len(seeds) > 1:

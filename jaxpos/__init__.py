@@ -16,6 +16,7 @@ The package is built in rooms by role:
 Importing :mod:`jaxpos` registers every scheme.
 """
 
+from jaxpos.core.cope import cope_attention
 from jaxpos.core.engines import register_engine
 from jaxpos.core.entry import (
     ALL_IMPLEMENTATIONS,
@@ -23,6 +24,7 @@ from jaxpos.core.entry import (
     attention,
     default_implementation,
 )
+from jaxpos.core.path import path_attention
 from jaxpos.core.stick_breaking import stick_breaking_attention, stick_breaking_weights
 from jaxpos.core.wrappers import mla_attention, relative_bias_attention, shaw_attention
 from jaxpos.interop.flax import flax_attention_fn
@@ -38,12 +40,14 @@ from jaxpos.mods import (
 )
 from jaxpos.schemes.alibi import ALiBi, alibi_bias, alibi_score_mod, alibi_slopes
 from jaxpos.schemes.base import REGISTRY, NoPE, PositionScheme, as_scheme, get_scheme
+from jaxpos.schemes.cope import CoPE
 from jaxpos.schemes.fire import FIRE, fire_bias, fire_normalized_distance
 from jaxpos.schemes.fox import FoX, forget_gate, fox_bias, fox_cumulative
 from jaxpos.schemes.irope import TemperatureTunedNoPE, attention_temperature, no_rope_layers
 from jaxpos.schemes.kerple import KERPLE, KERPLELog, KERPLEPower, kerple_bias
 from jaxpos.schemes.learned import learned_positions
 from jaxpos.schemes.mla import mla_qk, mla_softmax_scale, split_nope_rope
+from jaxpos.schemes.path import PaTH, PaTHFoX
 from jaxpos.schemes.pope import PoPE, apply_pope, clamp_phase_bias, pope_frequencies
 from jaxpos.schemes.rnope import rnope_swa_layers
 from jaxpos.schemes.rope import (
@@ -108,6 +112,7 @@ __all__ = [
     "ALL_IMPLEMENTATIONS",
     "ALiBi",
     "BlockMask",
+    "CoPE",
     "ChunkedAttentionMask",
     "DynamicNTKScaling",
     "FIRE",
@@ -120,6 +125,8 @@ __all__ = [
     "Llama3Scaling",
     "LongRoPEScaling",
     "NoPE",
+    "PaTH",
+    "PaTHFoX",
     "PoPE",
     "PositionScheme",
     "PrefixLMMask",
@@ -148,6 +155,7 @@ __all__ = [
     "apply_xpos",
     "as_scheme",
     "attention",
+    "cope_attention",
     "attention_temperature",
     "axial_rope_angles",
     "axial_rope_frequencies",
@@ -180,6 +188,7 @@ __all__ = [
     "mrope_frequency_axes",
     "no_rope_layers",
     "or_masks",
+    "path_attention",
     "p_rope_frequencies",
     "pope_frequencies",
     "register_engine",

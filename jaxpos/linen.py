@@ -3,17 +3,21 @@
 Same names, same arguments (as dataclass fields), the same parameter tree, and the same
 code: every computation (attention, the block, the stacks, decoding, building a scheme
 from the registry) is the NNX module's, inherited from the ``*Core`` classes of
-:mod:`jaxpos.nnx`; a Linen module here only declares its parameters (in ``setup``) and
-its fields. Given the same weights a Linen module and its NNX twin therefore produce the
-same outputs, and they accept the same position names (:func:`jaxpos.nnx.stack_positions`,
-every registered scheme that implements ``from_params``). :func:`params_from_nnx` turns
+:mod:`jaxpos.layers.cores`; the fields are the option dataclasses of
+:mod:`jaxpos.layers.spec` that the NNX constructors take as keywords, and a Linen module's
+``setup`` builds the parts that :func:`jaxpos.layers.spec.attention_parts` /
+``block_parts`` describe for both twins. Given the same weights a Linen module and its
+NNX twin therefore produce the same outputs, and they accept the same position names
+(:func:`jaxpos.nnx.stack_positions`, every registered scheme that implements
+``from_params``). :func:`params_from_nnx` turns
 an NNX model's parameters into the Linen ``params`` collection.
 
-Why not :func:`flax.nnx.bridge.to_linen`: a bridged module keeps NNX's parameter paths
-(``blocks/0/...``) under its own scope and cannot take a position module defined in a
-Linen parent (a stack's shared T5 table), expose ``decode_step`` to ``apply(...,
-method=...)`` with the same tree, or build ``init_cache`` without parameters; sharing the
-code and declaring the parameters keeps all of those.
+Why not :func:`flax.nnx.bridge.to_linen` (as MaxText wraps its NNX layers): a bridged
+``DecoderLM`` keeps NNX's parameter paths (``blocks/0/...`` instead of ``blocks_0/...``,
+so the Linen tree changes), cannot take a position module defined in a Linen parent (a
+stack's shared T5 table), and has no ``decode_step`` for ``apply(..., method=...)`` nor an
+``init_cache`` without parameters (both raise ``CallCompactUnboundModuleError``, Flax
+0.12); sharing the code and the option declarations keeps all of those.
 
 Usage::
 
@@ -39,9 +43,9 @@ from typing import TYPE_CHECKING, Any, cast
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.typing import ArrayLike
 
 from jaxpos import _checks
-from jaxpos.core.dropout import check_dropout_rate
 from jaxpos.layers.cache import KVCache
 from jaxpos.layers.cores import (
     AttentionCore,
@@ -53,27 +57,37 @@ from jaxpos.layers.cores import (
     SinusoidalCore,
     StackCore,
 )
-from jaxpos.layers.functional import learned_table_init, token_embedding_init
+from jaxpos.layers.functional import (
+    learned_table_init,
+    linear_params,
+    norm_params,
+    token_embedding_init,
+)
 from jaxpos.layers.options import (
     ABSOLUTE_POSITIONS,
     attention_dims,
     attention_positions,
-    check_attention_options,
-    check_mask_mod,
     check_module_dims,
-    check_output_gate,
     check_position_name,
-    check_sinks_flag,
     collect_options,
     freeze_options,
     has_params,
     init_scheme_params,
     stack_positions,
 )
+from jaxpos.layers.spec import (
+    AttentionOptions,
+    BlockOptions,
+    StackOptions,
+    attention_parts,
+    block_parts,
+    check_attention,
+    check_block,
+    check_stack_context,
+)
 from jaxpos.layers.stack import build_stack, stack_spec
-from jaxpos.parallel.context import check_context_parallel, check_zigzag
 from jaxpos.schemes.alibi import alibi_bias
-from jaxpos.schemes.base import REGISTRY
+from jaxpos.schemes.base import REGISTRY, PositionScheme
 from jaxpos.schemes.rope import apply_rope, check_rotary_dim
 from jaxpos.schemes.t5 import check_bucket_args, t5_bias
 
@@ -111,7 +125,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def params_from_nnx(model) -> dict:
+def params_from_nnx(model: Any) -> dict:
     """The Linen ``params`` dict holding the weights of an NNX twin (:mod:`jaxpos.nnx`).
 
     NNX keeps lists of layers as ``blocks/0/...``; Linen names them ``blocks_0/...``.
@@ -160,43 +174,20 @@ def params_from_nnx(model) -> dict:
 
 
 # ================================================================== parameter holders
-# Named as Flax NNX names them (``q_proj.kernel``, ``attn_norm.scale``,
-# ``embed.embedding``) and read by the shared code as the same attributes.
 
-class _Dense(nn.Module):
-    """``kernel [in, out]`` (LeCun normal) and, with ``use_bias``, ``bias [out]`` (zeros),
-    as :class:`flax.nnx.Linear` names and initialises them."""
-    in_features: int
-    out_features: int
-    use_bias: bool = False
+class _Params(nn.Module):
+    """Parameters declared from a table ``((name, init, shape), ...)``, the tables of
+    :func:`jaxpos.layers.functional.linear_params` / ``norm_params`` (the names and
+    initialisers of :class:`flax.nnx.Linear` and :class:`flax.nnx.RMSNorm`), read by the
+    shared code as attributes (``q_proj.kernel``, ``attn_norm.scale``); an entry whose
+    init is None is the attribute None (a projection without bias)."""
+    table: tuple
     param_dtype: Dtype = jnp.float32
 
-    def setup(self):
-        self.kernel = self.param("kernel", nn.initializers.lecun_normal(),
-                                 (self.in_features, self.out_features), self.param_dtype)
-        self.bias = (self.param("bias", nn.initializers.zeros, (self.out_features,),
-                                self.param_dtype) if self.use_bias else None)
-
-
-class _Norm(nn.Module):
-    """RMSNorm ``scale [features]`` (ones), as :class:`flax.nnx.RMSNorm`."""
-    features: int
-    param_dtype: Dtype = jnp.float32
-
-    def setup(self):
-        self.scale = self.param("scale", nn.initializers.ones, (self.features,),
-                                self.param_dtype)
-
-
-class _Embed(nn.Module):
-    """Token table ``embedding [vocab, d_model]``, as :class:`flax.nnx.Embed`."""
-    num_embeddings: int
-    features: int
-    param_dtype: Dtype = jnp.float32
-
-    def setup(self):
-        self.embedding = self.param("embedding", token_embedding_init(self.features),
-                                    (self.num_embeddings, self.features), self.param_dtype)
+    def setup(self) -> None:
+        for name, init, shape in self.table:
+            setattr(self, name, None if init is None else self.param(
+                name, init, shape, self.param_dtype))
 
 
 # ================================================================== position modules
@@ -210,7 +201,7 @@ class SinusoidalEmbedding(SinusoidalCore, nn.Module):
     layout: str = "interleaved"
     dtype: Dtype = jnp.float32
 
-    def __call__(self, positions) -> jax.Array:
+    def __call__(self, positions: ArrayLike) -> jax.Array:
         _checks.check_positive_int("d_model", self.d_model)
         _checks.check_choice("layout", self.layout, ("interleaved", "concat"))
         return SinusoidalCore.__call__(self, positions)
@@ -226,7 +217,7 @@ class LearnedPositionalEmbedding(LearnedCore, nn.Module):
     embedding_init: Callable | None = None
     param_dtype: Dtype = jnp.float32
 
-    def setup(self):
+    def setup(self) -> None:
         _checks.check_positive_int("max_len", self.max_len)
         _checks.check_positive_int("d_model", self.d_model)
         _checks.check_choice("out_of_range", self.out_of_range, ("error", "wrap", "clip"))
@@ -242,7 +233,7 @@ class _PositionBase(PositionCore, nn.Module):
     ``_spec()`` (as :class:`jaxpos.nnx.PositionCore`) and ``_init_spec()`` ->
     ``(d_model, param_init, param_dtype)``."""
 
-    def setup(self):
+    def setup(self) -> None:
         position, num_heads, head_dim, causal, options = self._spec()
         d_model, param_init, param_dtype = self._init_spec()
         check_module_dims(num_heads, head_dim, d_model)
@@ -290,7 +281,8 @@ class PositionModule(_PositionBase):
     def _init_spec(self):
         return self.d_model, self.param_init, self.param_dtype
 
-    def __call__(self, rope_scaling=None, *, x=None, positions=None):
+    def __call__(self, rope_scaling: Any = None, *, x: jax.Array | None = None,
+                 positions: ArrayLike | None = None) -> PositionScheme:
         return self.scheme(rope_scaling, x=x, positions=positions)
 
 
@@ -303,7 +295,7 @@ class RotaryEmbedding(_PositionBase):
     layout: str = "half"
     scaling: Any = None
 
-    def setup(self):
+    def setup(self) -> None:
         check_rotary_dim(self.rotary_dim)
         _checks.check_choice("layout", self.layout, ("half", "interleaved"))
         _checks.check_positive_float("base", self.base)
@@ -317,11 +309,12 @@ class RotaryEmbedding(_PositionBase):
     def _init_spec(self):
         return None, None, jnp.float32
 
-    def scheme(self, scaling=None, *, x=None, positions=None):
+    def scheme(self, scaling: Any = None, *, x: jax.Array | None = None,
+               positions: ArrayLike | None = None) -> PositionScheme:
         """The RoPE scheme, with ``scaling`` (this call) or the module's default."""
         return PositionCore.scheme(self, scaling, x=x, positions=positions)
 
-    def __call__(self, x, positions, *, scaling=None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: ArrayLike, *, scaling: Any = None) -> jax.Array:
         s = cast("RoPEScheme", self.scheme(scaling))
         pos = _checks.positions_2d("positions", positions, x.shape[0], x.shape[1])
         inv_freq, af = s.frequencies(pos, pos)
@@ -341,7 +334,7 @@ class ALiBi(_PositionBase):
     def _init_spec(self):
         return None, None, jnp.float32
 
-    def __call__(self, q_positions, kv_positions) -> jax.Array:
+    def __call__(self, q_positions: ArrayLike, kv_positions: ArrayLike) -> jax.Array:
         return alibi_bias(q_positions, kv_positions, cast("ALiBiScheme", self.scheme()).slopes,
                           bidirectional=self.bidirectional)
 
@@ -359,7 +352,7 @@ class T5RelativeBias(_PositionBase):
     embedding_init: Callable | None = None
     param_dtype: Dtype = jnp.float32
 
-    def setup(self):
+    def setup(self) -> None:
         _checks.check_positive_int("num_heads", self.num_heads)
         check_bucket_args(self.num_buckets, self.max_distance, self.bidirectional)
         super().setup()
@@ -371,7 +364,7 @@ class T5RelativeBias(_PositionBase):
     def _init_spec(self):
         return self.d_model or self.num_heads, self.embedding_init, self.param_dtype
 
-    def __call__(self, q_positions, kv_positions) -> jax.Array:
+    def __call__(self, q_positions: ArrayLike, kv_positions: ArrayLike) -> jax.Array:
         return t5_bias(q_positions, kv_positions, self.table, bidirectional=self.bidirectional,
                        num_buckets=self.num_buckets, max_distance=self.max_distance)
 
@@ -387,7 +380,7 @@ class ShawRelativePosition(_PositionBase):
     embedding_init: Callable | None = None
     param_dtype: Dtype = jnp.float32
 
-    def setup(self):
+    def setup(self) -> None:
         _checks.check_positive_int("head_dim", self.head_dim)
         _checks.check_positive_int("max_distance", self.max_distance)
         super().setup()
@@ -401,7 +394,7 @@ class ShawRelativePosition(_PositionBase):
     def _init_spec(self):
         return None, self.embedding_init, self.param_dtype
 
-    def __call__(self):
+    def __call__(self) -> PositionScheme:
         return self.scheme()
 
 
@@ -429,34 +422,7 @@ class _LinenDropout:
         return self.make_rng("dropout")
 
 
-class _AttentionFields(nn.Module):
-    """The fields :class:`MultiHeadAttention` and :class:`TransformerBlock` share (the
-    arguments of their NNX twins)."""
-
-    d_model: int
-    num_heads: int
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    position: Any = "nope"
-    causal: bool = False
-    rotary_dim: int | None = None
-    rope_base: float = 10000.0
-    num_buckets: int = 32
-    max_distance: int | None = None
-    scale: float | None = None
-    implementation: str | None = None
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
-    scheme_options: Any = None
-    sinks: bool = False
-    mask_mod: Any = None
-    dropout_rate: float = 0.0
-    deterministic: bool | None = None
-    context_parallel: str | None = None
-    context_axis: str = "seq"
-
-
-class MultiHeadAttention(_LinenDropout, AttentionCore, _AttentionFields):
+class MultiHeadAttention(_LinenDropout, AttentionCore, AttentionOptions, nn.Module):
     """Linen twin of :class:`jaxpos.nnx.MultiHeadAttention`: grouped-query self- or
     cross-attention with any registered position scheme over :func:`jaxpos.attention`.
 
@@ -464,9 +430,11 @@ class MultiHeadAttention(_LinenDropout, AttentionCore, _AttentionFields):
     ``position`` (a registered name, or a Linen position module, shared if defined in a
     parent), ``causal``, ``rotary_dim``, ``rope_base``, ``num_buckets``, ``max_distance``,
     ``scale``, ``implementation``, ``use_bias``, ``dtype``, ``param_dtype``,
-    ``scheme_options``, ``sinks``, ``mask_mod``, ``output_gate``: ``gate_proj/kernel``,
-    ``context_parallel``, ``context_axis``, ``dropout_rate``, with Linen's
-    ``deterministic`` field / call keyword and ``make_rng("dropout")``). Parameters
+    ``scheme_options``, ``sinks``, ``mask_mod``, ``output_gate`` and ``output_gate_bias``
+    (``gate_proj/kernel``, ``gate_proj/bias``), ``qk_norm``, ``qk_norm_offset`` and
+    ``qk_norm_eps`` (``q_norm/scale``, ``k_norm/scale``), ``dropout_rate``: the fields of
+    :class:`jaxpos.layers.spec.AttentionOptions`, with Linen's ``deterministic`` field /
+    call keyword and ``make_rng("dropout")``). Parameters
     ``q_proj/k_proj/v_proj/o_proj.kernel`` (and ``.bias`` with ``use_bias``), ``sinks
     [num_heads]`` (zeros at init) with ``sinks=True``, and ``position_module/...`` for a
     position given by name. A
@@ -481,8 +449,7 @@ class MultiHeadAttention(_LinenDropout, AttentionCore, _AttentionFields):
     parameters. Raises as the NNX twin.
     """
 
-    use_bias: bool = False
-    output_gate: bool = False
+    deterministic: bool | None = None
 
     def _dims(self):
         return attention_dims(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim)
@@ -493,34 +460,14 @@ class MultiHeadAttention(_LinenDropout, AttentionCore, _AttentionFields):
     def _sinks(self):
         return self._sink_logits
 
-    def setup(self):
-        D, N, Nk, H = self._dims()
-        check_dropout_rate("dropout_rate", self.dropout_rate)
-        check_attention_options(self.implementation, self.use_bias)
-        check_mask_mod("mask_mod", self.mask_mod)
-        check_context_parallel(self.context_parallel, self.context_axis)
+    def setup(self) -> None:
+        parts = attention_parts(self, check_attention(self), _LinenMaker(self))
         # The parameter is named "sinks" as in the NNX twin (the field of the same name is
         # the bool that asks for it).
-        self._sink_logits = (self.param("sinks", nn.initializers.zeros, (N,), self.param_dtype)
-                             if check_sinks_flag(self.sinks) else None)
-        options = collect_options(rotary_dim=self.rotary_dim, rope_base=self.rope_base,
-                                  num_buckets=self.num_buckets, max_distance=self.max_distance,
-                                  scheme_options=self.scheme_options)
-        dense = lambda i, o, name: _Dense(i, o, self.use_bias, self.param_dtype, name=name)
-        self.q_proj = dense(D, N * H, "q_proj")
-        self.k_proj = dense(D, Nk * H, "k_proj")
-        self.v_proj = dense(D, Nk * H, "v_proj")
-        self.o_proj = dense(N * H, D, "o_proj")
-        self.gate_proj = (_Dense(D, N * H, False, self.param_dtype, name="gate_proj")
-                          if check_output_gate(self.output_gate) else None)
-        pos = self.position
-        if pos is None or isinstance(pos, _PositionBase):
-            self._pos = pos
-            return
-        name = check_position_name("position", pos, attention_positions())
-        self._pos = PositionModule(name, num_heads=N, head_dim=H, d_model=D,
-                                   causal=bool(self.causal), options=options,
-                                   param_dtype=self.param_dtype, name="position_module")
+        self._sink_logits = parts.pop("sinks")
+        self._pos = parts.pop("position_module")
+        for name, part in parts.items():
+            setattr(self, name, part)
 
     __call__ = AttentionCore.__call__
     decode = AttentionCore.decode
@@ -528,50 +475,55 @@ class MultiHeadAttention(_LinenDropout, AttentionCore, _AttentionFields):
 
 # ================================================================== blocks and stacks
 
-class TransformerBlock(_LinenDropout, BlockCore, _AttentionFields):
+class TransformerBlock(_LinenDropout, BlockCore, BlockOptions, nn.Module):
     """Linen twin of :class:`jaxpos.nnx.TransformerBlock` (pre-LN, RMSNorm, GELU MLP).
     Fields as :class:`MultiHeadAttention` (``sinks``, ``mask_mod``, ``dropout_rate``,
-    ``deterministic`` included) plus ``mlp_dim`` (default ``4 * d_model``) and
-    ``attention_dropout_rate`` (default: ``dropout_rate``)."""
+    ``output_gate``, ``qk_norm``, ``deterministic`` included) plus ``mlp_dim`` (default
+    ``4 * d_model``) and ``attention_dropout_rate`` (default: ``dropout_rate``): the fields
+    of :class:`jaxpos.layers.spec.BlockOptions`."""
 
-    mlp_dim: int | None = None
-    attention_dropout_rate: float | None = None
+    deterministic: bool | None = None
 
-    def setup(self):
-        D = _checks.check_positive_int("d_model", self.d_model)
-        F = 4 * D if self.mlp_dim is None else _checks.check_positive_int("mlp_dim", self.mlp_dim)
-        check_dropout_rate("dropout_rate", self.dropout_rate)
-        attn_rate = self.dropout_rate if self.attention_dropout_rate is None else \
-            check_dropout_rate("attention_dropout_rate", self.attention_dropout_rate)
-        self.attn_norm = _Norm(D, self.param_dtype, name="attn_norm")
-        self.attn = MultiHeadAttention(
-            D, self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            position=self.position, causal=self.causal, rotary_dim=self.rotary_dim,
-            rope_base=self.rope_base, num_buckets=self.num_buckets,
-            max_distance=self.max_distance, scale=self.scale,
-            implementation=self.implementation, dtype=self.dtype,
-            param_dtype=self.param_dtype, scheme_options=self.scheme_options,
-            sinks=self.sinks, mask_mod=self.mask_mod, dropout_rate=attn_rate,
-            deterministic=self.deterministic, context_parallel=self.context_parallel,
-            context_axis=self.context_axis, name="attn")
-        self.mlp_norm = _Norm(D, self.param_dtype, name="mlp_norm")
-        self.mlp_in = _Dense(D, F, False, self.param_dtype, name="mlp_in")
-        self.mlp_out = _Dense(F, D, False, self.param_dtype, name="mlp_out")
+    def setup(self) -> None:
+        for name, part in block_parts(check_block(self), _LinenMaker(self)).items():
+            setattr(self, name, part)
 
     __call__ = BlockCore.__call__
     decode = BlockCore.decode
 
 
 class _LinenMaker:
-    """The Linen constructors of a stack's submodules (:func:`jaxpos.layers.stack.build_stack`),
-    named as the NNX twin's attributes (``blocks_{i}`` for ``blocks/{i}``)."""
+    """The Linen constructors of a module's parts (:class:`jaxpos.layers.spec.Maker`),
+    called in its ``setup`` and named as the NNX twin's attributes (``blocks_{i}`` for
+    ``blocks/{i}``)."""
 
-    def __init__(self, dtype, param_dtype, block_options=None):
-        self.dtype, self.param_dtype = dtype, param_dtype
-        self.block_options = block_options or {}
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.dtype, self.param_dtype = module.dtype, module.param_dtype  # type: ignore[attr-defined]
+
+    def linear(self, in_features, out_features, use_bias, name):
+        return _Params(linear_params(in_features, out_features, use_bias), self.param_dtype,
+                       name=name)
+
+    def norm(self, features, name, offset=False):
+        return _Params(norm_params(features, offset), self.param_dtype, name=name)
+
+    def zeros(self, name, shape):
+        return self.module.param(name, nn.initializers.zeros, shape, self.param_dtype)
+
+    def position_module(self, position, name, **kwargs):
+        if position is None or isinstance(position, _PositionBase):
+            return position
+        position = check_position_name("position", position, attention_positions())
+        return PositionModule(position, param_dtype=self.param_dtype, name=name, **kwargs)
+
+    def attention(self, name, **options):
+        return MultiHeadAttention(**options, deterministic=getattr(
+            self.module, "deterministic", None), name=name)
 
     def embed(self, vocab_size, d_model):
-        return _Embed(vocab_size, d_model, self.param_dtype, name="embed")
+        return nn.Embed(vocab_size, d_model, embedding_init=token_embedding_init(d_model),
+                        param_dtype=self.param_dtype, name="embed")
 
     def sinusoidal(self, d_model):
         return SinusoidalEmbedding(d_model, dtype=self.dtype, name="abs_position")
@@ -580,47 +532,16 @@ class _LinenMaker:
         return LearnedPositionalEmbedding(max_len, d_model, param_dtype=self.param_dtype,
                                           name="abs_position")
 
-    def position_module(self, position, **kwargs):
-        return PositionModule(position, param_dtype=self.param_dtype, name="rel_position",
-                              **kwargs)
-
-    def block(self, index, d_model, num_heads, **kwargs):
-        return TransformerBlock(d_model, num_heads, param_dtype=self.param_dtype,
-                                name=f"blocks_{index}", **kwargs, **self.block_options)
+    def block(self, index, **options):
+        return TransformerBlock(**options, name=f"blocks_{index}")
 
     def block_list(self, blocks):
         return blocks
 
-    def norm(self, d_model):
-        return _Norm(d_model, self.param_dtype, name="final_norm")
 
-
-class _Stack(StackCore, nn.Module):
-    vocab_size: int
-    d_model: int
-    num_layers: int
-    num_heads: int
-    position: str = "rope"
-    num_kv_heads: int | None = None
-    mlp_dim: int | None = None
-    max_len: int | None = None
-    rope_base: float = 10000.0
-    t5_num_buckets: int = 32
-    t5_max_distance: int = 128
-    shaw_max_distance: int = 16
-    implementation: str | None = None
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
-    scheme_options: Any = None
-    sinks: bool = False
-    mask_mod: Any = None
-    layer_mask_mods: Any = None
-    layer_positions: Any = None
-    dropout_rate: float = 0.0
-    attention_dropout_rate: float | None = None
-    context_parallel: str | None = None
-    context_axis: str = "seq"
-    context_zigzag: bool = False
+class _Stack(StackCore, StackOptions, nn.Module):
+    """The fields (:class:`jaxpos.layers.spec.StackOptions`) and ``setup`` of the Linen
+    stacks."""
 
     _causal = True
 
@@ -637,26 +558,9 @@ class _Stack(StackCore, nn.Module):
         _, _, Nk, H = attention_dims(self.d_model, self.num_heads, self.num_kv_heads, None)
         return _checks.check_positive_int("num_layers", self.num_layers), Nk, H
 
-    def setup(self):
-        spec = stack_spec(self.vocab_size, d_model=self.d_model, num_layers=self.num_layers,
-                          num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                          max_len=self.max_len, position=self.position,
-                          rope_base=self.rope_base, t5_num_buckets=self.t5_num_buckets,
-                          t5_max_distance=self.t5_max_distance,
-                          shaw_max_distance=self.shaw_max_distance,
-                          scheme_options=self.scheme_options, sinks=self.sinks,
-                          mask_mod=self.mask_mod, layer_mask_mods=self.layer_mask_mods,
-                          layer_positions=self.layer_positions,
-                          causal=self._causal)
-        check_context_parallel(self.context_parallel, self.context_axis)
-        check_zigzag(self.context_zigzag, self.context_parallel)
-        block_options = {"context_parallel": self.context_parallel,
-                         "context_axis": self.context_axis}
-        parts = build_stack(spec, _LinenMaker(self.dtype, self.param_dtype, block_options),
-                            mlp_dim=self.mlp_dim,
-                            implementation=self.implementation, dtype=self.dtype,
-                            dropout_rate=self.dropout_rate,
-                            attention_dropout_rate=self.attention_dropout_rate)
+    def setup(self) -> None:
+        check_stack_context(self)
+        parts = build_stack(stack_spec(self, causal=self._causal), _LinenMaker(self), self)
         self.embed, self.abs_position, self.rel_position, self.blocks, self.final_norm = parts
 
 

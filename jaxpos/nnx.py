@@ -74,57 +74,47 @@ its sequence run alone, in the full pass, the prefill and every later step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.typing import ArrayLike, DTypeLike
+from jax.typing import DTypeLike
 
 # Importing a scheme module registers its schemes; ``import jaxpos`` loads the built-in
 # ones.
-from jaxpos import _checks
-from jaxpos.core.dropout import check_dropout_rate
 from jaxpos.layers.cache import KVCache, StreamingKVCache, rotate_at_write
 from jaxpos.layers.cores import (
     AttentionCore,
     BlockCore,
     DecoderCore,
     EncoderCore,
-    LearnedCore,
-    PositionCore,
-    SinusoidalCore,
     position_scheme,
 )
-from jaxpos.layers.functional import learned_table_init, token_embedding_init
-from jaxpos.layers.options import (
-    ABSOLUTE_POSITIONS,
-    attention_dims,
-    attention_positions,
-    check_attention_options,
-    check_mask_mod,
-    check_module_dims,
-    check_options_read,
-    check_output_gate,
-    check_position_name,
-    check_sinks_flag,
-    collect_options,
-    freeze_options,
-    has_params,
-    init_scheme_params,
-    stack_positions,
+from jaxpos.layers.functional import BIAS_INIT, linear_params, norm_params, token_embedding_init
+from jaxpos.layers.nnx_positions import (
+    ALiBi,
+    LearnedPositionalEmbedding,
+    PositionModule,
+    RotaryEmbedding,
+    ShawRelativePosition,
+    SinusoidalEmbedding,
+    T5RelativeBias,
+    make_position_module,
+)
+from jaxpos.layers.options import ABSOLUTE_POSITIONS, attention_positions, stack_positions
+from jaxpos.layers.spec import (
+    AttentionOptions,
+    BlockOptions,
+    StackOptions,
+    attention_parts,
+    block_parts,
+    check_attention,
+    check_block,
+    check_stack_context,
+    from_keywords,
+    options_signature,
 )
 from jaxpos.layers.stack import build_stack, stack_spec
-from jaxpos.parallel.context import check_context_parallel, check_zigzag
-from jaxpos.schemes.alibi import alibi_bias
-from jaxpos.schemes.base import REGISTRY
-from jaxpos.schemes.rope import apply_rope, check_rotary_dim
-from jaxpos.schemes.t5 import check_bucket_args, t5_bias
-
-if TYPE_CHECKING:
-    from jaxpos.schemes.alibi import ALiBi as ALiBiScheme
-    from jaxpos.schemes.rope import RoPE as RoPEScheme
 
 __all__ = [
     "ABSOLUTE_POSITIONS",
@@ -157,266 +147,6 @@ def __getattr__(name: str):
         return attention_positions()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-
-# ================================================================== position modules
-
-class SinusoidalEmbedding(SinusoidalCore, nnx.Module):
-    """Sinusoidal absolute positions (Vaswani et al. 2017, §3.5), computed from the
-    positions at every call: the table is **not** a parameter (the module has no state)
-    and has no length limit.
-
-    Args:
-      d_model: width of the vectors.
-      base: wavelength base (10000).
-      layout: ``"interleaved"`` (the paper) or ``"concat"`` (tensor2tensor).
-      dtype: output dtype (angles in float32).
-
-    Call: ``positions`` int ``[T]`` or ``[B, T]`` -> ``[T, d_model]`` / ``[B, T, d_model]``.
-    Raises ``TypeError`` for float positions, ``ValueError`` for bad ``d_model``/``layout``.
-    """
-
-    def __init__(self, d_model: int, *, base: float = 10000.0, layout: str = "interleaved",
-                 dtype: DTypeLike = jnp.float32):
-        self.d_model = _checks.check_positive_int("d_model", d_model)
-        _checks.check_choice("layout", layout, ("interleaved", "concat"))
-        self.base, self.layout, self.dtype = float(base), layout, dtype
-
-class LearnedPositionalEmbedding(LearnedCore, nnx.Module):
-    """Learned absolute positions (Gehring et al. 2017; GPT-2, BERT): a trained table
-    ``[max_len, d_model]`` whose row ``t`` is added at position ``t``.
-
-    Args:
-      max_len: number of rows; there is no row for position ``max_len``.
-      d_model: width.
-      out_of_range: ``"error"`` (default: concrete positions outside the table and any
-        sequence longer than ``max_len`` raise ``ValueError``; traced positions outside
-        give NaN rows), ``"wrap"`` or ``"clip"`` (see :func:`jaxpos.learned_positions`).
-      embedding_init: initialiser, default ``N(0, 1/2)`` (the sinusoidal table's variance).
-      rngs: :class:`flax.nnx.Rngs` (uses the ``params`` stream).
-
-    Call: ``positions`` int ``[T]`` or ``[B, T]`` -> ``[..., T, d_model]`` (param dtype).
-    """
-
-    def __init__(self, max_len: int, d_model: int, *, out_of_range: str = "error",
-                 embedding_init: Callable[..., Any] | None = None,
-                 param_dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs):
-        max_len = _checks.check_positive_int("max_len", max_len)
-        d_model = _checks.check_positive_int("d_model", d_model)
-        _checks.check_choice("out_of_range", out_of_range, ("error", "wrap", "clip"))
-        init = embedding_init or learned_table_init()
-        self.table = nnx.Param(init(rngs.params(), (max_len, d_model), param_dtype))
-        self.max_len, self.d_model, self.out_of_range = max_len, d_model, out_of_range
-
-class PositionModule(PositionCore, nnx.Module):
-    """The attention-position module of any registered scheme: holds the scheme's learned
-    parameters (``init_params``) as :class:`flax.nnx.Param` attributes of the same names
-    (``table`` for T5, ``rel_k``/``rel_v`` for Shaw, ...) and builds the scheme for each
-    call with ``from_params`` (:meth:`scheme`).
-
-    Args:
-      position: a registered name (:func:`attention_positions`; ``"none"`` = ``"nope"``).
-      num_heads, head_dim: the attention layer's query heads and head width (None where
-        the scheme does not need them). d_model: model width (initialisers use it).
-      causal: the layer is causal (T5 then uses causal buckets, ALiBi ``m (kv - q)``).
-      options: the scheme's options, a dict (``rotary_dim``, ``rope_base``,
-        ``rope_layout``, ``rope_scaling`` (the default for every call), ``num_buckets``,
-        ``max_distance``, or a new scheme's own; None where unset).
-      param_init: an initialiser ``(key, shape, dtype)`` replacing the scheme's for every
-        parameter; default: the scheme's ``init_params``.
-      param_dtype: parameter dtype. rngs: :class:`flax.nnx.Rngs` (``params`` stream),
-        required when the scheme has parameters.
-
-    The scheme is built once at construction (with a one-token input) so that bad
-    options raise here, not at the first call.
-
-    Raises:
-      ValueError: unknown name, a registered scheme without ``from_params``, a scheme
-        with parameters and no ``rngs``, options the scheme rejects (its own message).
-      TypeError: non-int sizes, ``options`` not a dict.
-    """
-
-    def __init__(self, position: str, *, num_heads: int | None = None,
-                 head_dim: int | None = None, d_model: int | None = None,
-                 causal: bool = False, options: dict | None = None,
-                 param_init: Callable[..., Any] | None = None,
-                 param_dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs | None = None):
-        name = check_position_name("position", position, attention_positions())
-        check_module_dims(num_heads, head_dim, d_model)
-        frozen = freeze_options(options)
-        self.position_name, self.num_heads, self.head_dim = name, num_heads, head_dim
-        self.d_model, self.causal, self.options = d_model, bool(causal), frozen
-        cls = REGISTRY[name]
-        params = {}
-        if has_params(cls):
-            if rngs is None:
-                raise ValueError(f"position={name!r} ({cls.__name__}) has learned parameters; "
-                                 f"pass rngs=nnx.Rngs(...).")
-            params = init_scheme_params(name, rngs.params(), num_heads=num_heads,
-                                        head_dim=head_dim, d_model=d_model, causal=self.causal,
-                                        options=frozen, param_dtype=param_dtype)
-            if param_init is not None:
-                params = {n: param_init(rngs.params(), v.shape, v.dtype)
-                          for n, v in params.items()}
-        for n, v in params.items():
-            if hasattr(self, n):
-                raise ValueError(f"{cls.__name__}.init_params returned a parameter named "
-                                 f"{n!r}, which is an attribute of PositionModule; rename it.")
-            setattr(self, n, nnx.Param(v))
-        self.param_names = tuple(params)
-        self._validate(param_dtype)
-
-    def _spec(self):
-        return (self.position_name, self.num_heads, self.head_dim, self.causal, self.options)
-
-    def _scheme_params(self):
-        return {n: getattr(self, n)[...] for n in self.param_names}
-
-    def _validate(self, dtype: DTypeLike):
-        x = None if self.d_model is None else jnp.zeros((1, 1, self.d_model), dtype)
-        scheme = self.scheme(x=x, positions=jnp.zeros((1, 1), jnp.int32))
-        check_options_read(self.position_name, self.options, self._scheme_params(),
-                           num_heads=self.num_heads, head_dim=self.head_dim,
-                           d_model=self.d_model, causal=self.causal, x=x, dtype=dtype)
-        scheme.check_causal(self.causal)
-        if self.num_heads is not None and self.head_dim is not None:
-            scheme.check(self.num_heads, self.head_dim)
-
-
-class RotaryEmbedding(PositionModule):
-    """Rotary position embedding (Su et al. 2024, §3.4); no parameters. The
-    :class:`PositionModule` of ``"rope"``.
-
-    Args:
-      rotary_dim: rotated features per head (even); the rest pass through.
-      base: ``rope_theta``.
-      layout: ``"half"`` (Llama/NeoX) or ``"interleaved"`` (GPT-J/RoFormer).
-      scaling: default context-extension dataclass (:mod:`jaxpos.schemes.rope.scaling`) or None.
-
-    ``scheme(scaling=...)`` returns the :class:`jaxpos.RoPE` scheme for attention; calling
-    the module rotates one tensor: ``x [B, T, N, H]``, ``positions [T] | [B, T]`` -> ``x``'s
-    shape and dtype.
-    """
-
-    def __init__(self, rotary_dim: int, *, base: float = 10000.0, layout: str = "half",
-                 scaling: Any = None):
-        rotary_dim = check_rotary_dim(rotary_dim)
-        _checks.check_choice("layout", layout, ("half", "interleaved"))
-        base = _checks.check_positive_float("base", base)
-        self.rotary_dim, self.base, self.layout, self.scaling = rotary_dim, base, layout, scaling
-        super().__init__("rope", head_dim=rotary_dim, options={
-            "rotary_dim": rotary_dim, "rope_base": base, "rope_layout": layout,
-            "rope_scaling": scaling})
-
-    def scheme(self, scaling: Any = None, *, x: jax.Array | None = None,
-               positions: ArrayLike | None = None):
-        """The RoPE scheme, with ``scaling`` (this call) or the module's default."""
-        return super().scheme(scaling, x=x, positions=positions)
-
-    def __call__(self, x: jax.Array, positions: ArrayLike, *, scaling: Any = None) -> jax.Array:
-        s = cast("RoPEScheme", self.scheme(scaling))
-        pos = _checks.positions_2d("positions", positions, x.shape[0], x.shape[1])
-        inv_freq, af = s.frequencies(pos, pos)
-        return apply_rope(x, pos, inv_freq, layout=self.layout, attention_factor=af)
-
-
-class ALiBi(PositionModule):
-    """ALiBi (Press et al. 2022, §3): fixed per-head slopes, a linear score bias; no
-    parameters. The :class:`PositionModule` of ``"alibi"``.
-
-    Args:
-      num_heads: query heads (slopes by :func:`jaxpos.alibi_slopes`).
-      bidirectional: ``-m |kv - q|`` (encoders) instead of the causal ``m (kv - q)``.
-
-    ``scheme()`` returns :class:`jaxpos.ALiBi`; calling the module returns the bias
-    float32 ``[N, Tq, Tk]`` (``[B, N, Tq, Tk]`` for batched positions).
-    """
-
-    def __init__(self, num_heads: int, *, bidirectional: bool = False):
-        num_heads = _checks.check_positive_int("num_heads", num_heads)
-        self.bidirectional = bool(bidirectional)
-        super().__init__("alibi", num_heads=num_heads, causal=not self.bidirectional)
-
-    def __call__(self, q_positions: ArrayLike, kv_positions: ArrayLike) -> jax.Array:
-        return alibi_bias(q_positions, kv_positions, cast("ALiBiScheme", self.scheme()).slopes,
-                          bidirectional=self.bidirectional)
-
-
-class T5RelativeBias(PositionModule):
-    """T5 bucketed relative bias (Raffel et al. 2020, §2.1): one learned scalar per
-    (bucket, head), one table shared by every layer of a stack. The
-    :class:`PositionModule` of ``"t5"``.
-
-    Args:
-      num_heads: query heads.
-      num_buckets, max_distance: 32 and 128 as in T5.
-      bidirectional: True for encoders, False for causal decoders.
-      d_model: model width, for the default initialiser ``N(0, 1/d_model)`` (Hugging
-        Face's T5 initialisation; ``N(0, 1/num_heads)`` when not given).
-      embedding_init: another initialiser.
-      rngs: :class:`flax.nnx.Rngs`.
-
-    Parameter ``table`` float ``[num_buckets, num_heads]`` (the T5 checkpoint layout).
-    ``scheme()`` returns :class:`jaxpos.T5Bias`; calling the module returns the bias
-    float32 ``[N, Tq, Tk]``.
-    """
-
-    def __init__(self, num_heads: int, *, num_buckets: int = 32, max_distance: int = 128,
-                 bidirectional: bool = True, d_model: int | None = None,
-                 embedding_init: Callable[..., Any] | None = None,
-                 param_dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs):
-        num_heads = _checks.check_positive_int("num_heads", num_heads)
-        check_bucket_args(num_buckets, max_distance, bidirectional)
-        self.num_buckets, self.max_distance = num_buckets, max_distance
-        self.bidirectional = bool(bidirectional)
-        super().__init__("t5", num_heads=num_heads, d_model=d_model or num_heads,
-                         causal=not self.bidirectional,
-                         options={"num_buckets": num_buckets, "max_distance": max_distance},
-                         param_init=embedding_init, param_dtype=param_dtype, rngs=rngs)
-
-    def __call__(self, q_positions: ArrayLike, kv_positions: ArrayLike) -> jax.Array:
-        return t5_bias(q_positions, kv_positions, self.table[...], bidirectional=self.bidirectional,
-                       num_buckets=self.num_buckets, max_distance=self.max_distance)
-
-
-class ShawRelativePosition(PositionModule):
-    """Relative keys and values of Shaw et al. 2018, §3: ``2K + 1`` learned vectors of head
-    width per table, for clipped offsets ``clip(kv - q, -K, K)``, shared by the heads. The
-    :class:`PositionModule` of ``"shaw"``.
-
-    Args:
-      head_dim: width of each vector.
-      max_distance: the clipping distance ``K`` (the paper finds ``K >= 2`` enough).
-      values: also learn the value table ``rel_v`` (the paper's full form).
-      embedding_init: another initialiser (default Glorot uniform, tensor2tensor's).
-      rngs: :class:`flax.nnx.Rngs`.
-
-    Parameters ``rel_k`` (and ``rel_v``, else ``rel_v is None``) float ``[2K + 1,
-    head_dim]``; row ``r + K`` is offset ``r``. ``scheme()`` returns :class:`jaxpos.Shaw`.
-    """
-
-    def __init__(self, head_dim: int, *, max_distance: int = 16, values: bool = True,
-                 embedding_init: Callable[..., Any] | None = None,
-                 param_dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs):
-        head_dim = _checks.check_positive_int("head_dim", head_dim)
-        K = _checks.check_positive_int("max_distance", max_distance)
-        self.max_distance = K
-        super().__init__("shaw", head_dim=head_dim,
-                         options={"max_distance": K, "values": bool(values)},
-                         param_init=embedding_init, param_dtype=param_dtype, rngs=rngs)
-        if "rel_v" not in self.param_names:
-            self.rel_v = None
-
-
-def make_position_module(position, *, num_heads, head_dim, d_model, causal, options,
-                         param_dtype: DTypeLike, rngs):
-    """The attention-position module of a layer: a :class:`PositionModule` for a name
-    (``"nope"`` included), a module passed in as it is (shared by reference), None for
-    None."""
-    if position is None or isinstance(position, PositionModule):
-        return position
-    name = check_position_name("position", position, attention_positions())
-    return PositionModule(name, num_heads=num_heads, head_dim=head_dim, d_model=d_model,
-                          causal=causal, options=options, param_dtype=param_dtype, rngs=rngs)
 
 # ================================================================== attention
 
@@ -474,10 +204,21 @@ class MultiHeadAttention(_NnxDropout, AttentionCore, nnx.Module):
       implementation: default backend of :func:`jaxpos.attention` (``None`` = best).
       use_bias: add biases to the four projections (GPT-2, BLOOM, BERT); default False
         (Llama, T5).
-      output_gate: a bool; True multiplies each head's attention output, before
-        ``o_proj``, by ``sigmoid(x @ gate_proj.kernel)`` (elementwise, head-specific,
-        from the layer input: G1 of Qiu et al. 2025, "Gated Attention for Large Language
-        Models", §2.2), parameter ``gate_proj.kernel [D, N*H]`` (no bias). Default False.
+      output_gate: the output gate of Qiu et al. 2025 ("Gated Attention for Large
+        Language Models", §2.2): each head's attention output, before ``o_proj``, times
+        ``sigmoid(x W_g (+ b_g))`` computed from the layer input. ``True`` or
+        ``"elementwise"`` (their G1: one gate per head and feature, ``gate_proj.kernel
+        [D, N*H]``; Qwen3-Next, whose ``q_proj`` packs it beside each head's query),
+        ``"headwise"`` (one scalar per head, ``gate_proj.kernel [D, N]``), or False
+        (default). output_gate_bias: a bias ``gate_proj.bias`` (zeros at init) on the gate
+        projection (Qwen3-Next with ``attention_bias``). Default False.
+      qk_norm: RMSNorm of the queries and keys after their projections and before the
+        position transform: ``"head"`` over each head's ``H`` features (parameters
+        ``q_norm.scale``/``k_norm.scale [H]``, shared by the heads; Qwen3, Gemma 3,
+        Qwen3-Next), ``"projection"`` over the whole projection (``q_norm.scale [N*H]``,
+        ``k_norm.scale [N_kv*H]``; OLMo 2), or None (default). qk_norm_offset: the
+        ``(1 + w)`` form, weights initialised to zeros (Gemma 3, Qwen3-Next); default
+        False (``w``, ones). qk_norm_eps: their epsilon, default 1e-6.
       sinks: a bool; True gives the layer a learned attention-sink logit per query head,
         parameter ``sinks`` float ``[num_heads]`` (``param_dtype``, initialised to zeros),
         passed as ``sinks=`` to :func:`jaxpos.attention`: the softmax denominator gains
@@ -501,7 +242,7 @@ class MultiHeadAttention(_NnxDropout, AttentionCore, nnx.Module):
         ``jax.set_mesh(mesh)`` the layer's attention runs sequence-parallel over the mesh
         axis ``context_axis`` (default ``"seq"``) with global positions
         (:func:`jaxpos.parallel.ring_attention` / :func:`jaxpos.parallel.ulysses_attention`
-        in ``shard_map``, :func:`jaxpos.parallel.context.context_attention`); the sequence
+        in ``shard_map``: :func:`jaxpos.parallel.context.context_attention`); the sequence
         length must be divisible by the axis size (Ulysses: the heads too). No dense
         ``mask`` or attention dropout then. :meth:`decode` runs the ordinary path (one
         query per step needs no sequence parallelism).
@@ -509,8 +250,10 @@ class MultiHeadAttention(_NnxDropout, AttentionCore, nnx.Module):
 
     Parameters: ``q_proj.kernel [D, N*H]``, ``k_proj.kernel``/``v_proj.kernel [D, N_kv*H]``,
     ``o_proj.kernel [N*H, D]`` (and ``*.bias`` with ``use_bias``), ``sinks [N]`` with
-    ``sinks=True`` (attribute ``sinks``, None otherwise), plus those of the position
-    module (attribute ``position_module``, e.g. ``position_module.rel_k`` for Shaw).
+    ``sinks=True`` (attribute ``sinks``, None otherwise), ``gate_proj``, ``q_norm`` and
+    ``k_norm`` (None when off), plus those of the position module (attribute
+    ``position_module``, e.g. ``position_module.rel_k`` for Shaw). Options are keywords
+    (:class:`jaxpos.layers.spec.AttentionOptions`: an unknown one raises ``TypeError``).
 
     Call: ``x [B, T, D]`` -> ``[B, T, D]``, keyword ``positions`` (int ``[T]``/``[B, T]``,
     default ``arange``), ``context`` (``[B, Tk, D]``: cross-attention, keys and values
@@ -533,45 +276,18 @@ class MultiHeadAttention(_NnxDropout, AttentionCore, nnx.Module):
     positions, a non-bool ``sinks``, a ``mask_mod`` that is not callable.
     """
 
-    def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
-                 head_dim: int | None = None, position: Any = "nope", causal: bool = False,
-                 rotary_dim: int | None = None, rope_base: float = 10000.0,
-                 num_buckets: int = 32, max_distance: int | None = None,
-                 scheme_options: dict | None = None, scale: float | None = None,
-                 implementation: str | None = None, use_bias: bool = False,
-                 output_gate: bool = False,
-                 sinks: bool = False, mask_mod: Callable[..., Any] | None = None,
-                 dropout_rate: float = 0.0, context_parallel: str | None = None,
-                 context_axis: str = "seq",
-                 dtype: DTypeLike = jnp.float32, param_dtype: DTypeLike = jnp.float32,
-                 rngs: nnx.Rngs):
-        d_model, num_heads, num_kv_heads, head_dim = attention_dims(d_model, num_heads,
-                                                                    num_kv_heads, head_dim)
-        self.context_parallel = check_context_parallel(context_parallel, context_axis)
-        self.context_axis = context_axis
-        self.dropout_rate = check_dropout_rate("dropout_rate", dropout_rate)
-        check_attention_options(implementation, use_bias)
-        sinks = check_sinks_flag(sinks)
-        self.mask_mod = check_mask_mod("mask_mod", mask_mod)
-        options = collect_options(rotary_dim=rotary_dim, rope_base=rope_base,
-                                  num_buckets=num_buckets, max_distance=max_distance,
-                                  scheme_options=scheme_options)
-        self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = (
-            d_model, num_heads, num_kv_heads, head_dim)
+    def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs, **options: Any):
+        o = from_keywords(AttentionOptions, "MultiHeadAttention", d_model, num_heads, **options)
+        plan = check_attention(o)
+        self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = plan.dims
+        self.dropout_rate, self.mask_mod = plan.dropout_rate, plan.mask_mod
         self.causal, self.scale, self.implementation, self.dtype = (
-            bool(causal), scale, implementation, dtype)
-        lin = lambda i, o: nnx.Linear(i, o, use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
-        self.q_proj = lin(d_model, num_heads * head_dim)
-        self.k_proj = lin(d_model, num_kv_heads * head_dim)
-        self.v_proj = lin(d_model, num_kv_heads * head_dim)
-        self.o_proj = lin(num_heads * head_dim, d_model)
-        self.sinks = nnx.Param(jnp.zeros((num_heads,), param_dtype)) if sinks else None
-        self.gate_proj = nnx.Linear(d_model, num_heads * head_dim, use_bias=False,
-                                    param_dtype=param_dtype, rngs=rngs) if check_output_gate(
-            output_gate) else None
-        self.position_module = make_position_module(
-            position, num_heads=num_heads, head_dim=head_dim, d_model=d_model,
-            causal=self.causal, options=options, param_dtype=param_dtype, rngs=rngs)
+            bool(o.causal), o.scale, o.implementation, o.dtype)
+        self.qk_norm_offset, self.qk_norm_eps = bool(o.qk_norm_offset), float(o.qk_norm_eps)
+        self.context_parallel, self.context_axis = plan.context_parallel, o.context_axis
+        for name, part in attention_parts(o, plan, _NnxMaker(o.dtype, o.param_dtype,
+                                                              rngs)).items():
+            setattr(self, name, part)
         self._keep_dropout_stream(rngs)
 
     def _dims(self):
@@ -589,8 +305,8 @@ class TransformerBlock(_NnxDropout, BlockCore, nnx.Module):
     """A pre-LN transformer block: ``x + attn(rms_norm(x))``, then ``x + mlp(rms_norm(x))``
     (Xiong et al. 2020; RMSNorm, Zhang & Sennrich 2019; GELU MLP).
 
-    Args: as :class:`MultiHeadAttention` (``sinks``, ``mask_mod``, ``context_parallel``,
-    ``context_axis`` included), plus
+    Args: as :class:`MultiHeadAttention` (``sinks``, ``mask_mod``, ``use_bias``,
+    ``output_gate``, ``qk_norm`` and their options included), plus
     ``mlp_dim`` (default ``4 * d_model``); ``dropout_rate`` is residual dropout on the
     attention and MLP branches before they are added (Vaswani et al. 2017, Sec. 5.4) and,
     unless ``attention_dropout_rate`` is given, attention dropout too.
@@ -601,45 +317,42 @@ class TransformerBlock(_NnxDropout, BlockCore, nnx.Module):
     :meth:`MultiHeadAttention.__call__`; ``decode(x, cache, ...)`` -> ``(y, cache)``.
     """
 
-    def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
-                 head_dim: int | None = None, mlp_dim: int | None = None,
-                 position: Any = "nope", causal: bool = False, rotary_dim: int | None = None,
-                 rope_base: float = 10000.0, num_buckets: int = 32,
-                 max_distance: int | None = None, scheme_options: dict | None = None,
-                 scale: float | None = None, implementation: str | None = None,
-                 sinks: bool = False, mask_mod: Callable[..., Any] | None = None,
-                 dropout_rate: float = 0.0,
-                 attention_dropout_rate: float | None = None,
-                 context_parallel: str | None = None, context_axis: str = "seq",
-                 dtype: DTypeLike = jnp.float32,
-                 param_dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs):
-        d_model = _checks.check_positive_int("d_model", d_model)
-        self.dropout_rate = check_dropout_rate("dropout_rate", dropout_rate)
-        attn_rate = self.dropout_rate if attention_dropout_rate is None else \
-            check_dropout_rate("attention_dropout_rate", attention_dropout_rate)
-        mlp_dim = 4 * d_model if mlp_dim is None else _checks.check_positive_int("mlp_dim", mlp_dim)
-        self.dtype = dtype
-        self.attn_norm = nnx.RMSNorm(d_model, param_dtype=param_dtype, rngs=rngs)
-        self.attn = MultiHeadAttention(
-            d_model, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, position=position,
-            causal=causal, rotary_dim=rotary_dim, rope_base=rope_base, num_buckets=num_buckets,
-            max_distance=max_distance, scheme_options=scheme_options, scale=scale,
-            implementation=implementation, sinks=sinks, mask_mod=mask_mod,
-            dropout_rate=attn_rate, context_parallel=context_parallel,
-            context_axis=context_axis, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.mlp_norm = nnx.RMSNorm(d_model, param_dtype=param_dtype, rngs=rngs)
-        lin = lambda i, o: nnx.Linear(i, o, use_bias=False, param_dtype=param_dtype, rngs=rngs)
-        self.mlp_in = lin(d_model, mlp_dim)
-        self.mlp_out = lin(mlp_dim, d_model)
+    def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs, **options: Any):
+        o = from_keywords(BlockOptions, "TransformerBlock", d_model, num_heads, **options)
+        plan = check_block(o)
+        self.dropout_rate, self.dtype = plan.dropout_rate, o.dtype
+        for name, part in block_parts(plan, _NnxMaker(o.dtype, o.param_dtype, rngs)).items():
+            setattr(self, name, part)
         self._keep_dropout_stream(rngs)
 
-class _NnxMaker:
-    """The NNX constructors of a stack's submodules (:func:`jaxpos.layers.stack.build_stack`)."""
 
-    def __init__(self, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs,
-                 block_options: dict | None = None):
+class _NnxMaker:
+    """The NNX constructors of the modules' parts (:class:`jaxpos.layers.spec.Maker`)."""
+
+    def __init__(self, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
         self.dtype, self.param_dtype, self.rngs = dtype, param_dtype, rngs
-        self.block_options = block_options or {}
+
+    def linear(self, in_features, out_features, use_bias, name):
+        (_, kernel_init, _), (_, bias_init, _) = linear_params(in_features, out_features,
+                                                               use_bias)
+        return nnx.Linear(in_features, out_features, use_bias=use_bias,
+                          kernel_init=kernel_init, bias_init=bias_init or BIAS_INIT,
+                          param_dtype=self.param_dtype, rngs=self.rngs)
+
+    def norm(self, features, name, offset=False):
+        ((_, init, _),) = norm_params(features, offset)
+        return nnx.RMSNorm(features, scale_init=init, param_dtype=self.param_dtype,
+                           rngs=self.rngs)
+
+    def zeros(self, name, shape):
+        return nnx.Param(jnp.zeros(shape, self.param_dtype))
+
+    def position_module(self, position, name, **kwargs):
+        return make_position_module(position, param_dtype=self.param_dtype, rngs=self.rngs,
+                                    **kwargs)
+
+    def attention(self, name, **options):
+        return MultiHeadAttention(rngs=self.rngs, **options)
 
     def embed(self, vocab_size, d_model):
         return nnx.Embed(vocab_size, d_model, param_dtype=self.param_dtype,
@@ -652,60 +365,28 @@ class _NnxMaker:
         return LearnedPositionalEmbedding(max_len, d_model, param_dtype=self.param_dtype,
                                           rngs=self.rngs)
 
-    def position_module(self, position, **kwargs):
-        return PositionModule(position, param_dtype=self.param_dtype, rngs=self.rngs, **kwargs)
-
-    def block(self, index, d_model, num_heads, **kwargs):
-        return TransformerBlock(d_model, num_heads, param_dtype=self.param_dtype,
-                                rngs=self.rngs, **kwargs, **self.block_options)
+    def block(self, index, **options):
+        return TransformerBlock(rngs=self.rngs, **options)
 
     def block_list(self, blocks):
         return nnx.List(blocks)
 
-    def norm(self, d_model):
-        return nnx.RMSNorm(d_model, param_dtype=self.param_dtype, rngs=self.rngs)
-
 
 class _Stack(nnx.Module):
-    """Shared constructor of :class:`DecoderLM` and :class:`Encoder`."""
+    """Shared constructor of :class:`DecoderLM` and :class:`Encoder` (options:
+    :class:`jaxpos.layers.spec.StackOptions`)."""
 
     _causal = True
 
-    def __init__(self, vocab_size: int, *, d_model: int, num_layers: int, num_heads: int,
-                 position: str, num_kv_heads: int | None = None, mlp_dim: int | None = None,
-                 max_len: int | None = None, rope_base: float = 10000.0,
-                 t5_num_buckets: int = 32, t5_max_distance: int = 128,
-                 shaw_max_distance: int = 16, scheme_options: dict | None = None,
-                 implementation: str | None = None, sinks: bool = False,
-                 mask_mod: Callable[..., Any] | None = None,
-                 layer_mask_mods=None, layer_positions=None, dropout_rate: float = 0.0,
-                 attention_dropout_rate: float | None = None,
-                 context_parallel: str | None = None, context_axis: str = "seq",
-                 context_zigzag: bool = False, dtype: DTypeLike = jnp.float32,
-                 param_dtype: DTypeLike = jnp.float32,
-                 rngs: nnx.Rngs):
-        self.context_parallel = check_context_parallel(context_parallel, context_axis)
-        self.context_axis, self.context_zigzag = context_axis, check_zigzag(
-            context_zigzag, self.context_parallel)
-        spec = stack_spec(vocab_size, d_model=d_model, num_layers=num_layers,
-                          num_heads=num_heads, num_kv_heads=num_kv_heads, max_len=max_len,
-                          position=position, rope_base=rope_base,
-                          t5_num_buckets=t5_num_buckets, t5_max_distance=t5_max_distance,
-                          shaw_max_distance=shaw_max_distance, scheme_options=scheme_options,
-                          sinks=sinks, mask_mod=mask_mod, layer_mask_mods=layer_mask_mods,
-                          layer_positions=layer_positions,
-                          causal=self._causal)
+    def __init__(self, vocab_size: int, *, rngs: nnx.Rngs, **options: Any):
+        o = from_keywords(StackOptions, type(self).__name__, vocab_size, **options)
+        self.context_zigzag, self.context_axis = check_stack_context(o), o.context_axis
+        spec = stack_spec(o, causal=self._causal)
         self.vocab_size, self.position_name = spec.vocab_size, spec.plan.name
-        self.d_model, self.num_layers, self.max_len = spec.d_model, spec.num_layers, max_len
+        self.d_model, self.num_layers, self.max_len = spec.d_model, spec.num_layers, o.max_len
         self.num_kv_heads, self.head_dim = spec.num_kv_heads, spec.head_dim
-        self.implementation, self.dtype = implementation, dtype
-        block_options = {"context_parallel": self.context_parallel,
-                         "context_axis": context_axis}
-        parts = build_stack(spec, _NnxMaker(dtype, param_dtype, rngs, block_options),
-                            mlp_dim=mlp_dim,
-                            implementation=implementation, dtype=dtype,
-                            dropout_rate=dropout_rate,
-                            attention_dropout_rate=attention_dropout_rate)
+        self.implementation, self.dtype = o.implementation, o.dtype
+        parts = build_stack(spec, _NnxMaker(o.dtype, o.param_dtype, rngs), o)
         self.embed, self.abs_position, self.rel_position, self.blocks, self.final_norm = parts
 
     def _position_name(self):
@@ -764,6 +445,11 @@ class DecoderLM(DecoderCore, _Stack):
         default 0. NNX conventions: on until ``model.eval()`` (or a call's
         ``deterministic=True``), keys from the call's ``rngs`` or each layer's ``dropout``
         stream forked from ``rngs`` at construction; :meth:`decode_step` never drops.
+      output_gate, output_gate_bias: every layer's output gate (elementwise or headwise,
+        Qiu et al. 2025; :class:`MultiHeadAttention`). Default False.
+      qk_norm, qk_norm_offset, qk_norm_eps: every layer's q/k RMSNorm (``"head"``: Qwen3,
+        Gemma 3 with the ``(1 + w)`` offset; ``"projection"``: OLMo 2;
+        :class:`MultiHeadAttention`). Default None.
       dtype: compute dtype (logits are float32); param_dtype: parameter dtype.
       rngs: :class:`flax.nnx.Rngs` (``params`` stream).
 
@@ -781,7 +467,7 @@ class DecoderLM(DecoderCore, _Stack):
 
     _causal = True
 
-    def __init__(self, vocab_size: int, *, position: str = "rope", **kwargs):
+    def __init__(self, vocab_size: int, *, position: str = "rope", **kwargs: Any):
         """Arguments as the class docstring says (the other keywords and their defaults
         are those of the shared stack constructor)."""
         super().__init__(vocab_size, position=position, **kwargs)
@@ -805,7 +491,16 @@ class Encoder(EncoderCore, _Stack):
 
     _causal = False
 
-    def __init__(self, vocab_size: int, *, position: str = "nope", **kwargs):
+    def __init__(self, vocab_size: int, *, position: str = "nope", **kwargs: Any):
         """Arguments as the class docstring says (the other keywords and their defaults
         are those of the shared stack constructor)."""
         super().__init__(vocab_size, position=position, **kwargs)
+
+
+# help() and inspect.signature list every option of the keyword constructors.
+MultiHeadAttention.__init__.__signature__ = options_signature(AttentionOptions, 2)
+TransformerBlock.__init__.__signature__ = options_signature(BlockOptions, 2)
+DecoderLM.__init__.__signature__ = options_signature(StackOptions, 1,
+                                                     defaults={"position": "rope"})
+Encoder.__init__.__signature__ = options_signature(StackOptions, 1,
+                                                   defaults={"position": "nope"})

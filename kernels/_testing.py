@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +51,7 @@ def _poisoned(pallas_call):
 
 
 @contextlib.contextmanager
-def poison_outputs():
+def poison_outputs() -> Iterator[None]:
     """Within the block, every kernel traced starts its outputs as NaN (nested blocks
     poison once)."""
     if getattr(plumbing.pallas_call, "poisoned", False):
@@ -60,7 +62,7 @@ def poison_outputs():
 
 
 @contextlib.contextmanager
-def interpret_like_tpu():
+def interpret_like_tpu() -> Iterator[None]:
     """Within the block, interpret mode reads captured arrays the TPU way."""
     real = plumbing.LOADER_STYLE["cpu"]
     plumbing.LOADER_STYLE["cpu"] = "loop"
@@ -119,7 +121,7 @@ class _Counter:
 
 
 @contextlib.contextmanager
-def counting_tiles():
+def counting_tiles() -> Iterator[_Counter]:
     """Within the block, every kernel traced counts its loop trips (yields the counter:
     ``counter.table(kernel, grid_shape)`` with kernel ``"fwd"``, ``"dq"`` or ``"dkv"``
     gives ``[*grid_shape, (masked, unmasked)]``)."""
@@ -133,7 +135,7 @@ def counting_tiles():
         yield counter
 
 
-def tile_visits(q, k, v, **kw):
+def tile_visits(q, k, v, **kw) -> Any:
     """How many key tiles each forward program and how many query tiles each dk/dv program
     visit, as ``(fwd [B, N / G, nq, 2] (or [B, N / G, nq, S, 2] with key splits),
     dkv [B, N_kv, nk, 2])`` (column 0: masked PARTIAL tiles, column 1: unmasked FULL tiles),

@@ -15,6 +15,7 @@ replaces ``delta`` (``d lse / d s = p``): :func:`backward_rows`.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +26,11 @@ from jaxpos.kernels import layout, tiles
 from jaxpos.kernels import plumbing as pb
 from jaxpos.kernels.tiles import loops
 
+if TYPE_CHECKING:
+    from jaxpos.kernels.config import KernelConfig, Operands
 
-def backward_rows(cfg, out, lse, dout, dlse):
+
+def backward_rows(cfg: KernelConfig, out: Any, lse: Any, dout: Any, dlse: Any) -> Any:
     """``(lse, delta)`` ``[B, N, Tq_p, 1]`` for the backward kernels: ``delta =
     rowsum(dO * O) - dlse``; rows past ``Tq`` get ``lse = +inf`` and ``delta = 0`` so their
     (padding) probabilities are 0."""
@@ -55,7 +59,7 @@ def _ds(cfg, mods, r, b, h, i, j, q, k, v, do, q_pos, kv_pos, q_seg, kv_seg, kv_
     return pr, ds.astype(q[0].dtype)
 
 
-def dq_kernel(*refs, cfg, names, smod, mmod, style, plat):
+def dq_kernel(*refs, cfg, names, smod, mmod, style, plat) -> None:
     """The dq kernel body (one query tile of one query head)."""
     r = tiles.named(refs, names)
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -115,7 +119,7 @@ def _dkv_tile(r, cfg, plat, mods, b, kh, j, kv, hi):
     return tile
 
 
-def dkv_kernel(*refs, cfg, names, smod, mmod, style, plat):
+def dkv_kernel(*refs, cfg, names, smod, mmod, style, plat) -> None:
     """The dk / dv kernel body (one key tile of one KV head, its group's query heads)."""
     r = tiles.named(refs, names)
     b, kh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -210,7 +214,7 @@ def _dkv(cfg, ops, lse, delta, do):
     return dk, dv
 
 
-def backward(cfg, ops, lse, delta, dout):
+def backward(cfg: KernelConfig, ops: Operands, lse: Any, delta: Any, dout: Any) -> Any:
     """dq, dk, dv in the inputs' layout and dtypes; ``lse``, ``delta`` ``[B, N, Tq_p, 1]``
     from :func:`backward_rows`."""
     do = dout.astype(ops.v.dtype)

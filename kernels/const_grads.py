@@ -12,7 +12,7 @@ the mods see exactly the tiles' positions, and dropout's keep decisions are the 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,11 +21,14 @@ import numpy as np
 from jaxpos._util import pad_axis
 from jaxpos.core.dropout import Dropout, keep_tile
 
+if TYPE_CHECKING:
+    from jaxpos.kernels.config import KernelConfig, Operands
+
 #: Bytes of float32 score block the captured-array gradient pass holds per step.
 CONST_GRAD_BLOCK_BYTES = 1 << 27
 
 
-def tiles_apply(conv, x, q_pos_t, kv_pos_t, kind):
+def tiles_apply(conv: Any, x: Any, q_pos_t: Any, kv_pos_t: Any, kind: Any) -> Any:
     """Apply a converted mod to every tile: ``x`` ``[B, N, G, nk, bq, bk]`` (scores) or
     None (a mask: then ``kind`` = (B, N, G, nk)); ``q_pos_t`` ``[Bq, G, bq]``,
     ``kv_pos_t`` ``[Bk, nk, bk]``."""
@@ -49,7 +52,7 @@ def tiles_apply(conv, x, q_pos_t, kv_pos_t, kind):
     return f(x, jnp.arange(B, dtype=jnp.int32), jnp.arange(N, dtype=jnp.int32), qp, kp)
 
 
-def rows_per_step(cfg, width):
+def rows_per_step(cfg: KernelConfig, width: int) -> int:
     """Query tiles per scan step (a divisor of ``nq``) within the byte budget."""
     per_tile_row = cfg.B * cfg.N * cfg.bq * width * 4
     G = max(1, min(cfg.nq, CONST_GRAD_BLOCK_BYTES // max(per_tile_row, 1)))
@@ -173,7 +176,7 @@ def _step_fn(cfg, ops, ps, diff, k, v):
     return step
 
 
-def mod_const_grads(cfg, ops, lse, do, delta) -> list[Any]:
+def mod_const_grads(cfg: KernelConfig, ops: Operands, lse: Any, do: Any, delta: Any) -> list[Any]:
     """Gradients of ``ops.smod``'s floating captured arrays (None for the others), from
     the backward rows ``lse``, ``delta`` ``[B, N, Tq_p, 1]`` and ``do`` ``[B, Tq, N, Hv]``."""
     consts = list(ops.smod.consts)

@@ -10,17 +10,23 @@ them. Writes the output and the log-sum-exp ``lse``.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxpos.core.tiles import lse_merge
 from jaxpos.kernels import layout, tiles
 from jaxpos.kernels import plumbing as pb
 from jaxpos.kernels.tiles import loops
 
+if TYPE_CHECKING:
+    from jaxpos.kernels.config import KernelConfig, Operands
+    from jaxpos.kernels.layout import Plat
 
-def split_len(cfg):
+
+def split_len(cfg: KernelConfig) -> int:
     """Key tiles per split."""
     return -(-cfg.nk // cfg.splits)
 
@@ -39,7 +45,7 @@ class _QueryTile:
                                      self.row, tab) for hi in range(cfg.heads)]
 
 
-def load_kv(r, cfg, plat, b, j, kv_lim, masked):
+def load_kv(r, cfg, plat, b, j, kv_lim, masked) -> Any:
     """``(k segments, v, kv_pos, kv_seg)`` of key tile ``j`` of batch row ``b``: rows
     ``[j * bk, (j + 1) * bk)`` of the row's keys, or with paged keys the whole page
     ``page_table[b, j]`` (``bk`` is the page size)."""
@@ -57,7 +63,7 @@ def load_kv(r, cfg, plat, b, j, kv_lim, masked):
     return k, v, kv_pos, kv_seg
 
 
-def attend_tile(r, cfg, mods, qt, b, p, i, j, kv_lim, masked, state, kv):
+def attend_tile(r, cfg, mods, qt, b, p, i, j, kv_lim, masked, state, kv) -> Any:
     """The online-softmax update of each query head of the program by key tile ``j``."""
     k, v, kv_pos, kv_seg = kv
     new = []
@@ -75,7 +81,7 @@ def attend_tile(r, cfg, mods, qt, b, p, i, j, kv_lim, masked, state, kv):
     return new
 
 
-def write_rows(r, cfg, plat, row, state):
+def write_rows(r: dict[str, Any], cfg: KernelConfig, plat: Plat, row: Any, state: Any) -> None:
     """Store each head's output (or split partial) and log-sum-exp."""
     G = cfg.heads
     for hi, (m, l, acc) in enumerate(state):
@@ -88,7 +94,7 @@ def write_rows(r, cfg, plat, row, state):
         r["lse"][tiles.hd(G, hi, slice(None), slice(None))] = lse
 
 
-def fwd_kernel(*refs, cfg, names, smod, mmod, style, plat):
+def fwd_kernel(*refs, cfg, names, smod, mmod, style, plat) -> None:
     """The forward kernel body (one query tile of ``cfg.heads`` heads)."""
     r = tiles.named(refs, names)
     b, p, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -107,7 +113,7 @@ def fwd_kernel(*refs, cfg, names, smod, mmod, style, plat):
     write_rows(r, cfg, plat, qt.row, loops(count, item, init, tile, offset))
 
 
-def out_makers(cfg, dtype):
+def out_makers(cfg: KernelConfig, dtype: Any) -> list[pb.Out]:
     """The ``out`` and ``lse`` outputs of the forward (split partials with ``S > 1``:
     float32, in the kernel's own padded layout)."""
     B, N, G, S, bq = cfg.B, cfg.N, cfg.heads, cfg.splits, cfg.bq
@@ -172,7 +178,7 @@ def _inputs(cfg, ops):
     return ins
 
 
-def forward(cfg, ops):
+def forward(cfg: KernelConfig, ops: Operands) -> Any:
     """``(out [B, Tq, N, Hv], lse [B, N, Tq_p, 1])`` (the key splits combined)."""
     grid = (cfg.B, cfg.N // cfg.heads, cfg.nq) + ((cfg.splits,) if cfg.splits > 1 else ())
     kern = functools.partial(fwd_kernel, cfg=cfg, smod=pb.mod_static(ops.smod),
@@ -184,18 +190,20 @@ def forward(cfg, ops):
     return out, lse
 
 
-def combine_splits(cfg, out_s, lse_s, sinks, dtype):
-    """Flash decoding's combine: ``lse = logsumexp_s lse_s`` (and the sink), ``out = sum_s
-    exp(lse_s - lse) out_s``. ``out_s`` ``[S, B, N, Tq_p, Hv]``, ``lse_s``
-    ``[S, B, N, Tq_p, 1]``; returns ``out [B, Tq, N, Hv]`` in ``dtype``, ``lse``."""
-    parts = lse_s
+def combine_splits(cfg: KernelConfig, out_s: Any, lse_s: Any, sinks: Any, dtype: Any) -> Any:
+    """Flash decoding's combine (Dao et al. 2023): the splits' partial outputs merged by
+    their log-sum-exps one after the other with the core's one merge
+    (:func:`jaxpos.core.tiles.lse_merge`), then the sink as a part of output 0 and
+    log-sum-exp ``sinks[h]``. ``out_s`` ``[S, B, N, Tq_p, Hv]``, ``lse_s``
+    ``[S, B, N, Tq_p, 1]``; returns ``out [B, Tq, N, Hv]`` in ``dtype`` and ``lse
+    [B, N, Tq_p, 1]``."""
+    def merge(acc, part):
+        return lse_merge(*acc, *part), None
+
+    lse_parts = lse_s[..., 0]
+    (out, lse), _ = jax.lax.scan(merge, (out_s[0], lse_parts[0]), (out_s[1:], lse_parts[1:]))
     if sinks is not None:
-        parts = jnp.concatenate([lse_s, jnp.broadcast_to(
-            sinks[None, None, :, None, None], (1,) + lse_s.shape[1:])], axis=0)
-    m = jnp.max(parts, axis=0)
-    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-    tot = jnp.sum(jnp.exp(parts - m_safe), axis=0)
-    lse = jnp.where(tot == 0.0, -jnp.inf, m_safe + jnp.log(jnp.where(tot == 0.0, 1.0, tot)))
-    w = jnp.exp(lse_s - jnp.where(lse == -jnp.inf, 0.0, lse))  # [S, B, N, Tq_p, 1]
-    out = jnp.sum(out_s * w, axis=0)[:, :, :cfg.Tq]  # [B, N, Tq, Hv]
-    return jnp.swapaxes(out, 1, 2).astype(dtype), lse
+        sink = jnp.broadcast_to(sinks[None, :, None], lse.shape)
+        out, lse = lse_merge(out, lse, jnp.zeros_like(out), sink)
+    out = out[:, :, :cfg.Tq]  # [B, N, Tq, Hv]
+    return jnp.swapaxes(out, 1, 2).astype(dtype), lse[..., None]

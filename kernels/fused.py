@@ -78,7 +78,7 @@ kernel body), :mod:`~jaxpos.kernels.plumbing` (``pallas_call``),
 from __future__ import annotations
 
 import functools
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +98,14 @@ from jaxpos.kernels.config import (
 from jaxpos.kernels.const_grads import mod_const_grads
 from jaxpos.kernels.forward import forward
 from jaxpos.schemes.rope.tables import RopeTables, rope_tables
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from jax.typing import ArrayLike
+
+    from jaxpos.core.call import AttentionCall
+    from jaxpos.mods import BlockMask
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "RopeTables", "kernel_attention",
            "kernel_call", "rope_tables", "run_call"]
@@ -173,7 +181,8 @@ _core.defvjp(_core_fwd, _core_bwd)
 
 
 # --------------------------------------------------------------------------- the entries
-def run_call(call, *, mode: str = "auto", kv_splits=None, return_lse: bool = False):
+def run_call(call: AttentionCall, *, mode: str = "auto", kv_splits: int | None = None,
+             return_lse: bool = False) -> Any:
     """The kernel on a validated, transformed :class:`jaxpos.core.call.AttentionCall`
     (nothing of it is checked again): ``[B, Tq, N, H_v]`` in q's dtype, or ``(out, lse)``
     with ``return_lse`` (``lse`` float32 ``[B, N, Tq]``).
@@ -191,10 +200,15 @@ def run_call(call, *, mode: str = "auto", kv_splits=None, return_lse: bool = Fal
     return out
 
 
-def kernel_call(q, k, v, *, q_positions, kv_positions, score_mod=None, mask_mod=None,
-                block_mask=None, sinks=None, causal=False, segment_ids=None,
-                kv_segment_ids=None, scale=None, block_q=None, block_k=None, kv_lengths=None,
-                rope_tables=None, dropout=None):
+def kernel_call(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, q_positions: ArrayLike,
+                kv_positions: ArrayLike, score_mod: Callable[..., Any] | None = None,
+                mask_mod: Callable[..., Any] | None = None, block_mask: BlockMask | None = None,
+                sinks: ArrayLike | None = None, causal: bool = False,
+                segment_ids: ArrayLike | None = None, kv_segment_ids: ArrayLike | None = None,
+                scale: ArrayLike | None = None, block_q: int | None = None,
+                block_k: int | None = None, kv_lengths: ArrayLike | None = None,
+                rope_tables: RopeTables | None = None,
+                dropout: Dropout | None = None) -> AttentionCall:
     """The validated record of a direct kernel call (:func:`kernel_attention`,
     :func:`jaxpos.kernels.attention_via_kernel`, :func:`jaxpos.kernels.fused_attention`):
     :func:`jaxpos.core.call.validate_call` plus what a direct caller must also meet (one
@@ -222,11 +236,17 @@ def kernel_call(q, k, v, *, q_positions, kv_positions, score_mod=None, mask_mod=
     return call.replace(dropout=dropout)
 
 
-def kernel_attention(q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, sinks=None,
-                     q_positions, kv_positions, causal=False, segment_ids=None,
-                     kv_segment_ids=None, scale=None, block_q=None, block_k=None,
-                     interpret=None, kv_lengths=None, rope_tables=None, kv_splits=None,
-                     return_lse=False, dropout=None) -> Any:
+def kernel_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+                     score_mod: Callable[..., Any] | None = None,
+                     mask_mod: Callable[..., Any] | None = None,
+                     block_mask: BlockMask | None = None, sinks: ArrayLike | None = None,
+                     q_positions: ArrayLike, kv_positions: ArrayLike, causal: bool = False,
+                     segment_ids: ArrayLike | None = None,
+                     kv_segment_ids: ArrayLike | None = None, scale: ArrayLike | None = None,
+                     block_q: int | None = None, block_k: int | None = None,
+                     interpret: bool | None = None, kv_lengths: ArrayLike | None = None,
+                     rope_tables: RopeTables | None = None, kv_splits: int | None = None,
+                     return_lse: bool = False, dropout: Dropout | None = None) -> Any:
     """The fused kernel (see :func:`jaxpos.kernels.attention_via_kernel` for the contract
     of the shared arguments).
 

@@ -17,7 +17,7 @@ rotated halves and the pass-through rest (Su et al. 2024 §3.4, the ``"half"`` l
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +25,13 @@ from jax.experimental import pallas as pl
 
 from jaxpos._util import pow2_at_least
 
+if TYPE_CHECKING:
+    from jaxpos.kernels.config import KernelConfig
+
 #: Smallest feature width of a Triton block (Triton dots need K >= 16).
 MIN_WIDTH = 16
+#: Feature segments ``(start, width)`` of a head.
+Segs = tuple[tuple[int, int], ...]
 
 
 class Plat(NamedTuple):
@@ -40,7 +45,7 @@ class Plat(NamedTuple):
     masked: bool
 
 
-def plat_of(platform: str, cfg) -> Plat:
+def plat_of(platform: str, cfg: KernelConfig) -> Plat:
     """The layout of ``platform`` (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``)."""
     if platform == "tpu":
         flat = cfg.H % 128 == 0 and cfg.Hv % 128 == 0
@@ -48,12 +53,12 @@ def plat_of(platform: str, cfg) -> Plat:
     return Plat(platform, "4d", platform in ("cuda", "rocm"))
 
 
-def wb(plat, w):
+def wb(plat: Plat, w: int) -> int:
     """Block width of a feature segment of width ``w``."""
     return pow2_at_least(w, MIN_WIDTH) if plat.masked else w
 
 
-def qk_segs(cfg):
+def qk_segs(cfg: KernelConfig) -> Segs:
     """Feature segments ``(start, width)`` of q and k: the two RoPE halves and the
     pass-through rest with in-kernel RoPE, else the whole head."""
     if not cfg.rope_half:
@@ -62,19 +67,19 @@ def qk_segs(cfg):
     return ((0, r), (r, r)) + (((2 * r, cfg.H - 2 * r),) if cfg.H > 2 * r else ())
 
 
-def v_segs(cfg):
+def v_segs(cfg: KernelConfig) -> Segs:
     """Feature segments of v (the whole head)."""
     return ((0, cfg.Hv),)
 
 
-def block_width(plat, segs, W):
+def block_width(plat: Plat, segs: Segs, W: int) -> int:
     """The feature width of a token block covering ``segs`` of a ``W``-wide head."""
     if plat.kind != "4d":
         return W
     return pow2_at_least(max(c0 + wb(plat, w) for c0, w in segs), 1) if plat.masked else W
 
 
-def to_kernel(plat, x):
+def to_kernel(plat: Plat, x: Any) -> Any:
     """``[B, T, n, W]`` -> this platform's kernel array."""
     if plat.kind == "flat":
         return x.reshape(x.shape[:2] + (-1,))
@@ -83,7 +88,7 @@ def to_kernel(plat, x):
     return x
 
 
-def from_kernel(plat, y, n):
+def from_kernel(plat: Plat, y: Any, n: int) -> Any:
     """This platform's kernel array -> ``[B, T, n, W]``."""
     if plat.kind == "flat":
         return y.reshape(y.shape[:2] + (n, -1))
@@ -92,12 +97,12 @@ def from_kernel(plat, y, n):
     return y
 
 
-def token_shape(plat, B, T, n, W):
+def token_shape(plat: Plat, B, T, n: int, W: int) -> tuple[int, ...]:
     """The kernel array shape of a ``[B, T, n, W]`` array."""
     return {"4d": (B, T, n, W), "flat": (B, T, n * W), "bnth": (B, n, T, W)}[plat.kind]
 
 
-def tok_spec(plat, rows, heads, W, Wb, imap):
+def tok_spec(plat: Plat, rows: Any, heads: int, W: int, Wb: int, imap: Any) -> Any:
     """BlockSpec of ``rows`` tokens of ``heads`` consecutive heads; ``imap(*grid) ->
     (batch, row block, head block)``."""
     hd = None if heads == 1 else heads
@@ -113,7 +118,7 @@ def tok_spec(plat, rows, heads, W, Wb, imap):
     return pl.BlockSpec((None, hd, rows, W), bnth)
 
 
-def view(ref, plat, heads, hi, W, rows, c0, w, lead=()):
+def view(ref, plat, heads, hi, W, rows, c0, w, lead=()) -> Any:
     """Kernel side: the ref view of head ``hi`` (of ``heads`` in the block), ``rows``,
     features ``[c0, c0 + block width)``; ``lead``: indices of leading dims before them (a
     page of a page pool). One indexer (Triton takes no chain of them)."""
@@ -135,7 +140,7 @@ def _tile_mask(plat, shape, w, row_ok):
     return None if mask is None else jnp.broadcast_to(mask, shape)
 
 
-def load(ref_view, plat, w, row_ok):
+def load(ref_view: Any, plat: Plat, w: int, row_ok: Any) -> Any:
     """Load a tile; rows where ``row_ok`` ([r, 1] bool) is False and columns past ``w`` are
     zero (masked loads on Triton; ``where`` elsewhere)."""
     if plat.masked:
@@ -151,7 +156,7 @@ def load(ref_view, plat, w, row_ok):
     return x
 
 
-def store(ref_view, plat, w, row_ok, val):
+def store(ref_view: Any, plat: Plat, w: int, row_ok: Any, val: Any) -> None:
     """Store a tile (masked on Triton: real rows and columns only)."""
     val = val.astype(ref_view.dtype)
     if plat.masked:
@@ -164,12 +169,12 @@ def store(ref_view, plat, w, row_ok, val):
     ref_view[...] = val
 
 
-def rows_ok(start, n, limit):
+def rows_ok(start: Any, n: int, limit: Any) -> jax.Array:
     """bool ``[n, 1]``: rows ``start + [0, n)`` below ``limit``."""
     return (start + jax.lax.broadcasted_iota(jnp.int32, (n, 1), 0)) < limit
 
 
-def load_feats(ref, plat, heads, hi, W, rows, segs, row_ok, tab, lead=()):
+def load_feats(ref, plat, heads, hi, W, rows, segs, row_ok, tab, lead=()) -> list[jax.Array]:
     """The feature segments of one head's tile (rotated by ``tab = (cos, sin)`` when
     given), each ``[r, block width]`` in the input dtype (``lead``: as :func:`view`)."""
     xs = [load(view(ref, plat, heads, hi, W, rows, c0, w, lead), plat, w, row_ok)
@@ -182,7 +187,7 @@ def load_feats(ref, plat, heads, hi, W, rows, segs, row_ok, tab, lead=()):
     return [(x1 * c - x2 * s).astype(dtype), (x2 * c + x1 * s).astype(dtype)] + xs[2:]
 
 
-def unrotate(gs, tab):
+def unrotate(gs: Any, tab: Any) -> list[Any]:
     """Gradients with respect to the unrotated features (the rotation's transpose)."""
     if tab is None:
         return gs
@@ -191,7 +196,7 @@ def unrotate(gs, tab):
     return [g1 * c + g2 * s, g2 * c - g1 * s] + list(gs[2:])
 
 
-def store_feats(ref, plat, heads, hi, W, rows, segs, row_ok, vals):
+def store_feats(ref, plat, heads, hi, W, rows, segs, row_ok, vals) -> None:
     """Store the feature segments ``vals`` of one head's tile."""
     for (c0, w), val in zip(segs, vals):
         store(view(ref, plat, heads, hi, W, rows, c0, w), plat, w, row_ok, val)

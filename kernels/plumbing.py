@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,10 @@ from jax.experimental import pallas as pl
 from jaxpos._util import cast_varying, pad_axis, pow2_at_least, varying_axes
 from jaxpos.kernels import layout, modeval
 
+if TYPE_CHECKING:
+    from jaxpos.kernels.config import KernelConfig, Operands
+    from jaxpos.kernels.layout import Segs
+
 #: How a kernel body reads captured arrays by index, per platform: ``"load"`` (indexed
 #: loads, the GPU form) or ``"loop"`` (a loop of scalar reads, the TPU form).
 LOADER_STYLE = {"cpu": "load", "cuda": "load", "rocm": "load", "tpu": "loop"}
@@ -26,7 +31,7 @@ LOADER_STYLE = {"cpu": "load", "cuda": "load", "rocm": "load", "tpu": "loop"}
 pallas_call = pl.pallas_call
 
 
-def declare_axes(out_shape, axes, like):
+def declare_axes(out_shape: Any, axes: Any, like: Any) -> Any:
     """``ShapeDtypeStruct`` outputs declared to vary over the manual mesh ``axes`` (inside
     ``shard_map`` with ``check_vma=True``)."""
     if not axes:
@@ -43,7 +48,7 @@ def declare_axes(out_shape, axes, like):
     return tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, **declare) for o in out_shape)
 
 
-def match_manual_axes(args):
+def match_manual_axes(args: Any) -> Any:
     """Make a ``pallas_call`` valid inside ``shard_map`` with ``check_vma=True`` (its
     default): every input must vary over the same manual mesh axes and each output's
     ``ShapeDtypeStruct`` must say which axes it varies over. The kernel mixes sharded
@@ -77,7 +82,7 @@ class Out(NamedTuple):
     make: Any
 
 
-def whole(pow2=False):
+def whole(pow2: bool=False) -> Any:
     """The whole array in every program (captured arrays, sinks; Triton: every dim padded
     to a power of two when ``pow2``)."""
 
@@ -91,7 +96,7 @@ def whole(pow2=False):
     return spec
 
 
-def fixed(shape, index_map):
+def fixed(shape: tuple[int | None, ...], index_map: Any) -> Any:
     """Blocks of ``shape`` at ``index_map`` on every platform."""
     return lambda plat, x: (x, pl.BlockSpec(shape, index_map))
 
@@ -162,7 +167,7 @@ def _cfg_of(kernel):
     return kernel.keywords["cfg"]
 
 
-def run_pallas(kernel, grid, ins: list[In], outs: list[Out], name, scalar_prefetch=0):
+def run_pallas(kernel, grid, ins: list[In], outs: list[Out], name, scalar_prefetch=0) -> Any:
     """Run ``kernel`` (a ``functools.partial`` with ``cfg=``; it is given ``names``,
     ``style`` and ``plat``) in interpret mode, or compiled by Triton (CUDA / ROCm) or
     Mosaic (TPU). Returns the outputs, each mapped back by its ``post``."""
@@ -210,7 +215,7 @@ def _smem_ok(conv):
     return [not d for d in rec.dense]
 
 
-def mod_static(conv):
+def mod_static(conv: Any) -> Any:
     """The mod with its captured arrays replaced by their shapes (the kernel's static
     copy: values come from refs)."""
     if conv is None:
@@ -219,12 +224,12 @@ def mod_static(conv):
                                   for c in conv.consts))
 
 
-def batch_map(batched):
+def batch_map(batched: bool) -> Callable[[Any], Any]:
     """The block index of an array with a batch dim of ``B`` (``batched``) or 1."""
     return (lambda b: b) if batched else (lambda b: 0)
 
 
-def tok(rows, heads, W, imap, segs):
+def tok(rows: Any, heads: int, W: int, imap: Any, segs: Segs) -> Any:
     """The spec of an ``[B, T, n, W]`` token input (q, k, v, do) in the platform's
     layout."""
     def spec(plat, arr):
@@ -233,7 +238,7 @@ def tok(rows, heads, W, imap, segs):
     return spec
 
 
-def pool(W, kv_head, segs):
+def pool(W: int, kv_head: Any, segs: Segs) -> Any:
     """The spec of a ``[num_pages, page_size, N_kv, W]`` page pool: every page of KV head
     ``kv_head(*grid)`` in every program (the kernel reads the pages of its row by index:
     ``ref.at[page]``), in the platform's layout (the pool is ``[B, T, n, W]``-shaped)."""
@@ -258,7 +263,7 @@ def _tables(rows, imap):
     return spec
 
 
-def pos_inputs(cfg, ops, *, q_rows, q_map, k_rows, k_map):
+def pos_inputs(cfg: KernelConfig, ops: Operands, *, q_rows, q_map, k_rows, k_map) -> list[In]:
     """Positions, segments and RoPE tables; ``q_map(*grid) -> (batch, row block)``."""
     qb, kb = batch_map(cfg.qpos_batched), batch_map(cfg.kvpos_batched)
     ins = [In("q_pos", ops.q_pos, fixed((None, q_rows, 1), lambda *g: (
@@ -282,7 +287,7 @@ def pos_inputs(cfg, ops, *, q_rows, q_map, k_rows, k_map):
     return ins
 
 
-def tail_inputs(cfg, ops):
+def tail_inputs(cfg: KernelConfig, ops: Operands) -> list[In]:
     """Key lengths, the dropout seed and the mods' captured arrays."""
     ins = []
     if cfg.has_kv_len:
@@ -294,7 +299,7 @@ def tail_inputs(cfg, ops):
     return ins
 
 
-def sched_inputs(counts, lists, heads, imap):
+def sched_inputs(counts: Any, lists: Any, heads: int, imap: Any) -> list[In]:
     """Schedule rows: ``imap(*grid) -> (S_b index, S_h index, row[, split])``."""
     hd = None if heads == 1 else heads
     extra = counts.ndim - 5  # a split axis

@@ -7,14 +7,19 @@ tiles not), attention dropout's keep decisions and the online-softmax update
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import jax
 import jax.numpy as jnp
 
 from jaxpos.core.dropout import Dropout, keep_tile
 from jaxpos.kernels import modeval
 
+if TYPE_CHECKING:
+    from jaxpos.kernels.config import KernelConfig
 
-def dot(a, b, cfg, contract=((1,), (1,))):
+
+def dot(a: Any, b: Any, cfg: KernelConfig, contract: Any=((1,), (1,))) -> Any:
     """``a . b`` over ``contract`` with float32 accumulation (exact float32 dots for
     float32 inputs)."""
     prec = jax.lax.Precision.HIGHEST if cfg.precise else None
@@ -22,7 +27,7 @@ def dot(a, b, cfg, contract=((1,), (1,))):
                                preferred_element_type=jnp.float32)
 
 
-def dots(xs, ys, cfg):
+def dots(xs: Any, ys: Any, cfg: KernelConfig) -> Any:
     """``sum_seg xs[seg] . ys[seg]^T`` (the scores over feature segments)."""
     out = dot(xs[0], ys[0], cfg)
     for x, y in zip(xs[1:], ys[1:]):
@@ -39,7 +44,7 @@ class Mods:
     ``smod{i}`` / ``mmod{i}`` (``style``: ``"load"`` indexed loads, ``"loop"`` the TPU
     form; :mod:`jaxpos.kernels.modeval`)."""
 
-    def __init__(self, r, smod, mmod, style):
+    def __init__(self, r: dict[str, Any], smod: Any, mmod: Any, style: str):
         self.score = self.mask = None
         if smod is not None:
             refs = [r[f"smod{i}"] for i in range(len(smod.consts))]
@@ -49,7 +54,7 @@ class Mods:
             self.mask = modeval.mod_function(mmod, _loader(style, refs))
 
 
-def scores(cfg, mods, b, h, q, k, q_pos, kv_pos):
+def scores(cfg: KernelConfig, mods: Mods, b: Any, h: Any, q: Any, k: Any, q_pos: Any, kv_pos: Any):
     """``(s_raw, s)``: the scaled scores of a tile and the score_mod applied to them."""
     s_raw = dots(q, k, cfg) * jnp.float32(cfg.scale)
     if mods.score is None:
@@ -57,7 +62,7 @@ def scores(cfg, mods, b, h, q, k, q_pos, kv_pos):
     return s_raw, mods.score(s_raw, b, h, q_pos, kv_pos)
 
 
-def chain(cfg, mods, b, h, ds, s_raw, q_pos, kv_pos, vis):
+def chain(cfg, mods, b, h, ds, s_raw, q_pos, kv_pos, vis) -> Any:
     """The gradient with respect to the raw score: ``ds * d score_mod / d score``
     (elementwise; ``ds`` itself when the score_mod is additive or absent)."""
     if cfg.additive or mods.score is None:
@@ -68,12 +73,12 @@ def chain(cfg, mods, b, h, ds, s_raw, q_pos, kv_pos, vis):
     return ds if vis is None else jnp.where(vis, ds, 0.0)
 
 
-def kv_padded(cfg):
+def kv_padded(cfg: KernelConfig) -> bool:
     """Whether key tiles may hold keys that do not exist (past ``Tk`` or a row's length)."""
     return cfg.nk * cfg.bk != cfg.Tk or cfg.has_kv_len
 
 
-def visible(cfg, mods, b, h, q_pos, kv_pos, q_seg, kv_seg, key_index, kv_lim, shape):
+def visible(cfg, mods, b, h, q_pos, kv_pos, q_seg, kv_seg, key_index, kv_lim, shape) -> Any:
     """bool ``shape`` visibility of a PARTIAL tile; ``key_index`` ``[1, bk]`` the tile's key
     indices along the row (compared with ``kv_lim``, the row's key count)."""
     terms = []
@@ -93,12 +98,12 @@ def visible(cfg, mods, b, h, q_pos, kv_pos, q_seg, kv_seg, key_index, kv_lim, sh
     return jnp.broadcast_to(vis, shape)
 
 
-def key_indices(j, bk):
+def key_indices(j: Any, bk: int) -> jax.Array:
     """int32 ``[1, bk]``: the key indices of key tile ``j``."""
     return j * bk + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
 
 
-def loops(count, item, carry, tile, offset=0):
+def loops(count: Any, item: Any, carry: Any, tile: Any, offset: Any=0) -> Any:
     """Run ``tile(index, carry, masked)`` over the PARTIAL then the FULL tiles of this
     program's schedule row (``count(row)``, ``item(row, t)``); each loop's trip count is
     the number of such tiles. ``offset`` is added to every index (a key split's start)."""
@@ -117,7 +122,7 @@ def loops(count, item, carry, tile, offset=0):
     return run(1, run(0, carry, True), False)
 
 
-def sched_fns(counts, lists, lead=()):
+def sched_fns(counts: Any, lists: Any, lead: tuple[Any, ...]=()) -> Any:
     """``count(row)`` / ``item(row, t)`` of a counts ref ``[*lead, 1, 2]`` and a lists ref
     ``[*lead, 2, L]`` (``lead``: static indices of a head inside the block)."""
     last = lists.shape[-1] - 1
@@ -125,19 +130,19 @@ def sched_fns(counts, lists, lead=()):
             lambda row, t: lists[(*lead, row, jnp.minimum(t, last))])
 
 
-def named(refs, names):
+def named(refs: Any, names: tuple[str, ...]) -> dict[str, Any]:
     """The kernel's refs by name (inputs then outputs, as the plumbing declared them)."""
     assert len(refs) == len(names), "kernel argument list out of sync"
     return dict(zip(names, refs))
 
 
-def hd(heads, hi, *idx):
+def hd(heads: int, hi: int, *idx) -> tuple[Any, ...]:
     """One index tuple (Triton takes a single indexer): head ``hi`` of a block of ``heads``
     heads (a leading block dim when ``heads > 1``), then ``idx``."""
     return idx if heads == 1 else (hi, *idx)
 
 
-def dropped(cfg, r, b, h, q0, rq, k0, rk, x):
+def dropped(cfg, r, b, h, q0, rq, k0, rk, x) -> Any:
     """``x`` (a ``[rq, rk]`` tile of probabilities or of ``dO V^T``) times the dropout
     factor ``keep / (1 - rate)`` of query rows ``q0 + [0, rq)`` and key columns
     ``k0 + [0, rk)`` (indices along the call's sequences), the keep decisions of
@@ -155,7 +160,7 @@ def dropped(cfg, r, b, h, q0, rq, k0, rk, x):
     return jnp.where(keep, x * jnp.float32(drop.scale), 0.0)
 
 
-def init_state(r, cfg, heads, p, width):
+def init_state(r: dict[str, Any], cfg: KernelConfig, heads: int, p: Any, width: int) -> Any:
     """The online-softmax state ``(m, l, acc)`` of each of ``heads`` query heads: the
     head's sink as a key of value zero (``m = sink, l = 1``) without key splits, else
     empty (``m = -inf, l = 0``; the sinks join when the splits are combined)."""
@@ -172,7 +177,7 @@ def init_state(r, cfg, heads, p, width):
     return out
 
 
-def softmax_step(state, s):
+def softmax_step(state: Any, s: Any) -> Any:
     """One online-softmax update by the scores ``s`` (``-inf`` where hidden): ``(m_new,
     l_new, corr, p)``, ``p = exp(s - m_new)`` and ``corr = exp(m - m_new)`` the rescaling of
     the accumulator (a row with nothing visible yet keeps ``m = -inf`` and ``p = 0``)."""
@@ -184,7 +189,7 @@ def softmax_step(state, s):
     return m_new, l * corr + jnp.sum(p, axis=1, keepdims=True), corr, p
 
 
-def finish(m, l):
+def finish(m: Any, l: Any) -> Any:
     """``(l_safe, lse)`` of a final state: ``lse = -inf`` for a row with no visible key."""
     l_safe = jnp.where(l == 0.0, 1.0, l)
     return l_safe, jnp.where(l == 0.0, -jnp.inf, m + jnp.log(l_safe))

@@ -375,9 +375,10 @@ def validate_call(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
     sinks = _check_sinks(sinks, N)
     scale = _check_scale(scale, H)
     tile = (max(Tq, 1), max(Tk, 1))
-    all_score_mods, score_conv, mask_conv = _check_mods(scheme, score_mod, mask_mod, tile)
     kv_overflow = None if kv_lengths is None else _checks.kv_lengths_out_of_range(kv_lengths, Tk)
     kv_lengths = None if kv_lengths is None else _checks.check_kv_lengths(kv_lengths, B, Tk)
+    scheme = scheme.for_call(causal=causal, mask=mask4, mask_mod=mask_mod, kv_lengths=kv_lengths)
+    all_score_mods, score_conv, mask_conv = _check_mods(scheme, score_mod, mask_mod, tile)
     rope_tables = _check_rope_tables(rope_tables, scheme, B, Tq, Tk, H)
     dropout = check_dropout(dropout_rate, dropout_rng, broadcast_dropout)
     return AttentionCall(q=q, k=k, v=v, scheme=scheme, score_mod=all_score_mods,

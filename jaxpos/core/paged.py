@@ -32,7 +32,10 @@ Paths:
   per-call transform rewrites the keys, such as ``RoPE`` given raw keys): the pages are
   gathered and the dense call runs. Caches store RoPE keys rotated at write (then pass
   ``position=None``), or pass ``rope_tables`` to rotate each block on load.
-* ``"pallas"``: for now the gathered dense call (the kernel with ``kv_lengths``).
+* ``"pallas"``: the kernel's paged entry (:mod:`jaxpos.kernels.paged`: key tiles of one
+  page read through the page table; forward only, for serving) when the page size is a
+  power of two, the pages are in q's dtype and the call has no block mask, dropout or
+  key-transforming scheme; otherwise the kernel on the gathered keys.
 
 Bad input: page shapes that disagree with each other or with q, a page table or lengths of
 the wrong shape or dtype raise ``ValueError`` / ``TypeError`` always; with concrete values,
@@ -124,8 +127,9 @@ def check_paged_inputs(q, k_pages, v_pages, page_table, kv_lengths) -> PagedLayo
         raise ValueError(f"page_table must have shape [B, pages_per_seq] with B = {B} (q's "
                          f"batch); got {pt_shape}.")
     layout = PagedLayout(P, ps, pt_shape[1])
-    _checks.check_kv_lengths(kv_lengths, B, layout.kv_len)  # rank, dtype, length
-    if _checks.is_concrete(kv_lengths):
+    shaped = (_checks.shape_of(kv_lengths) == (B,)
+              and jnp.issubdtype(_checks.dtype_of(kv_lengths), jnp.integer))
+    if shaped and _checks.is_concrete(kv_lengths):  # (check_kv_lengths names the rest)
         lens = np.asarray(kv_lengths).astype(np.int64)
         bad = (lens < 0) | (lens > layout.kv_len)
         if bad.any():
@@ -145,6 +149,7 @@ def check_paged_inputs(q, k_pages, v_pages, page_table, kv_lengths) -> PagedLayo
                     f"page_table[{b}, {s}] = {int(pt[b, s])} is outside [0, num_pages) = "
                     f"[0, {P}); row {b} reads pages 0 .. {-(-int(lens[b]) // ps) - 1} of its "
                     f"table (kv_lengths[{b}] = {int(lens[b])}, page_size {ps}).")
+    _checks.check_kv_lengths(kv_lengths, B, layout.kv_len)  # rank, dtype, length
     return layout
 
 
@@ -293,9 +298,25 @@ def paged_attention(q: ArrayLike, k_pages: ArrayLike, v_pages: ArrayLike, *,
                             buffered=call.rope_tables is not None)
         out = run_chunked_decode(call, load_kv=load, block_k=bk)
         return _poison(out, bad)
+    if name == "pallas" and _kernel_takes(call, k_pages, v_pages, block_k):
+        from jaxpos.kernels.paged import paged_attention_kernel
+
+        kcall = call.replace(block_k=None)
+        return _poison(paged_attention_kernel(kcall, k_pages, v_pages, table), bad)
     out = _dense(attention, call, name, gather_pages(k_pages, table),
                  gather_pages(v_pages, table), options, block_q, block_k)
     return _poison(out, bad)
+
+
+def _kernel_takes(call: AttentionCall, k_pages, v_pages, block_k) -> bool:
+    """Whether the kernel's paged entry (``jaxpos.kernels.paged``) runs the call: a
+    power-of-two page size (its key tile), pages in q's dtype, no block mask, no dropout,
+    no block_k other than the page size, a scheme whose keys need no per-call transform.
+    The other calls run the kernel on the gathered keys."""
+    ps = k_pages.shape[1]
+    return (ps & (ps - 1) == 0 and k_pages.dtype == v_pages.dtype == call.q.dtype
+            and call.block_mask is None and call.dropout is None
+            and block_k in (None, ps) and not _transforms_keys(call.scheme))
 
 
 def _dense(attention: Callable, call: AttentionCall, name: str, k, v, options, block_q,

@@ -45,6 +45,7 @@ Flax modules) is in the schemes room; :func:`scheme_attention` is the attention 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -81,8 +82,9 @@ def _exclusive_suffix_sum(b):
     return jnp.flip(jnp.cumsum(jnp.flip(b, -1), -1), -1) - b
 
 
-def stick_breaking_weights(scores, q_positions, kv_positions, *, segment_ids=None,
-                           kv_segment_ids=None, attend_current: bool = False,
+def stick_breaking_weights(scores: ArrayLike, q_positions: jax.Array, kv_positions: jax.Array, *,
+                           segment_ids: jax.Array | None = None,
+                           kv_segment_ids: jax.Array | None = None, attend_current: bool = False,
                            remainder: bool = True) -> jax.Array:
     """The dense stick-breaking weights (Tan et al. 2025, Eq. 1) from scaled scores.
 
@@ -350,10 +352,13 @@ def _chunked(qq, kk, vv, qp, kp, qs, ks, scale, attend_current, remainder, bq, b
 
 
 @register_attention("stick_breaking")
-def scheme_attention(scheme, q: jax.Array, k: jax.Array, v: jax.Array, *, position=None,
-                     q_positions=None, kv_positions=None, causal: bool = True, mask=None,
-                     segment_ids=None, kv_segment_ids=None, scale=None, mask_mod=None,
-                     sinks=None, implementation: str | None = None) -> jax.Array:
+def scheme_attention(scheme: Any, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                     position: Any = None, q_positions: ArrayLike | None = None,
+                     kv_positions: ArrayLike | None = None, causal: bool = True,
+                     mask: ArrayLike | None = None, segment_ids: ArrayLike | None = None,
+                     kv_segment_ids: ArrayLike | None = None, scale: ArrayLike | None = None,
+                     mask_mod: Any = None, sinks: ArrayLike | None = None,
+                     implementation: str | None = None) -> jax.Array:
     """:func:`stick_breaking_attention` with the diagonal conventions of ``scheme`` (a
     :class:`jaxpos.schemes.stick_breaking.StickBreaking`) and the keywords the Flax modules
     pass to :func:`jaxpos.attention` (``position`` is ignored: the scheme is ``scheme``);

@@ -21,9 +21,10 @@ What the returned function does with Flax's arguments:
 * ``bias``: broadcastable to ``[batch..., N, Tq, Tk]``, added to the scaled scores after
   the scheme's own term (a score_mod reading the array; gradients reach it).
 * ``is_causal``: ``causal=True`` (Flax's lower-triangular mask when ``Tq == Tk``). An
-  ``SSMax`` without ``num_keys`` also runs causal (``n = q_pos + 1`` keys) when a concrete
-  ``mask`` hides every later key (``make_causal_mask``, a ``decode=True`` step); with a
-  traced mask it cannot tell, so pass ``is_causal=True`` or ``num_keys``.
+  ``SSMax`` without ``num_keys`` also runs causal when a concrete ``mask`` hides every
+  later key (``make_causal_mask``, a ``decode=True`` step); with a traced mask it cannot
+  tell, so pass ``is_causal=True`` or ``num_keys``. SSMax's ``n`` is then the number of
+  keys the mask leaves each query (padding excluded).
 * ``dropout_rate``, ``dropout_rng``, ``broadcast_dropout``, ``deterministic``: attention
   dropout (:mod:`jaxpos.core.dropout`) when ``not deterministic and dropout_rate > 0``. The
   keep mask has Flax's distribution, not its bits.
@@ -113,6 +114,12 @@ def _array_mods(mask4, bias4, decode: bool):
         def flax_mask(batch, head, q_pos, kv_pos):
             return at(mask4, batch, head, q_pos, kv_pos)
 
+        counts = jnp.sum(mask4, axis=-1, dtype=jnp.int32)[..., None]  # keys each row sees
+
+        def key_count(batch, head, q_pos):  # SSMax's n in a causal call (jaxpos.SSMax)
+            return at(counts, batch, head, q_pos, jnp.zeros_like(q_pos))
+
+        flax_mask.causal_key_count = key_count  # pyright: ignore[reportFunctionMemberAccess]
         mask_mod = flax_mask
     if bias4 is not None:
         def flax_bias(score, batch, head, q_pos, kv_pos):
@@ -160,7 +167,7 @@ def _mask_makes_causal(scheme, mask4, q_positions, Tk: int) -> bool:
     """True for :class:`SSMax` without ``num_keys`` when ``mask4`` is concrete and hides
     every key after its query (Flax's ``make_causal_mask``; a ``decode=True`` step's
     cache mask): the call is then causal (``causal=True`` hides nothing more) and SSMax
-    counts ``n = q_pos + 1`` keys (Nakanishi 2025, §3). Traced masks cannot be read."""
+    counts the keys the mask leaves (Nakanishi 2025, §3). Traced masks cannot be read."""
     from jaxpos.schemes.ssmax import SSMax
 
     if (not isinstance(scheme, SSMax) or scheme.num_keys is not None or mask4 is None

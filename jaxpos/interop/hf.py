@@ -101,7 +101,7 @@ def hf_rope_settings(config: Any, *, layer_type: str | None = None) -> dict:
     d = _as_dict(config)
     _check_whole_config(d)
     model_type = d.get("model_type")
-    params = _rope_parameters(d, layer_type)
+    params: dict[str, Any] = _rope_parameters(d, layer_type)
     base = params.get("rope_theta", d.get("rope_theta", d.get("rotary_emb_base")))
     base = 10000.0 if base is None else float(base)
     head_dim = _head_dim(d)
@@ -141,7 +141,7 @@ def hf_rope_settings(config: Any, *, layer_type: str | None = None) -> dict:
             "head_dim": head_dim}
 
 
-def _rope_parameters(d: dict, layer_type: str | None) -> dict:
+def _rope_parameters(d: dict, layer_type: str | None) -> dict[str, Any]:
     """The rope dict of a config (v5 ``rope_parameters`` or v4 ``rope_scaling``), for
     ``layer_type`` when it is given per layer type (Gemma 3); JSON nulls dropped."""
     params: Any = d.get("rope_parameters")  # a dict of rope keys (values of any JSON type)

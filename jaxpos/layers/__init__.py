@@ -1,5 +1,8 @@
 """The code behind :mod:`jaxpos.nnx` and :mod:`jaxpos.linen`, split by layer.
 
+* :mod:`jaxpos.layers.spec`: the modules' options declared once (dataclasses that the NNX
+  constructors take as keywords and the Linen twins inherit as fields), their checks and
+  the one description of each layer's parameters, built by each twin's constructors.
 * :mod:`jaxpos.layers.options`: position names, scheme options and the checks of module
   arguments; building a scheme from the registry (``init_params`` / ``from_params``).
 * :mod:`jaxpos.layers.functional`: pure functions of the model math (embeddings,
@@ -11,6 +14,9 @@
   inherited by the NNX classes and their Linen twins (which only declare parameters).
 * :mod:`jaxpos.layers.stack`: where a stack's scheme lives and the one builder of a
   stack's submodules, called by the NNX and the Linen stacks with their constructors.
+* :mod:`jaxpos.layers.nnx_positions`: the NNX position modules (exported by
+  :mod:`jaxpos.nnx`).
 
-Nothing here is Flax-specific except reading a parameter (:func:`cores.param_value`).
+Nothing here but :mod:`~jaxpos.layers.nnx_positions` is Flax-specific except reading a
+parameter (:func:`cores.param_value`).
 """

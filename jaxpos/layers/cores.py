@@ -72,7 +72,7 @@ def attention_for(scheme):
     return scheme.attention if getattr(scheme, "replaces_softmax", False) else attention
 
 
-def param_value(v):
+def param_value(v: Any) -> jax.Array:
     """The array of an :class:`flax.nnx.Variable` (NNX) or the array itself (Linen)."""
     return v[...] if isinstance(v, nnx.Variable) else v
 
@@ -84,7 +84,7 @@ class SinusoidalCore:
     if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
         def __getattr__(self, name: str) -> Any: ...
 
-    def __call__(self, positions) -> jax.Array:
+    def __call__(self, positions: ArrayLike) -> jax.Array:
         return sinusoidal_embedding(positions, self.d_model, self.base, self.layout, self.dtype)
 
 
@@ -95,7 +95,7 @@ class LearnedCore:
     if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
         def __getattr__(self, name: str) -> Any: ...
 
-    def __call__(self, positions) -> jax.Array:
+    def __call__(self, positions: ArrayLike) -> jax.Array:
         return learned_positions(param_value(self.table), positions, out_of_range=self.out_of_range)
 
 
@@ -107,7 +107,8 @@ class PositionCore:
     if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
         def __getattr__(self, name: str) -> Any: ...
 
-    def scheme(self, rope_scaling=None, *, x=None, positions=None) -> PositionScheme:
+    def scheme(self, rope_scaling: Any = None, *, x: jax.Array | None = None,
+               positions: ArrayLike | None = None) -> PositionScheme:
         """The scheme object for one call (:func:`build_scheme`): built from the module's
         parameters by the scheme class's ``from_params`` (gradients flow to them).
 
@@ -126,7 +127,8 @@ class PositionCore:
                             rope_scaling=rope_scaling, x=x, positions=positions)
 
 
-def position_scheme(module, rope_scaling=None, *, x=None, positions=None):
+def position_scheme(module: Any, rope_scaling: Any = None, *, x: jax.Array | None = None,
+                    positions: ArrayLike | None = None) -> PositionScheme:
     """The scheme object of an attention-position module for one call: ``module.scheme(
     rope_scaling, x=x, positions=positions)``; ``None`` -> :class:`jaxpos.NoPE`.
 
@@ -155,19 +157,36 @@ class AttentionCore:
         def __getattr__(self, name: str) -> Any: ...
 
     def _proj(self, layer, x, heads):
-        return project_heads(x, param_value(layer.kernel), heads, self._dims()[3], self.dtype,
+        """``x @ layer.kernel (+ bias)`` as ``[B, T, heads, width / heads]``."""
+        kernel = param_value(layer.kernel)
+        return project_heads(x, kernel, heads, kernel.shape[-1] // heads, self.dtype,
                              param_value(layer.bias))
 
     def _gated(self, o, x):
         """The output gate of Qiu et al. 2025 ("Gated Attention for Large Language Models",
-        §2.2, their best variant G1): each head's output times ``sigmoid(x W_g)``,
-        elementwise and head-specific, computed from the layer input ``x`` (the query
-        side), before the output projection; ``o`` unchanged without ``gate_proj``."""
+        §2.2; their best variant G1): each head's output times ``sigmoid(x W_g + b_g)``,
+        computed from the layer input ``x`` (the query side), before the output
+        projection; elementwise (``W_g [D, N*H]``, head- and feature-specific) or headwise
+        (``W_g [D, N]``, one scalar per head). ``o`` unchanged without ``gate_proj``."""
         gate = getattr(self, "gate_proj", None)
         if gate is None:
             return o
-        g = self._proj(gate, x, self._dims()[1])
+        g = self._proj(gate, x, self._dims()[1])  # [B, T, N, H] or [B, T, N, 1]
         return o * jax.nn.sigmoid(g.astype(jnp.float32)).astype(o.dtype)
+
+    def _qk_norm(self, name, t):
+        """RMSNorm of queries or keys ``t [B, T, heads, H]`` before the position transform:
+        over each head's ``H`` features (Qwen3, Gemma 3, Qwen3-Next) or over the whole
+        projection (OLMo 2); ``t`` unchanged without the norm."""
+        norm = getattr(self, name, None)
+        if norm is None:
+            return t
+        scale = param_value(norm.scale)
+        eps, offset = self.qk_norm_eps, bool(self.qk_norm_offset)
+        if np.shape(scale)[-1] == t.shape[-1]:
+            return rms_norm(t, scale, eps, offset=offset)
+        flat = rms_norm(t.reshape(t.shape[:2] + (-1,)), scale, eps, offset=offset)
+        return flat.reshape(t.shape)
 
     def _out(self, o):
         return merge_heads(o, param_value(self.o_proj.kernel), self.dtype,
@@ -177,7 +196,8 @@ class AttentionCore:
         D, N, Nk, _ = self._dims()
         check_attention_input("x", x, D)
         src = x if context is None else context
-        return (self._proj(self.q_proj, x, N), self._proj(self.k_proj, src, Nk),
+        return (self._qk_norm("q_norm", self._proj(self.q_proj, x, N)),
+                self._qk_norm("k_norm", self._proj(self.k_proj, src, Nk)),
                 self._proj(self.v_proj, src, Nk))
 
     def _scheme(self, scheme, rope_scaling, x, positions) -> PositionScheme:
@@ -200,10 +220,14 @@ class AttentionCore:
             return self.mask_mod
         return check_mask_mod("mask_mod", mask_mod)
 
-    def __call__(self, x, *, context=None, positions=None, kv_positions=None, mask=None,
-                 segment_ids=None, kv_segment_ids=None, scheme=None, rope_scaling=None,
-                 implementation=None, mask_mod=None, attention_mask=None,
-                 deterministic=None, rngs=None) -> jax.Array:
+    def __call__(self, x: jax.Array, *, context: jax.Array | None = None,
+                 positions: ArrayLike | None = None, kv_positions: ArrayLike | None = None,
+                 mask: ArrayLike | None = None, segment_ids: ArrayLike | None = None,
+                 kv_segment_ids: ArrayLike | None = None, scheme: PositionScheme | None = None,
+                 rope_scaling: Any = None, implementation: str | None = None,
+                 mask_mod: Callable[..., Any] | None = None,
+                 attention_mask: ArrayLike | None = None, deterministic: bool | None = None,
+                 rngs: Any = None) -> jax.Array:
         pad = self._padding(x, context, attention_mask)
         if pad is not None and positions is None:
             positions = positions_from_mask(pad)
@@ -340,7 +364,8 @@ class BlockCore:
         keep = jax.random.bernoulli(self._dropout_key(rngs), 1.0 - rate, y.shape)
         return jnp.where(keep, y / jnp.asarray(1.0 - rate, y.dtype), 0).astype(y.dtype)
 
-    def __call__(self, x, *, deterministic=None, rngs=None, **kw) -> jax.Array:
+    def __call__(self, x: jax.Array, *, deterministic: bool | None = None, rngs: Any = None,
+                 **kw: Any) -> jax.Array:
         a = self.attn(rms_norm(x, param_value(self.attn_norm.scale)),
                       deterministic=deterministic, rngs=rngs, **kw)
         x = x + self._residual_dropout(a, deterministic, rngs)
@@ -402,9 +427,10 @@ class DecoderCore(StackCore):
     if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
         def __getattr__(self, name: str) -> Any: ...
 
-    def __call__(self, tokens, *, positions=None, rope_scaling=None, implementation=None,
-                 segment_ids=None, attention_mask=None, deterministic=None,
-                 rngs=None) -> jax.Array:
+    def __call__(self, tokens: ArrayLike, *, positions: ArrayLike | None = None,
+                 rope_scaling: Any = None, implementation: str | None = None,
+                 segment_ids: ArrayLike | None = None, attention_mask: ArrayLike | None = None,
+                 deterministic: bool | None = None, rngs: Any = None) -> jax.Array:
         """Causal forward pass.
 
         Args:
@@ -555,9 +581,11 @@ class EncoderCore(StackCore):
     if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
         def __getattr__(self, name: str) -> Any: ...
 
-    def __call__(self, tokens, *, positions=None, mask=None, segment_ids=None,
-                 rope_scaling=None, implementation=None, attention_mask=None,
-                 deterministic=None, rngs=None) -> jax.Array:
+    def __call__(self, tokens: ArrayLike, *, positions: ArrayLike | None = None,
+                 mask: ArrayLike | None = None, segment_ids: ArrayLike | None = None,
+                 rope_scaling: Any = None, implementation: str | None = None,
+                 attention_mask: ArrayLike | None = None, deterministic: bool | None = None,
+                 rngs: Any = None) -> jax.Array:
         """Bidirectional forward pass: final-normalised hidden states ``[B, T, d_model]``
         (``dtype``); keywords as :meth:`jaxpos.nnx.DecoderLM.__call__` (``attention_mask``,
         ``deterministic`` and ``rngs`` included: no token sees padding) plus ``mask``."""

@@ -6,17 +6,21 @@ positions and input checks. Used by the ``*Core`` classes (:mod:`jaxpos.layers.c
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.typing import ArrayLike
+from jax.typing import ArrayLike, DTypeLike
 
 from jaxpos import _checks
 from jaxpos.schemes.sinusoidal import sinusoidal_pe
 
 __all__ = [
     "PAD_POSITION",
+    "BIAS_INIT",
+    "KERNEL_INIT",
     "attention_inputs",
     "check_attention_mask",
     "check_attention_input",
@@ -24,9 +28,11 @@ __all__ = [
     "default_positions",
     "embed_tokens",
     "learned_table_init",
+    "linear_params",
     "merge_heads",
     "fill_hidden_positions",
     "mlp",
+    "norm_params",
     "padding_segment_ids",
     "positions_from_mask",
     "project_heads",
@@ -37,17 +43,17 @@ __all__ = [
     "visible_top",
 ]
 
-def token_embedding_init(d_model: int):
+def token_embedding_init(d_model: int) -> Callable[..., jax.Array]:
     """``N(0, 1/d_model)``: the scaled embedding ``sqrt(d_model) * E[t]`` has unit variance."""
     return jax.nn.initializers.normal(stddev=d_model ** -0.5)
 
 
-def learned_table_init():
+def learned_table_init() -> Callable[..., jax.Array]:
     """``N(0, 1/2)``: the same per-entry variance as the sinusoidal table (sin^2, cos^2)."""
     return jax.nn.initializers.normal(stddev=math.sqrt(0.5))
 
 
-def check_tokens(tokens, vocab_size: int) -> jax.Array:
+def check_tokens(tokens: ArrayLike, vocab_size: int) -> jax.Array:
     """int ``[B, T]`` token ids; concrete ids outside ``[0, vocab_size)`` raise (a gather
     would otherwise clamp or fill them silently)."""
     _checks.check_rank("tokens", tokens, (2,), "[batch, seq] token ids")
@@ -62,18 +68,20 @@ def check_tokens(tokens, vocab_size: int) -> jax.Array:
     return jnp.asarray(tokens, jnp.int32)
 
 
-def embed_tokens(embedding, tokens, d_model: int, dtype) -> jax.Array:
+def embed_tokens(embedding: ArrayLike, tokens: jax.Array, d_model: int,
+                 dtype: DTypeLike) -> jax.Array:
     """``sqrt(d_model) * embedding[tokens]``; traced out-of-range ids give NaN rows."""
     rows = jnp.take(jnp.asarray(embedding), tokens, axis=0, mode="fill", fill_value=jnp.nan)
     return (rows * jnp.float32(math.sqrt(d_model))).astype(dtype)
 
 
-def tied_logits(h, embedding) -> jax.Array:
+def tied_logits(h: jax.Array, embedding: ArrayLike) -> jax.Array:
     """float32 logits ``h @ embedding^T`` (weights tied to the input embedding)."""
     return jnp.einsum("btd,vd->btv", h.astype(jnp.float32), jnp.asarray(embedding, jnp.float32))
 
 
-def sinusoidal_embedding(positions, d_model: int, base: float, layout: str, dtype) -> jax.Array:
+def sinusoidal_embedding(positions: ArrayLike, d_model: int, base: float, layout: str,
+                         dtype: DTypeLike) -> jax.Array:
     """:func:`jaxpos.sinusoidal_pe` rows at arbitrary integer positions ``[..., T]``."""
     _checks.check_integer_positions("positions", positions)
     pos = jnp.asarray(positions, jnp.int32)
@@ -81,7 +89,8 @@ def sinusoidal_embedding(positions, d_model: int, base: float, layout: str, dtyp
     return rows.reshape(pos.shape + (d_model,))
 
 
-def default_positions(tokens_shape, positions, name: str = "positions") -> jax.Array:
+def default_positions(tokens_shape: tuple[int, ...], positions: ArrayLike | None,
+                      name: str = "positions") -> jax.Array:
     """``positions`` validated to int32 ``[B|1, T]`` (``arange(T)`` when ``None``); errors
     name the argument ``name``."""
     B, T = tokens_shape
@@ -90,7 +99,8 @@ def default_positions(tokens_shape, positions, name: str = "positions") -> jax.A
     return _checks.positions_2d(name, positions, B, T)
 
 
-def project_heads(x, kernel, num_heads: int, head_dim: int, dtype, bias=None):
+def project_heads(x: jax.Array, kernel: ArrayLike, num_heads: int, head_dim: int,
+                  dtype: DTypeLike, bias: ArrayLike | None = None) -> jax.Array:
     """``x [B, T, D] @ kernel [D, num_heads * head_dim] (+ bias)`` ->
     ``[B, T, num_heads, head_dim]``."""
     y = jnp.einsum("btd,de->bte", x.astype(dtype), jnp.asarray(kernel, dtype))
@@ -99,14 +109,15 @@ def project_heads(x, kernel, num_heads: int, head_dim: int, dtype, bias=None):
     return y.reshape(x.shape[:2] + (num_heads, head_dim))
 
 
-def merge_heads(o, kernel, dtype, bias=None):
+def merge_heads(o: jax.Array, kernel: ArrayLike, dtype: DTypeLike,
+                bias: ArrayLike | None = None) -> jax.Array:
     """``o [B, T, N, H]`` -> ``[B, T, N * H] @ kernel [N * H, D] (+ bias)``."""
     y = jnp.einsum("bte,ed->btd", o.reshape(o.shape[:2] + (-1,)).astype(dtype),
                    jnp.asarray(kernel, dtype))
     return y if bias is None else y + jnp.asarray(bias, dtype)
 
 
-def check_attention_input(name: str, x, d_model: int, batch: int | None = None) -> None:
+def check_attention_input(name: str, x: Any, d_model: int, batch: int | None = None) -> None:
     """``x`` must be ``[B, T, d_model]`` (and have ``batch`` rows when given)."""
     _checks.check_rank(name, x, (3,), "[batch, seq, d_model]")
     if x.shape[-1] != d_model:
@@ -115,7 +126,9 @@ def check_attention_input(name: str, x, d_model: int, batch: int | None = None) 
         raise ValueError(f"{name} must have the batch size of x ({batch}); got {x.shape}.")
 
 
-def attention_inputs(x, context, positions, kv_positions, kv_segment_ids, d_model: int):
+def attention_inputs(x: jax.Array, context: jax.Array | None, positions: ArrayLike | None,
+                     kv_positions: ArrayLike | None, kv_segment_ids: ArrayLike | None,
+                     d_model: int) -> tuple[jax.Array, jax.Array]:
     """Validate a self- or cross-attention call; returns ``(q_pos, kv_pos)``, int32
     ``[B|1, T]``. Self-attention (``context is None``) takes no ``kv_positions`` or
     ``kv_segment_ids``: the keys are ``x`` at ``positions``."""
@@ -132,21 +145,47 @@ def attention_inputs(x, context, positions, kv_positions, kv_segment_ids, d_mode
     return pos, default_positions(context.shape[:2], kv_positions, "kv_positions")
 
 
-def rms_norm(x, scale, eps: float = 1e-6):
+def rms_norm(x: jax.Array, scale: ArrayLike, eps: float = 1e-6, *,
+             offset: bool = False) -> jax.Array:
     """RMSNorm (Zhang & Sennrich 2019), statistics in float32, cast back to ``x``'s dtype.
 
-    ``x``: ``[..., D]``; ``scale``: ``[D]``. Raises ``ValueError`` when the widths differ
-    (the first thing a block does, so a wrong-width input is named here, not as an
-    anonymous broadcasting error)."""
+    ``x``: ``[..., D]``; ``scale``: ``[D]``, multiplied as ``scale`` or, with ``offset``,
+    as ``1 + scale`` (Gemma's form: the weight is stored as an offset from 1, initialised
+    to zeros; Hugging Face ``Gemma3RMSNorm``, ``Qwen3NextRMSNorm``). Raises ``ValueError``
+    when the widths differ (the first thing a block does, so a wrong-width input is named
+    here, not as an anonymous broadcasting error)."""
     if np.shape(x)[-1:] != np.shape(scale)[-1:]:
         raise ValueError(f"x must have shape [..., d_model={np.shape(scale)[-1]}]; "
                          f"got {np.shape(x)}.")
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * jnp.asarray(scale, jnp.float32)).astype(x.dtype)
+    w = jnp.asarray(scale, jnp.float32)
+    return (y * (1.0 + w if offset else w)).astype(x.dtype)
 
 
-def mlp(x, w_in, w_out, dtype):
+#: Initialisers of a projection, those of :class:`flax.nnx.Linear`: LeCun normal kernel,
+#: zero bias.
+KERNEL_INIT = jax.nn.initializers.lecun_normal()
+BIAS_INIT = jax.nn.initializers.zeros
+
+
+def linear_params(in_features: int, out_features: int, use_bias: bool) -> tuple:
+    """The parameter table of a projection (:class:`flax.nnx.Linear`'s names and
+    initialisers): ``(("kernel", init, (in, out)), ("bias", init or None, (out,)))``, the
+    bias's init None without ``use_bias``."""
+    return (("kernel", KERNEL_INIT, (in_features, out_features)),
+            ("bias", BIAS_INIT if use_bias else None, (out_features,)))
+
+
+def norm_params(features: int, offset: bool = False) -> tuple:
+    """The parameter table of an RMSNorm: ``(("scale", init, (features,)),)``, ones (as
+    :class:`flax.nnx.RMSNorm`) or, for the ``1 + scale`` form (:func:`rms_norm`'s
+    ``offset``), zeros."""
+    init = jax.nn.initializers.zeros if offset else jax.nn.initializers.ones
+    return (("scale", init, (features,)),)
+
+
+def mlp(x: jax.Array, w_in: ArrayLike, w_out: ArrayLike, dtype: DTypeLike) -> jax.Array:
     """``gelu(x W_in) W_out`` (tanh approximation)."""
     h = jax.nn.gelu(jnp.einsum("btd,df->btf", x.astype(dtype), jnp.asarray(w_in, dtype)))
     return jnp.einsum("btf,fd->btd", h, jnp.asarray(w_out, dtype))
@@ -160,7 +199,8 @@ def mlp(x, w_in, w_out, dtype):
 PAD_POSITION = 1
 
 
-def check_attention_mask(attention_mask, batch: int, length: int) -> jax.Array | None:
+def check_attention_mask(attention_mask: ArrayLike | None, batch: int,
+                         length: int) -> jax.Array | None:
     """``attention_mask`` (Hugging Face's padding mask) as bool ``[batch, length]``, True
     for a token and False for padding; None stays None.
 
@@ -206,7 +246,7 @@ def positions_from_mask(mask: ArrayLike, start: ArrayLike = 0) -> jax.Array:
     return jnp.where(mask, pos, jnp.int32(PAD_POSITION))
 
 
-def padding_segment_ids(mask, segment_ids=None) -> jax.Array:
+def padding_segment_ids(mask: jax.Array, segment_ids: ArrayLike | None = None) -> jax.Array:
     """Segment ids that keep tokens and padding apart: int32 ``[B, T]``, ``mask`` as 1/0
     when ``segment_ids`` is None, else ``segment_ids`` on tokens and ``min(segment_ids) - 1``
     (an id no token has) on padding. Only equal ids attend (:func:`jaxpos.attention`), so a
@@ -217,7 +257,7 @@ def padding_segment_ids(mask, segment_ids=None) -> jax.Array:
     return jnp.where(mask, seg, jnp.min(seg) - 1)
 
 
-def visible_top(positions, visible) -> jax.Array:
+def visible_top(positions: ArrayLike, visible: jax.Array) -> jax.Array:
     """int32 ``[B, 1]``: each row's largest position where ``visible`` (bool ``[B, S]``) is
     True, 0 for a row with none."""
     low = jnp.iinfo(jnp.int32).min
@@ -226,7 +266,8 @@ def visible_top(positions, visible) -> jax.Array:
     return jnp.where(top == low, 0, top)
 
 
-def fill_hidden_positions(positions, visible, top=None) -> jax.Array:
+def fill_hidden_positions(positions: ArrayLike, visible: jax.Array,
+                          top: jax.Array | None = None) -> jax.Array:
     """``positions`` int32 ``[B|1, S]`` with every slot where ``visible`` (bool ``[B, S]``)
     is False replaced by ``top`` (int32 ``[B, 1]``; default :func:`visible_top`, the row's
     largest visible position).

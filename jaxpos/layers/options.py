@@ -10,12 +10,13 @@ hashable module data.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 from jaxpos import _checks
 from jaxpos.core.engines import engine_names
@@ -34,7 +35,10 @@ __all__ = [
     "check_module_dims",
     "check_options_read",
     "check_position_name",
+    "GATE_FORMS",
+    "QK_NORMS",
     "check_output_gate",
+    "check_qk_norm",
     "check_sinks_flag",
     "collect_options",
     "freeze_options",
@@ -50,7 +54,7 @@ __all__ = [
 ABSOLUTE_POSITIONS = ("sinusoidal", "learned")
 
 
-def buildable(cls) -> bool:
+def buildable(cls: type) -> bool:
     """True when the Flax modules can build scheme class ``cls`` (it implements
     :meth:`jaxpos.PositionScheme.from_params`)."""
     return getattr(cls.from_params, "__func__", None) is not PositionScheme.from_params.__func__
@@ -71,7 +75,7 @@ def stack_positions() -> tuple[str, ...]:
     return (nope, *ABSOLUTE_POSITIONS, *rest)
 
 
-def check_position_name(name: str, value: Any, choices=None) -> str:
+def check_position_name(name: str, value: Any, choices: Iterable[str] | None = None) -> str:
     """Lower-cased position name (``"none"`` means ``"nope"``).
 
     ``choices`` defaults to :func:`stack_positions` (derived from the registry).
@@ -102,16 +106,17 @@ def check_position_name(name: str, value: Any, choices=None) -> str:
     return value
 
 
-def check_learned_length(position: str, max_len, T: int, positions) -> None:
+def check_learned_length(position: str, max_len: int | None, T: int,
+                         positions: ArrayLike | None) -> None:
     """With default positions ``arange(T)``, a learned table of ``max_len`` rows cannot
     serve ``T > max_len`` (raised at trace time, inside ``jit`` too)."""
-    if position == "learned" and positions is None and T > max_len:
+    if position == "learned" and positions is None and max_len is not None and T > max_len:
         raise ValueError(f"tokens have length T={T} but the learned position table has "
                          f"max_len={max_len} rows (positions 0..{max_len - 1}); learned "
                          f"absolute positions cannot run past their table.")
 
 
-def no_rope_scaling(position: str, rope_scaling) -> None:
+def no_rope_scaling(position: str, rope_scaling: Any) -> None:
     """``ValueError`` when ``rope_scaling`` is given to a model whose scheme ``position``
     (a name, for the message) does not take it."""
     if rope_scaling is not None:
@@ -119,8 +124,9 @@ def no_rope_scaling(position: str, rope_scaling) -> None:
                          f"position={position!r}. Got rope_scaling={rope_scaling!r}.")
 
 
-def collect_options(*, rotary_dim=None, rope_base=None, num_buckets=None, max_distance=None,
-                    scheme_options=None) -> tuple:
+def collect_options(*, rotary_dim: int | None = None, rope_base: float | None = None,
+                    num_buckets: int | None = None, max_distance: int | None = None,
+                    scheme_options: Mapping[str, Any] | None = None) -> tuple:
     """A module's scheme options: the named ones (``rotary_dim``, ``rope_base``,
     ``num_buckets``, ``max_distance``; None where unset), then ``scheme_options`` (a dict,
     or any mapping, with string keys, e.g. a new scheme's own options) on top.
@@ -151,7 +157,7 @@ def collect_options(*, rotary_dim=None, rope_base=None, num_buckets=None, max_di
     return tuple(sorted(opts.items(), key=lambda kv: kv[0]))
 
 
-def freeze_options(options) -> tuple:
+def freeze_options(options: Mapping[str, Any] | tuple | None) -> tuple:
     """``options`` (a dict, a tuple of pairs from :func:`collect_options`, or None) as a
     sorted tuple of ``(name, value)`` pairs. ``TypeError`` for anything else."""
     if options is None:
@@ -165,7 +171,8 @@ def freeze_options(options) -> tuple:
                     f"{type(options).__name__} {options!r}.")
 
 
-def stack_options(position: str, *, rope_base, prefixed: dict, scheme_options) -> tuple:
+def stack_options(position: str, *, rope_base: float | None, prefixed: dict,
+                  scheme_options: Mapping[str, Any] | None) -> tuple:
     """The scheme options of a stack (:class:`DecoderLM`, :class:`Encoder`).
 
     ``rope_base`` is passed as is; an argument of ``prefixed`` named
@@ -188,8 +195,9 @@ def stack_options(position: str, *, rope_base, prefixed: dict, scheme_options) -
 NAMED_OPTIONS = ("rotary_dim", "rope_base", "num_buckets", "max_distance")
 
 
-def check_options_read(name: str, options: tuple, params: dict, *, num_heads, head_dim,
-                       d_model, causal, x, dtype) -> None:
+def check_options_read(name: str, options: tuple, params: dict, *, num_heads: int | None,
+                       head_dim: int | None, d_model: int | None, causal: bool,
+                       x: jax.Array | None, dtype: DTypeLike) -> None:
     """Raise ``ValueError`` for a scheme option the scheme never reads (a typo such as
     ``{"rope_lyout": ...}``, or ``{"layout": ...}`` for RoPE's ``rope_layout``): its
     ``init_params`` and ``from_params`` run once with a dict that records each key read.
@@ -223,14 +231,15 @@ def check_options_read(name: str, options: tuple, params: dict, *, num_heads, he
                          f"(position={name!r}); it reads {sorted(read)}.")
 
 
-def has_params(cls) -> bool:
+def has_params(cls: type) -> bool:
     """True when scheme class ``cls`` declares learned parameters (overrides
     :meth:`jaxpos.PositionScheme.init_params`)."""
     return getattr(cls.init_params, "__func__", None) is not PositionScheme.init_params.__func__
 
 
-def init_scheme_params(position: str, key, *, num_heads, head_dim, d_model, causal,
-                       options: tuple, param_dtype) -> dict:
+def init_scheme_params(position: str, key: jax.Array, *, num_heads: int | None,
+                       head_dim: int | None, d_model: int | None, causal: bool,
+                       options: tuple, param_dtype: DTypeLike) -> dict:
     """``REGISTRY[position].init_params(...)``: the scheme's initial parameters, a dict of
     arrays (``{}`` for none).
 
@@ -247,8 +256,10 @@ def init_scheme_params(position: str, key, *, num_heads, head_dim, d_model, caus
     return params
 
 
-def build_scheme(position: str, params: dict, *, num_heads, head_dim, causal, options: tuple,
-                 rope_scaling=None, x=None, positions=None) -> PositionScheme:
+def build_scheme(position: str, params: dict, *, num_heads: int | None, head_dim: int | None,
+                 causal: bool, options: tuple, rope_scaling: Any = None,
+                 x: jax.Array | None = None,
+                 positions: ArrayLike | None = None) -> PositionScheme:
     """The scheme of one call: ``REGISTRY[position].from_params(params, ...)``.
 
     Args:
@@ -277,7 +288,7 @@ def build_scheme(position: str, params: dict, *, num_heads, head_dim, causal, op
     return scheme
 
 
-def check_attention_options(implementation, use_bias) -> None:
+def check_attention_options(implementation: str | None, use_bias: Any) -> None:
     """An attention layer's options, checked when it is built (not only at its first call):
     ``implementation`` ``None`` or a registered engine's name
     (:func:`jaxpos.core.engines.engine_names`), ``use_bias`` a bool."""
@@ -287,7 +298,7 @@ def check_attention_options(implementation, use_bias) -> None:
         raise TypeError(f"use_bias must be a bool; got {type(use_bias).__name__} {use_bias!r}.")
 
 
-def check_sinks_flag(sinks) -> bool:
+def check_sinks_flag(sinks: Any) -> bool:
     """``sinks`` (a layer option: own a learned sink logit per head) must be a bool.
     ``TypeError`` otherwise (an array of logits belongs to :func:`jaxpos.attention`, not
     to a module, whose logits are its ``sinks`` parameter)."""
@@ -298,17 +309,64 @@ def check_sinks_flag(sinks) -> bool:
     return bool(sinks)
 
 
-def check_output_gate(output_gate) -> bool:
-    """``output_gate`` (a layer option: a learned sigmoid gate on each head's output,
-    Qiu et al. 2025) must be a bool. ``TypeError`` otherwise."""
-    if not isinstance(output_gate, (bool, np.bool_)):
-        raise TypeError(f"output_gate must be a bool (True: the layer learns a gate "
-                        f"projection gate_proj [d_model, num_heads * head_dim]); got "
+#: The forms of the output gate (Qiu et al. 2025, "Gated Attention for Large Language
+#: Models", §2.2 and Table 1): one gate per head and feature, or one scalar per head.
+GATE_FORMS = ("elementwise", "headwise")
+
+
+def check_output_gate(output_gate: Any, bias: Any = False) -> str | None:
+    """The output gate's form: ``None`` (no gate, ``output_gate=False``),
+    ``"elementwise"`` (``True`` or ``"elementwise"``: gate ``[.., N, H]``) or
+    ``"headwise"`` (one scalar per head, gate ``[.., N]``).
+
+    Raises:
+      TypeError: ``output_gate`` neither a bool nor a string; ``bias`` not a bool.
+      ValueError: an unknown form, or ``bias=True`` without a gate.
+    """
+    if isinstance(output_gate, (bool, np.bool_)):
+        form = "elementwise" if output_gate else None
+    elif isinstance(output_gate, str):
+        _checks.check_choice("output_gate", output_gate, (False, True, *GATE_FORMS))
+        form = output_gate
+    else:
+        raise TypeError(f"output_gate must be a bool or one of {GATE_FORMS} (True: a learned "
+                        f"elementwise gate, projection gate_proj [d_model, num_heads * "
+                        f"head_dim]; 'headwise': gate_proj [d_model, num_heads]); got "
                         f"{type(output_gate).__name__} {output_gate!r}.")
-    return bool(output_gate)
+    if not isinstance(bias, (bool, np.bool_)):
+        raise TypeError(f"output_gate_bias must be a bool; got {type(bias).__name__} {bias!r}.")
+    if bias and form is None:
+        raise ValueError("output_gate_bias=True needs an output gate (output_gate=True, "
+                         "'elementwise' or 'headwise'); got output_gate=False.")
+    return form
 
 
-def check_mask_mod(name: str, mask_mod):
+#: What a q/k norm normalises (``qk_norm``): each head's ``head_dim`` features (Qwen3,
+#: Gemma 3, Qwen3-Next) or the whole projection ``num_heads * head_dim`` (OLMo 2).
+QK_NORMS = ("head", "projection")
+
+
+def check_qk_norm(qk_norm: Any, offset: Any = False, eps: Any = 1e-6) -> str | None:
+    """``qk_norm`` (None, ``"head"`` or ``"projection"``), with ``qk_norm_offset`` a bool
+    and ``qk_norm_eps`` a positive float. Returns ``qk_norm``.
+
+    Raises:
+      TypeError: ``offset`` not a bool, ``eps`` not a real number.
+      ValueError: an unknown ``qk_norm``, ``eps <= 0``, ``offset=True`` without a norm.
+    """
+    if qk_norm is not None:
+        _checks.check_choice("qk_norm", qk_norm, QK_NORMS)
+    if not isinstance(offset, (bool, np.bool_)):
+        raise TypeError(f"qk_norm_offset must be a bool; got {type(offset).__name__} "
+                        f"{offset!r}.")
+    _checks.check_positive_float("qk_norm_eps", eps)
+    if offset and qk_norm is None:
+        raise ValueError("qk_norm_offset=True needs qk_norm ('head' or 'projection'); got "
+                         "qk_norm=None.")
+    return qk_norm
+
+
+def check_mask_mod(name: str, mask_mod: Any) -> Callable[..., Any] | None:
     """``mask_mod``: ``None`` or a callable ``(batch, head, q_pos, kv_pos) -> bool``
     (:mod:`jaxpos.mods`, e.g. :class:`jaxpos.SlidingWindowMask`). ``TypeError`` naming
     ``name`` otherwise. Returns it unchanged."""
@@ -319,7 +377,7 @@ def check_mask_mod(name: str, mask_mod):
     return mask_mod
 
 
-def layer_mask_mods_plan(num_layers: int, mask_mod, layer_mask_mods) -> tuple:
+def layer_mask_mods_plan(num_layers: int, mask_mod: Any, layer_mask_mods: Any) -> tuple:
     """The mask_mod of each layer of a stack: ``layer_mask_mods`` (one mask_mod or None
     per layer, e.g. alternating sliding-window and full-attention layers as in Gemma 2/3
     and GPT-OSS, Hugging Face's ``layer_types``) when given, else ``mask_mod`` for every
@@ -351,7 +409,8 @@ def layer_mask_mods_plan(num_layers: int, mask_mod, layer_mask_mods) -> tuple:
     return tuple(layer_mask_mods)
 
 
-def attention_dims(d_model, num_heads, num_kv_heads, head_dim):
+def attention_dims(d_model: int, num_heads: int, num_kv_heads: int | None,
+                   head_dim: int | None) -> tuple[int, int, int, int]:
     """Validated ``(d_model, num_heads, num_kv_heads, head_dim)``: ``num_kv_heads``
     defaults to ``num_heads`` and must divide it; ``head_dim`` defaults to
     ``d_model // num_heads`` (which must divide). Raises ``ValueError``/``TypeError``."""
@@ -371,7 +430,8 @@ def attention_dims(d_model, num_heads, num_kv_heads, head_dim):
     return d_model, num_heads, num_kv_heads, head_dim
 
 
-def check_module_dims(num_heads, head_dim, d_model) -> None:
+def check_module_dims(num_heads: int | None, head_dim: int | None,
+                      d_model: int | None) -> None:
     """``num_heads``, ``head_dim``, ``d_model``: positive ints or None (unknown to a
     module built for one scheme, e.g. ALiBi needs no ``head_dim``)."""
     for arg, val in (("num_heads", num_heads), ("head_dim", head_dim), ("d_model", d_model)):

@@ -2,12 +2,12 @@
 and their Linen twins: the stack's arguments validated once (:func:`stack_spec`), where
 its position scheme lives (:func:`stack_plan`) and the one builder of its submodules
 (:func:`build_stack`), which each twin calls with its own constructors
-(:class:`StackMaker`).
+(:class:`jaxpos.layers.spec.Maker`).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from jaxpos import _checks
 from jaxpos.layers.options import (
@@ -19,6 +19,7 @@ from jaxpos.layers.options import (
     layer_mask_mods_plan,
     stack_options,
 )
+from jaxpos.layers.spec import LAYER_OPTIONS, Maker, StackOptions
 from jaxpos.schemes.base import REGISTRY
 
 __all__ = ["StackMaker", "StackParts", "StackPlan", "StackSpec", "build_stack", "stack_plan",
@@ -34,7 +35,8 @@ class StackPlan(NamedTuple):
     options: tuple       #: the scheme's options (:func:`stack_options`)
 
 
-def stack_plan(position, *, max_len, rope_base, prefixed: dict, scheme_options) -> StackPlan:
+def stack_plan(position: Any, *, max_len: int | None, rope_base: float | None, prefixed: dict,
+               scheme_options: Any) -> StackPlan:
     """Validate a stack's ``position`` and decide where its scheme lives: absolute
     positions add a module to the embeddings (attention then uses ``"nope"``); a
     registered scheme lives in every layer when its class says ``params_per_layer``,
@@ -73,35 +75,29 @@ class StackSpec(NamedTuple):
     layer_plans: tuple | None = None
 
 
-def stack_spec(vocab_size, *, d_model, num_layers, num_heads, num_kv_heads, max_len, position,
-               rope_base, t5_num_buckets, t5_max_distance, shaw_max_distance, scheme_options,
-               sinks, mask_mod, layer_mask_mods, causal: bool,
-               layer_positions=None) -> StackSpec:
-    """Validate the arguments of a stack (:class:`jaxpos.nnx.DecoderLM`,
-    :class:`jaxpos.nnx.Encoder`, their Linen twins; the arguments are theirs).
+def stack_spec(o: StackOptions, *, causal: bool) -> StackSpec:
+    """Validate the options of a stack (:class:`jaxpos.nnx.DecoderLM`,
+    :class:`jaxpos.nnx.Encoder`, their Linen twins; ``o`` holds their arguments).
 
     Raises:
       ValueError / TypeError: as the stacks document (sizes, names, options, sinks,
         mask_mods), naming the argument.
     """
-    vocab_size = _checks.check_positive_int("vocab_size", vocab_size)
-    d_model, num_heads, num_kv_heads, head_dim = attention_dims(d_model, num_heads,
-                                                                num_kv_heads, None)
-    num_layers = _checks.check_positive_int("num_layers", num_layers)
-    sinks = check_sinks_flag(sinks)
-    mask_mods = layer_mask_mods_plan(num_layers, mask_mod, layer_mask_mods)
-    if max_len is not None:
-        _checks.check_positive_int("max_len", max_len)
-    plan = stack_plan(position, max_len=max_len, rope_base=rope_base, prefixed={
-        "t5_num_buckets": t5_num_buckets, "t5_max_distance": t5_max_distance,
-        "shaw_max_distance": shaw_max_distance}, scheme_options=scheme_options)
-    layer_plans = _layer_plans(layer_positions, num_layers, plan, rope_base=rope_base,
-                               prefixed={"t5_num_buckets": t5_num_buckets,
-                                         "t5_max_distance": t5_max_distance,
-                                         "shaw_max_distance": shaw_max_distance},
-                               scheme_options=scheme_options)
+    vocab_size = _checks.check_positive_int("vocab_size", o.vocab_size)
+    d_model, num_heads, num_kv_heads, head_dim = attention_dims(o.d_model, o.num_heads,
+                                                                o.num_kv_heads, None)
+    num_layers = _checks.check_positive_int("num_layers", o.num_layers)
+    sinks = check_sinks_flag(o.sinks)
+    mask_mods = layer_mask_mods_plan(num_layers, o.mask_mod, o.layer_mask_mods)
+    if o.max_len is not None:
+        _checks.check_positive_int("max_len", o.max_len)
+    options = {"rope_base": o.rope_base, "scheme_options": o.scheme_options, "prefixed": {
+        "t5_num_buckets": o.t5_num_buckets, "t5_max_distance": o.t5_max_distance,
+        "shaw_max_distance": o.shaw_max_distance}}
+    plan = stack_plan(o.position, max_len=o.max_len, **options)
+    layer_plans = _layer_plans(o.layer_positions, num_layers, plan, **options)
     return StackSpec(vocab_size, d_model, num_layers, num_heads, num_kv_heads, head_dim,
-                     max_len, sinks, mask_mods, plan, bool(causal), layer_plans)
+                     o.max_len, sinks, mask_mods, plan, bool(causal), layer_plans)
 
 
 def _layer_plans(layer_positions, num_layers, plan, **options) -> tuple | None:
@@ -132,18 +128,8 @@ def _layer_plans(layer_positions, num_layers, plan, **options) -> tuple | None:
     return tuple(stack_plan(n, max_len=None, **options) for n in names)
 
 
-class StackMaker(Protocol):
-    """The constructors of one twin (NNX or Linen) that :func:`build_stack` calls, in this
-    order (NNX draws parameter keys in it)."""
-
-    def embed(self, vocab_size: int, d_model: int) -> Any: ...
-    def sinusoidal(self, d_model: int) -> Any: ...
-    def learned(self, max_len: int, d_model: int) -> Any: ...
-    def position_module(self, position: str, *, num_heads: int, head_dim: int, d_model: int,
-                        causal: bool, options: tuple) -> Any: ...
-    def block(self, index: int, d_model: int, num_heads: int, **kwargs) -> Any: ...
-    def block_list(self, blocks: list) -> Any: ...
-    def norm(self, d_model: int) -> Any: ...
+#: The constructors a twin gives :func:`build_stack` (:class:`jaxpos.layers.spec.Maker`).
+StackMaker = Maker
 
 
 class StackParts(NamedTuple):
@@ -156,13 +142,12 @@ class StackParts(NamedTuple):
     final_norm: Any
 
 
-def build_stack(spec: StackSpec, make: StackMaker, *, mlp_dim, implementation, dtype,
-                dropout_rate: float = 0.0, attention_dropout_rate: float | None = None
-                ) -> StackParts:
+def build_stack(spec: StackSpec, make: Maker, o: StackOptions) -> StackParts:
     """The submodules of a stack: the token embedding, the absolute position module (or
     None), the stack's position module (None when the scheme lives in every layer,
-    ``params_per_layer``), ``num_layers`` blocks (with the stack's dropout rates) and the
-    final norm, built by ``make``."""
+    ``params_per_layer``), ``num_layers`` blocks (with the stack's dropout rates and the
+    options of :data:`jaxpos.layers.spec.LAYER_OPTIONS`) and the final norm, built by
+    ``make`` in this order (NNX draws parameter keys in it)."""
     D, N, plan = spec.d_model, spec.num_heads, spec.plan
     embed = make.embed(spec.vocab_size, D)
     abs_position = None
@@ -173,17 +158,17 @@ def build_stack(spec: StackSpec, make: StackMaker, *, mlp_dim, implementation, d
         abs_position = make.learned(spec.max_len, D)
     per_layer = plan.per_layer or spec.layer_plans is not None
     rel_position = None if per_layer else make.position_module(
-        plan.scheme, num_heads=N, head_dim=spec.head_dim, d_model=D, causal=spec.causal,
-        options=plan.options)
+        plan.scheme, "rel_position", num_heads=N, head_dim=spec.head_dim, d_model=D,
+        causal=spec.causal, options=plan.options)
     layer_plans = spec.layer_plans or (plan,) * spec.num_layers
-    layer_position = [p.scheme if per_layer else "nope" for p in layer_plans]
-    layer_options = [dict(p.options) if per_layer else None for p in layer_plans]
+    shared = {name: getattr(o, name) for name in LAYER_OPTIONS}
     blocks = make.block_list([
-        make.block(i, D, N, num_kv_heads=spec.num_kv_heads, mlp_dim=mlp_dim,
-                   position=layer_position[i], causal=spec.causal,
-                   scheme_options=layer_options[i],
-                   implementation=implementation, sinks=spec.sinks,
-                   mask_mod=spec.mask_mods[i], dropout_rate=dropout_rate,
-                   attention_dropout_rate=attention_dropout_rate, dtype=dtype)
-        for i in range(spec.num_layers)])
-    return StackParts(embed, abs_position, rel_position, blocks, make.norm(D))
+        make.block(i, d_model=D, num_heads=N, num_kv_heads=spec.num_kv_heads,
+                   mlp_dim=o.mlp_dim, position=p.scheme if per_layer else "nope",
+                   causal=spec.causal, scheme_options=dict(p.options) if per_layer else None,
+                   implementation=o.implementation, sinks=spec.sinks,
+                   mask_mod=spec.mask_mods[i], dropout_rate=o.dropout_rate,
+                   attention_dropout_rate=o.attention_dropout_rate, dtype=o.dtype,
+                   param_dtype=o.param_dtype, **shared)
+        for i, p in enumerate(layer_plans)])
+    return StackParts(embed, abs_position, rel_position, blocks, make.norm(D, "final_norm"))

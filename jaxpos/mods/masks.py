@@ -109,6 +109,12 @@ class SlidingWindowMask:
                  kv_pos: jax.Array) -> jax.Array:
         return q_pos - kv_pos < self.window
 
+    def causal_key_count(self, batch: jax.Array, head: jax.Array,
+                         q_pos: jax.Array) -> jax.Array:
+        """How many of the keys at positions ``0 .. q_pos`` a causal query at ``q_pos`` sees
+        under this window: ``min(q_pos + 1, window)`` (int32, ``q_pos``'s shape)."""
+        return jnp.minimum(q_pos + 1, self.window)
+
 
 @dataclasses.dataclass(frozen=True)
 class ChunkedAttentionMask:
@@ -139,6 +145,12 @@ class ChunkedAttentionMask:
                  kv_pos: jax.Array) -> jax.Array:
         return q_pos // self.chunk_size == kv_pos // self.chunk_size
 
+    def causal_key_count(self, batch: jax.Array, head: jax.Array,
+                         q_pos: jax.Array) -> jax.Array:
+        """How many of the keys at positions ``0 .. q_pos`` a causal query at ``q_pos`` sees
+        in its chunk: ``q_pos mod chunk_size + 1`` (int32, ``q_pos``'s shape)."""
+        return q_pos % self.chunk_size + 1
+
 
 @dataclasses.dataclass(frozen=True)
 class PrefixLMMask:
@@ -163,3 +175,9 @@ class PrefixLMMask:
     def __call__(self, batch: jax.Array, head: jax.Array, q_pos: jax.Array,
                  kv_pos: jax.Array) -> jax.Array:
         return (kv_pos < self.prefix_len) | (kv_pos <= q_pos)
+
+    def causal_key_count(self, batch: jax.Array, head: jax.Array,
+                         q_pos: jax.Array) -> jax.Array:
+        """How many of the keys at positions ``0 .. q_pos`` a causal query at ``q_pos`` sees:
+        all of them, ``q_pos + 1`` (causal attention hides the prefix's later keys)."""
+        return q_pos + 1

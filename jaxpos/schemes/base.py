@@ -225,6 +225,20 @@ class PositionScheme:
                             f"define the score_heads property.")
         return apply_mod(conv, qp, kp, score=jnp.zeros((B, N, Tq, Tk), jnp.float32))
 
+    def for_call(self, *, causal: bool, mask: Any = None, mask_mod: Any = None,
+                 kv_lengths: Any = None) -> PositionScheme:
+        """The scheme as a call with this visibility needs it (the default: itself).
+
+        A scheme whose term depends on what each query sees (SSMax's number of keys) takes
+        the call's ``mask`` (dense), ``mask_mod`` (from :mod:`jaxpos.mods`, or a block
+        mask's) and ``kv_lengths`` (int32 ``[B]``) here, once per call, and returns the
+        scheme that accounts for them.
+
+        Raises:
+          ValueError: visibility the scheme cannot account for (naming what to change).
+        """
+        return self
+
     def content_bias(self, qs: jax.Array, q_positions: ArrayLike,
                      kv_positions: ArrayLike) -> jax.Array | None:
         """A score term that depends on the scaled queries ``qs`` ``[B, N, tq, H]``

@@ -18,6 +18,15 @@ Which ``n``:
 * non-causal: pass ``num_keys`` (a scalar or one count per batch row, e.g. the number of
   non-pad tokens); every query of a row then uses that ``n``.
 
+The call's visibility counts too (:meth:`SSMax.for_call`, asked by :func:`jaxpos.attention`
+once per call): under a named mask_mod with a closed form (a sliding window:
+``min(q_pos + 1, window)``; Llama 4's chunks: ``q_pos mod chunk + 1``; a prefix LM in a
+causal call: ``q_pos + 1``) and under ``kv_lengths`` (a KV cache's fill: at most
+``kv_lengths[b]`` keys) ``n`` is the number of keys in the query's softmax. Segments (packed
+sequences, padding) are counted by the positions, which restart at 0 in each segment. A
+dense ``mask``, another mask_mod, or a mask_mod in a non-causal call are refused: their
+counts are not known without a pass over the keys.
+
 :class:`SSMax` is a score_mod ``score * s[head] * log(n)``, so every implementation runs
 it (reference, chunked, the Pallas kernel, ``xla`` with a dense bias), with gradients for
 ``s``. Composition: it multiplies the score it receives, ``scale * q . k`` (after any
@@ -90,8 +99,11 @@ class SSMax(PositionScheme):
     # fields, set once in __init__ (the pytree's children and static data)
     s: jax.Array
     num_keys: jax.Array | None
+    kv_lengths: jax.Array | None  # the call's fill counts (for_call), int32 [B]
+    visible: Any  # the call's named mask_mod (for_call), or None
 
-    _children = ("s", "num_keys")
+    _children = ("s", "num_keys", "kv_lengths")
+    _static = ("visible",)
     params_per_layer = True  # one s per layer and head (Nakanishi 2025, §3)
 
     def __init__(self, s: ArrayLike, *, num_keys: ArrayLike | None = None):
@@ -104,7 +116,8 @@ class SSMax(PositionScheme):
                 raise ValueError(f"num_keys must be >= 1 (keys each query sees); got "
                                  f"{np.asarray(num_keys).tolist()}.")
             num_keys = jnp.asarray(num_keys, jnp.int32)
-        self._set(s=jnp.asarray(s, jnp.float32), num_keys=num_keys)
+        self._set(s=jnp.asarray(s, jnp.float32), num_keys=num_keys, kv_lengths=None,
+                  visible=None)
 
     # ---- for the Flax modules: one s per head and layer.
     @classmethod
@@ -136,15 +149,46 @@ class SSMax(PositionScheme):
                              "each batch row sees); without it n = q_pos + 1 holds for causal "
                              "attention only.")
 
+    def for_call(self, *, causal: bool, mask: Any = None, mask_mod: Any = None,
+                 kv_lengths: Any = None) -> PositionScheme:
+        """SSMax counting the keys this call's query sees (Nakanishi 2025, Eq. 2: ``n`` is
+        the length of the softmax's input): the named mask_mod's closed form
+        (``causal_key_count``), bounded by ``kv_lengths[b]``.
+
+        Raises:
+          ValueError: a dense ``mask``; a mask_mod without a closed form, or any mask_mod
+            in a non-causal call (give the count as ``num_keys`` with no mask_mod instead).
+        """
+        if mask is not None:
+            raise ValueError("SSMax counts the keys each query sees (n); a dense mask hides "
+                             "keys it cannot count. Express the mask as segment_ids or a named "
+                             "mask_mod (SlidingWindowMask, ChunkedAttentionMask, PrefixLMMask).")
+        if mask_mod is not None and (not causal or self.num_keys is not None
+                                     or not callable(getattr(mask_mod, "causal_key_count", None))):
+            raise ValueError(f"SSMax counts the keys each query sees (n): it knows the count "
+                             f"under SlidingWindowMask, ChunkedAttentionMask and PrefixLMMask "
+                             f"in a causal call without num_keys; got mask_mod "
+                             f"{type(mask_mod).__name__} with causal={causal} and num_keys="
+                             f"{'set' if self.num_keys is not None else 'None'}.")
+        if mask_mod is None and kv_lengths is None:
+            return self
+        return self.replace(visible=mask_mod, kv_lengths=kv_lengths)
+
     def score_mod(self) -> Callable[..., jax.Array] | None:
-        """``score * s[head] * log(n)``, ``n = q_pos + 1`` (causal) or ``num_keys[batch]``."""
-        s, num_keys = self.s, self.num_keys
+        """``score * s[head] * log(n)``: ``n = q_pos + 1`` (causal), the call's mask_mod's
+        count (:meth:`for_call`) or ``num_keys[batch]``, at most ``kv_lengths[batch]``."""
+        s, num_keys, lengths, visible = self.s, self.num_keys, self.kv_lengths, self.visible
 
         def ssmax(score, batch, head, q_pos, kv_pos):
-            if num_keys is None:
-                n = jnp.maximum(q_pos + 1, 1)
+            if num_keys is not None:
+                n = num_keys if num_keys.ndim == 0 else num_keys[batch]
+            elif visible is not None:
+                n = visible.causal_key_count(batch, head, q_pos)
             else:
-                n = jnp.maximum(num_keys if num_keys.ndim == 0 else num_keys[batch], 1)
+                n = q_pos + 1
+            if lengths is not None:
+                n = jnp.minimum(n, lengths[batch])
+            n = jnp.maximum(n, 1)
             return score * (s[head] * jnp.log(n.astype(jnp.float32)))
 
         return ssmax

@@ -523,6 +523,14 @@ def _paged(impl, page_size=3, spare=2, unfilled_v=np.nan, **opts):
     return attend
 
 
+def _forward_only(attend):
+    """``run(case) -> (out, None)``: the forward pass of ``attend`` (a path without
+    gradients)."""
+    def run(case: Case):
+        return run_attention(dataclasses.replace(case, grads=False), attend)
+    return run
+
+
 #: Default-run cases of the paged chunked path (the rest run in the slow run).
 PAGED_DEFAULT = ("decode-none", "decode-alibi", "decode-t5", "decode-rope", "gqa-none",
                  "sliding_window-none", "sinks-none", "left_padded-none", "training-none")
@@ -620,8 +628,10 @@ IMPLEMENTATIONS: dict[str, Path] = {
                           default=lambda cid: cid in PAGED_DEFAULT),
     "paged_reference": Path(_paged("reference", unfilled_v=1e3),
                             default=lambda cid: cid in ("decode-none", "gqa-none")),
-    "paged_pallas": Path(_paged("pallas", unfilled_v=1e3, block_q=4, block_k=4),
-                         default=lambda cid: False),
+    # the kernel's paged entry (key tiles of one page, forward only: serving)
+    "paged_pallas": Path(None, run=_forward_only(_paged("pallas", page_size=4, block_q=4,
+                                                        block_k=4)),
+                         default=lambda cid: cid == "decode-alibi"),
     # run by tests/conformance/_ring_conformance_worker.py in an 8-device subprocess
     "ring": Path(None, takes=_ring_takes, default=lambda cid: False),
     "ulysses": Path(None, takes=_ulysses_takes, default=lambda cid: False),

@@ -247,10 +247,11 @@ def test_captured_array_gradients_are_outside_and_dead_code_when_unused():
 def _triton_modules(monkeypatch, capsys, R, rope=False):
     """The Triton IR of the forward, dq and dk/dv kernels as Pallas prints it
     (``pallas_call(debug=True)``) while lowering for ``cuda``: ``{name: module text}``."""
-    from jax.experimental import pallas as pl
+    from jaxpos.kernels import plumbing
 
-    real = pl.pallas_call
-    monkeypatch.setattr(pl, "pallas_call", lambda *a, **k: real(*a, **{**k, "debug": True}))
+    real = plumbing.pallas_call
+    monkeypatch.setattr(plumbing, "pallas_call",
+                        lambda *a, **k: real(*a, **{**k, "debug": True}))
     T2, H2 = 512, 128
     pos = jnp.arange(T2)
 
@@ -305,10 +306,11 @@ def test_triton_modules_are_flat_tile_loops(monkeypatch, capsys):
 def _triton_rope_modules(monkeypatch, capsys, on_load):
     """Triton IR of the three kernels for unrotated q/k with cos/sin tables (``on_load``)
     or for q/k rotated before the kernel."""
-    from jax.experimental import pallas as pl
+    from jaxpos.kernels import plumbing
 
-    real = pl.pallas_call
-    monkeypatch.setattr(pl, "pallas_call", lambda *a, **k: real(*a, **{**k, "debug": True}))
+    real = plumbing.pallas_call
+    monkeypatch.setattr(plumbing, "pallas_call",
+                        lambda *a, **k: real(*a, **{**k, "debug": True}))
     T2, H2 = 256, 128
     pos = jnp.arange(T2)
 

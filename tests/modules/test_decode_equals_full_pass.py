@@ -30,7 +30,7 @@ from jaxpos import nnx as jn
 V, D, N, T = 40, 16, 2, 7
 OFFSETS = np.array([0, 4])  # row 1 starts at position 4
 PROMPT = (3, 1)             # tokens each row prefills
-NO_CACHE = {"fox"}          # schemes that refuse to decode from a KV cache
+NO_CACHE = {"fox", "path", "path_fox"}  # schemes that refuse to decode from a KV cache
 LINEN_DEFAULT = {"rope"}
 NNX_SLOW = {"fire", "pope"}  # the most expensive eager decodes; xPos stays (read-time transform)
 

@@ -23,9 +23,10 @@ def _layer():
                                  rngs=nnx.Rngs(0))
 
 
-def np_gated_attention(x, wq, wk, wv, wg, wo):
+def np_gated_attention(x, wq, wk, wv, wg, wo, bg=0.0):
     """float64: causal softmax attention per head (grouped-query), each head's output times
-    ``sigmoid(x W_g)`` elementwise, then the output projection."""
+    ``sigmoid(x W_g + b_g)`` (elementwise for ``W_g [D, N*H]``, one scalar per head for
+    ``W_g [D, N]``: Qiu et al. 2025, §2.2 / Table 1), then the output projection."""
     x, wq, wk, wv, wg, wo = (np.asarray(a, np.float64) for a in (x, wq, wk, wv, wg, wo))
     q = (x @ wq).reshape(B, T, N, H)
     k = np.repeat((x @ wk).reshape(B, T, NK, H), N // NK, axis=2)
@@ -35,7 +36,7 @@ def np_gated_attention(x, wq, wk, wv, wg, wo):
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     o = np.einsum("bnqk,bknh->bqnh", p, v)
-    gate = 1.0 / (1.0 + np.exp(-(x @ wg).reshape(B, T, N, H)))
+    gate = 1.0 / (1.0 + np.exp(-(x @ wg + np.asarray(bg, np.float64)).reshape(B, T, N, -1)))
     return (o * gate).reshape(B, T, N * H) @ wo
 
 
@@ -51,6 +52,22 @@ def test_gated_output_matches_float64():
                                   implementation="reference", rngs=nnx.Rngs(0))
     assert plain.gate_proj is None
     assert np.abs(np.asarray(plain(x)) - want).max() > 1e-2
+
+
+def test_headwise_gate_with_bias_matches_float64_and_its_linen_twin():
+    kw = dict(num_kv_heads=NK, position="nope", causal=True, output_gate="headwise",
+              output_gate_bias=True, implementation="reference")
+    layer = jn.MultiHeadAttention(D, N, rngs=nnx.Rngs(3), **kw)
+    assert layer.gate_proj.kernel[...].shape == (D, N)
+    layer.gate_proj.bias[...] = jnp.linspace(-1.0, 1.0, N)
+    x = jax.random.normal(jax.random.PRNGKey(4), (B, T, D))
+    want = np_gated_attention(x, *(m.kernel[...] for m in (
+        layer.q_proj, layer.k_proj, layer.v_proj, layer.gate_proj, layer.o_proj)),
+        bg=layer.gate_proj.bias[...])
+    np.testing.assert_allclose(np.asarray(layer(x)), want, atol=2e-5, rtol=2e-5)
+    twin = jl.MultiHeadAttention(D, N, **kw)
+    got = twin.apply({"params": jl.params_from_nnx(layer)}, x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(layer(x)))
 
 
 def test_linen_twin_and_decoding():
@@ -70,9 +87,11 @@ def test_linen_twin_and_decoding():
     np.testing.assert_allclose(np.concatenate(steps, 1), full, atol=2e-5, rtol=2e-5)
 
 
-def test_output_gate_must_be_a_bool():
+def test_output_gate_must_be_a_bool_or_a_gate_form():
     with pytest.raises(TypeError, match="output_gate must be a bool"):
         jn.MultiHeadAttention(D, N, output_gate=1, rngs=nnx.Rngs(0))
-    with pytest.raises(TypeError, match="output_gate must be a bool"):
+    with pytest.raises(ValueError, match="output_gate must be one of"):
         jl.MultiHeadAttention(D, N, output_gate="yes").init(jax.random.PRNGKey(0),
                                                            jnp.ones((1, 2, D)))
+    with pytest.raises(ValueError, match="output_gate_bias=True needs an output gate"):
+        jn.MultiHeadAttention(D, N, output_gate_bias=True, rngs=nnx.Rngs(0))

@@ -144,3 +144,93 @@ def test_bias_is_refused_for_a_scaling_and_for_transform_only_schemes():
     for scheme in (SSMax(np.ones(2, np.float32)), jaxpos.RoPE(rotary_dim=4), jaxpos.NoPE()):
         with pytest.raises(TypeError, match="bias"):
             scheme.bias(np.arange(3), np.arange(3))
+
+
+# ---- n is the number of keys in the query's softmax (Nakanishi 2025, Eq. 2), masks included
+def np_ssmax_counted(q, k, v, s, vis, n=None):
+    """float64 SSMax attention over the bool visibility ``vis`` ``[B, Tq, Tk]``, with
+    ``n_i = sum_j vis_ij`` counted from it (the paper's n, whatever hides the keys), or the
+    given ``n`` ``[B, Tq]``."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, g, 2), np.repeat(v, g, 2)
+    z = np.einsum("bqnh,bknh->bnqk", q, k) / np.sqrt(q.shape[-1])
+    n = np.maximum(vis.sum(-1) if n is None else n, 1).astype(np.float64)  # [B, Tq]
+    z = z * np.asarray(s, np.float64)[None, :, None, None] * np.log(n)[:, None, :, None]
+    z = np.where(vis[:, None], z, -np.inf)
+    w = np.exp(z - z.max(-1, keepdims=True))
+    return np.einsum("bnqk,bknh->bqnh", w / w.sum(-1, keepdims=True), v)
+
+
+def _rel(out, ref):
+    return float(np.max(np.abs(np.asarray(out, np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_sliding_window_counts_the_window(impl):
+    T = 64
+    q, k, v = qkv(11, B=1, T=T, N=4, H=8, Nk=2)
+    q = q * 3.0  # sharp scores: the count's log(n) matters
+    pos = np.arange(T)
+    vis = (pos[None, :, None] >= pos[None, None, :]) & (pos[None, :, None] - pos[None, None, :] < 4)
+    out = attn(impl, q, k, v, position=SSMax(S), causal=True,
+               mask_mod=jaxpos.SlidingWindowMask(4))
+    ref = np_ssmax_counted(q, k, v, S, vis)
+    assert _rel(out, ref) <= 2e-5
+    # control: n = q_pos + 1 under the same window (the count that ignores it) is far off
+    # at position 63
+    stale = np_ssmax_counted(q, k, v, S, vis, n=pos[None] + 1)
+    assert _rel(stale[:, 63], ref[:, 63]) > 0.05
+
+
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_chunked_mask_counts_the_chunk(impl):
+    T = 13
+    q, k, v = qkv(12, B=2, T=T, N=4, H=8)
+    pos = np.arange(T)
+    vis = (pos[:, None] >= pos[None, :]) & (pos[:, None] // 5 == pos[None, :] // 5)
+    out = attn(impl, q, k, v, position=SSMax(S), causal=True,
+               mask_mod=jaxpos.ChunkedAttentionMask(5))
+    ref = np_ssmax_counted(q, k, v, S, np.broadcast_to(vis, (2, T, T)))
+    assert _rel(out, ref) <= 2e-5
+
+
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_kv_lengths_bound_the_count(impl):
+    # a decode step against a cache of 16 slots: row 0 filled to 13, row 1 to 7
+    q, k, v = qkv(13, B=2, T=1, N=4, H=8, Tk=16)
+    lens = np.array([13, 7])
+    q_pos = np.array([[12], [12]])
+    vis = (np.arange(16)[None, None, :] < lens[:, None, None]) & \
+        (np.arange(16)[None, None, :] <= q_pos[:, :, None])
+    out = jaxpos.attention(q, k, v, position=SSMax(S), causal=True, q_positions=q_pos,
+                           kv_positions=np.arange(16), kv_lengths=lens, implementation=impl)
+    assert _rel(out, np_ssmax_counted(q, k, v, S, vis)) <= 2e-5
+
+
+def test_masks_whose_count_is_unknown_are_refused():
+    q, k, v = qkv(14, B=1, T=6, N=4, H=8)
+    with pytest.raises(ValueError, match="SSMax counts the keys"):
+        jaxpos.attention(q, k, v, position=SSMax(S), causal=True,
+                         mask_mod=lambda b, h, qp, kp: (qp - kp) % 2 == 0)
+    with pytest.raises(ValueError, match="SSMax counts the keys"):
+        jaxpos.attention(q, k, v, position=SSMax(S), causal=True,
+                         mask=np.tril(np.ones((6, 6), bool)))
+    with pytest.raises(ValueError, match="SSMax counts the keys"):
+        jaxpos.attention(q, k, v, position=SSMax(S, num_keys=6), causal=False,
+                         mask_mod=jaxpos.PrefixLMMask(2))
+
+
+def test_flax_adapter_mask_counts_the_keys_it_leaves():
+    # Flax's causal mask combined with padding (row 1's first two keys are pads): n is the
+    # number of keys the mask leaves each query, pads excluded.
+    nnx = pytest.importorskip("flax.nnx")
+    q, k, v = qkv(15, B=2, T=6, N=4, H=8)
+    pad = np.array([[1] * 6, [0, 0, 1, 1, 1, 1]], np.float32)
+    mask = nnx.combine_masks(nnx.make_causal_mask(jnp.ones((2, 6))),
+                             nnx.make_attention_mask(jnp.ones((2, 6)), pad))
+    out = jaxpos.flax_attention_fn(SSMax(S))(q, k, v, mask=mask)
+    vis = np.asarray(mask[:, 0] != 0)
+    rows = vis.any(-1)  # row 1's pad queries see nothing: compare the real rows
+    ref = np_ssmax_counted(q, k, v, S, vis | ~rows[..., None])
+    np.testing.assert_allclose(np.asarray(out)[rows], ref[rows], atol=2e-5, rtol=2e-5)
