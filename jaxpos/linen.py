@@ -83,6 +83,7 @@ from jaxpos.layers.spec import (
     block_parts,
     check_attention,
     check_block,
+    check_stack_context,
 )
 from jaxpos.layers.stack import build_stack, stack_spec
 from jaxpos.schemes.alibi import alibi_bias
@@ -558,6 +559,7 @@ class _Stack(StackCore, StackOptions, nn.Module):
         return _checks.check_positive_int("num_layers", self.num_layers), Nk, H
 
     def setup(self) -> None:
+        check_stack_context(self)
         parts = build_stack(stack_spec(self, causal=self._causal), _LinenMaker(self), self)
         self.embed, self.abs_position, self.rel_position, self.blocks, self.final_norm = parts
 

@@ -110,6 +110,7 @@ from jaxpos.layers.spec import (
     block_parts,
     check_attention,
     check_block,
+    check_stack_context,
     from_keywords,
     options_signature,
 )
@@ -237,6 +238,14 @@ class MultiHeadAttention(_NnxDropout, AttentionCore, nnx.Module):
         Flax NNX: on unless ``deterministic`` (the call's keyword, else the attribute that
         ``model.eval()`` / ``model.train()`` set), keys from the call's ``rngs`` or the
         ``dropout`` stream of ``rngs`` forked at construction. :meth:`decode` never drops.
+      context_parallel: ``"ring"``, ``"ulysses"`` or None (default): under
+        ``jax.set_mesh(mesh)`` the layer's attention runs sequence-parallel over the mesh
+        axis ``context_axis`` (default ``"seq"``) with global positions
+        (:func:`jaxpos.parallel.ring_attention` / :func:`jaxpos.parallel.ulysses_attention`
+        in ``shard_map``: :func:`jaxpos.parallel.context.context_attention`); the sequence
+        length must be divisible by the axis size (Ulysses: the heads too). No dense
+        ``mask`` or attention dropout then. :meth:`decode` runs the ordinary path (one
+        query per step needs no sequence parallelism).
       dtype: compute dtype; param_dtype: parameter dtype. rngs: :class:`flax.nnx.Rngs`.
 
     Parameters: ``q_proj.kernel [D, N*H]``, ``k_proj.kernel``/``v_proj.kernel [D, N_kv*H]``,
@@ -275,6 +284,7 @@ class MultiHeadAttention(_NnxDropout, AttentionCore, nnx.Module):
         self.causal, self.scale, self.implementation, self.dtype = (
             bool(o.causal), o.scale, o.implementation, o.dtype)
         self.qk_norm_offset, self.qk_norm_eps = bool(o.qk_norm_offset), float(o.qk_norm_eps)
+        self.context_parallel, self.context_axis = plan.context_parallel, o.context_axis
         for name, part in attention_parts(o, plan, _NnxMaker(o.dtype, o.param_dtype,
                                                               rngs)).items():
             setattr(self, name, part)
@@ -370,6 +380,7 @@ class _Stack(nnx.Module):
 
     def __init__(self, vocab_size: int, *, rngs: nnx.Rngs, **options: Any):
         o = from_keywords(StackOptions, type(self).__name__, vocab_size, **options)
+        self.context_zigzag, self.context_axis = check_stack_context(o), o.context_axis
         spec = stack_spec(o, causal=self._causal)
         self.vocab_size, self.position_name = spec.vocab_size, spec.plan.name
         self.d_model, self.num_layers, self.max_len = spec.d_model, spec.num_layers, o.max_len
@@ -407,6 +418,14 @@ class DecoderLM(DecoderCore, _Stack):
       scheme_options: other options of the scheme, a dict (override the above).
       implementation: default :func:`jaxpos.attention` backend (``None`` = the backend's
         best: chunked on CPU, the Pallas kernel on GPU/TPU where it fuses the scheme).
+      context_parallel, context_axis: every layer's attention sequence-parallel
+        (``"ring"`` or ``"ulysses"``) over the mesh axis ``context_axis`` of the mesh set
+        with ``jax.set_mesh`` (:class:`MultiHeadAttention`); default None (off).
+      context_zigzag: True (with ``context_parallel``) keeps the tokens in the zigzag
+        order of ``context_axis`` from the embedding to the logits (returned in the
+        tokens' own order), so every device of a causal ring has the same work
+        (:func:`jaxpos.parallel.zigzag_permutation`); ``T`` a multiple of twice the axis
+        size. Default False.
       sinks: True gives every layer learned attention-sink logits, parameter
         ``blocks[i].attn.sinks [num_heads]`` (zeros at init; GPT-OSS;
         :class:`MultiHeadAttention`). Default False.

@@ -48,6 +48,7 @@ from jaxpos.layers.options import (
     check_mask_mod,
     no_rope_scaling,
 )
+from jaxpos.parallel.context import layer_attention, zigzag_order
 from jaxpos.schemes.base import NoPE, PositionScheme
 from jaxpos.schemes.learned import learned_positions
 
@@ -238,12 +239,17 @@ class AttentionCore:
             segment_ids = padding_segment_ids(pad, segment_ids)
             pos = kv_pos = fill_hidden_positions(pos, pad)
         attend_fn = attention_for(scheme)
-        o = attend_fn(q, k, v, position=scheme, q_positions=pos, kv_positions=kv_pos,
-                      causal=self.causal, mask=mask, segment_ids=segment_ids,
-                      kv_segment_ids=kv_segment_ids, scale=self.scale,
-                      mask_mod=self._mask_mod(mask_mod), sinks=self._sinks(),
-                      implementation=implementation or self.implementation,
-                      **self._attention_dropout(deterministic, rngs))
+        kw = dict(position=scheme, q_positions=pos, kv_positions=kv_pos, causal=self.causal,
+                  mask=mask, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                  scale=self.scale, mask_mod=self._mask_mod(mask_mod), sinks=self._sinks(),
+                  implementation=implementation or self.implementation,
+                  **self._attention_dropout(deterministic, rngs))
+        method = getattr(self, "context_parallel", None)
+        if method is None:
+            o = attend_fn(q, k, v, **kw)
+        else:  # sequence-parallel over the mesh axis context_axis (jaxpos.parallel.context)
+            o = layer_attention(method, self.context_axis, q, k, v,
+                                softmax=attend_fn is attention, **kw)
         return self._out(self._gated(o, x))
 
     def _padding(self, x, context, attention_mask):
@@ -455,10 +461,33 @@ class DecoderCore(StackCore):
             table (never clamped), bad shapes, ``attention_mask`` values other than 0/1;
             TypeError: float tokens/positions/attention_mask.
         """
+        if getattr(self, "context_zigzag", False):
+            return self._zigzag_call(tokens, positions, rope_scaling, implementation,
+                                     segment_ids, attention_mask, deterministic, rngs)
         h = self._hidden(tokens, positions, rope_scaling, implementation,
                          segment_ids=segment_ids, attention_mask=attention_mask,
                          deterministic=deterministic, rngs=rngs)
         return tied_logits(h, param_value(self.embed.embedding))
+
+    def _zigzag_call(self, tokens, positions, rope_scaling, implementation, segment_ids,
+                     attention_mask, deterministic, rngs):
+        """The forward pass with the tokens in the zigzag order of ``context_axis``
+        (:func:`jaxpos.parallel.context.zigzag_order`; positions say where each token is),
+        so that every device of a causal ring holds as many early as late tokens; the
+        logits are returned in the tokens' own order."""
+        _checks.check_rank("tokens", tokens, (2,), "[batch, seq] token ids")
+        B, T = _checks.shape_of(tokens)
+        pad = check_attention_mask(attention_mask, B, T)
+        if pad is not None and positions is None:
+            positions = positions_from_mask(pad)
+        pos = jnp.broadcast_to(default_positions((B, T), positions), (B, T))
+        order = zigzag_order(T, self.context_axis)
+        take = lambda x: None if x is None else jnp.asarray(x)[:, order]
+        h = self._hidden(take(tokens), take(pos), rope_scaling, implementation,
+                         segment_ids=take(segment_ids), attention_mask=take(pad),
+                         deterministic=deterministic, rngs=rngs)
+        logits = tied_logits(h, param_value(self.embed.embedding))
+        return logits[:, np.argsort(order)]
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None, *,
                    keep_first: int | None = None, **cache_options: Any

@@ -32,6 +32,7 @@ from jaxpos.layers.options import (
     check_sinks_flag,
     collect_options,
 )
+from jaxpos.parallel.context import check_context_parallel, check_zigzag
 
 __all__ = [
     "LAYER_OPTIONS",
@@ -45,6 +46,7 @@ __all__ = [
     "block_parts",
     "check_attention",
     "check_block",
+    "check_stack_context",
     "from_keywords",
     "options_signature",
 ]
@@ -78,6 +80,8 @@ class AttentionOptions:
     qk_norm: str | None = None        #: None, "head" or "projection"
     qk_norm_offset: bool = False      #: the (1 + w) form of the q/k norms
     qk_norm_eps: float = 1e-6         #: the q/k norms' epsilon
+    context_parallel: str | None = None  #: "ring", "ulysses" or None (jaxpos.parallel)
+    context_axis: str = "seq"         #: the mesh axis of context parallelism
 
 
 @dataclasses.dataclass(eq=False, repr=False)
@@ -90,7 +94,8 @@ class BlockOptions(AttentionOptions):
 
 
 #: Options a stack passes unchanged to the attention of every layer.
-LAYER_OPTIONS = ("output_gate", "output_gate_bias", "qk_norm", "qk_norm_offset", "qk_norm_eps")
+LAYER_OPTIONS = ("output_gate", "output_gate_bias", "qk_norm", "qk_norm_offset", "qk_norm_eps",
+                 "context_parallel", "context_axis")
 
 
 @dataclasses.dataclass(eq=False, repr=False)
@@ -125,6 +130,9 @@ class StackOptions:
     qk_norm: str | None = None
     qk_norm_offset: bool = False
     qk_norm_eps: float = 1e-6
+    context_parallel: str | None = None
+    context_axis: str = "seq"
+    context_zigzag: bool = False      #: tokens in the zigzag order of context_axis
 
 
 def from_keywords(cls: type, owner: str, *args: Any, **kwargs: Any) -> Any:
@@ -165,6 +173,7 @@ class AttentionPlan(NamedTuple):
     scheme_options: tuple  #: (name, value) pairs (:func:`collect_options`)
     gate: str | None     #: None, "elementwise" or "headwise"
     qk_norm: str | None  #: None, "head" or "projection"
+    context_parallel: str | None = None  #: None, "ring" or "ulysses"
 
 
 def check_attention(o: AttentionOptions) -> AttentionPlan:
@@ -181,7 +190,15 @@ def check_attention(o: AttentionOptions) -> AttentionPlan:
                               scheme_options=o.scheme_options)
     gate = check_output_gate(o.output_gate, o.output_gate_bias)
     qk_norm = check_qk_norm(o.qk_norm, o.qk_norm_offset, o.qk_norm_eps)
-    return AttentionPlan(dims, rate, sinks, mask_mod, options, gate, qk_norm)
+    context = check_context_parallel(o.context_parallel, o.context_axis)
+    return AttentionPlan(dims, rate, sinks, mask_mod, options, gate, qk_norm, context)
+
+
+def check_stack_context(o: StackOptions) -> bool:
+    """The stack's ``context_parallel`` / ``context_axis`` / ``context_zigzag`` checked;
+    returns the zigzag flag."""
+    return check_zigzag(o.context_zigzag, check_context_parallel(o.context_parallel,
+                                                                 o.context_axis))
 
 
 class BlockPlan(NamedTuple):

@@ -28,7 +28,9 @@ from jaxpos.parallel.ring import ring_attention, zigzag_permutation
 from jaxpos.parallel.ulysses import ulysses_attention
 from jaxpos.schemes.base import as_scheme
 
-__all__ = ["CONTEXT_PARALLEL", "check_context_parallel", "context_attention", "mesh_axis_size",
+__all__ = ["CONTEXT_PARALLEL", "check_context_parallel", "check_zigzag", "context_attention",
+           "layer_attention",
+           "mesh_axis_size",
            "zigzag_order"]
 
 #: The values of the modules' ``context_parallel=`` option (``None``: off).
@@ -140,3 +142,56 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, method: str, 
     sm = jax.shard_map(local, in_specs=(rep(position), rep(sinks)) + (seq,) * len(args),
                        out_specs=seq, axis_names=frozenset({axis}), check_vma=vma)
     return sm(position, sinks, *args)
+
+
+def layer_attention(method: str, axis: str, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                    softmax: bool = True, mask: Any = None, dropout_rate: float = 0.0,
+                    **kw: Any) -> jax.Array:
+    """A Flax layer's attention with ``context_parallel=method`` (:func:`context_attention`),
+    refusing, with what to do instead, what sequence parallelism cannot take.
+
+    Args:
+      method, axis: the layer's ``context_parallel`` and ``context_axis``.
+      q, k, v: the layer's global ``[B, T, N, H]`` projections.
+      softmax: False for a scheme that replaces softmax attention (stick-breaking).
+      mask: the call's dense boolean mask (refused when given).
+      dropout_rate: attention dropout (refused when > 0).
+      **kw: the rest of :func:`jaxpos.attention`'s keywords the layer passes.
+
+    Returns:
+      ``[B, T, N, H_v]``.
+
+    Raises:
+      ValueError: a dense ``mask``, attention dropout, a scheme that replaces softmax, no
+        mesh set, lengths not divisible by the axis size.
+    """
+    what = f"context_parallel={method!r}"
+    if not softmax:
+        raise ValueError(f"{what} runs softmax attention (ring or Ulysses); this layer's "
+                         f"scheme replaces softmax attention. Build the model with "
+                         f"context_parallel=None.")
+    if mask is not None:
+        raise ValueError(f"{what} does not take a dense boolean mask (it indexes global rows "
+                         f"and columns); express it as a mask_mod of positions, segment_ids "
+                         f"or attention_mask, or build the layer with context_parallel=None.")
+    if dropout_rate:
+        raise ValueError(f"{what} has no attention dropout (dropout_rate={dropout_rate}); "
+                         f"call the model with deterministic=True, or use residual dropout "
+                         f"only (attention_dropout_rate=0).")
+    kw.pop("dropout_rng", None)
+    return context_attention(q, k, v, method=method, axis=axis, **kw)
+
+
+def check_zigzag(context_zigzag: Any, context_parallel: str | None) -> bool:
+    """The checked ``context_zigzag`` flag of a stack.
+
+    Raises:
+      TypeError: not a bool. ValueError: True without ``context_parallel``.
+    """
+    if not isinstance(context_zigzag, (bool, np.bool_)):
+        raise TypeError(f"context_zigzag must be a bool; got {type(context_zigzag).__name__} "
+                        f"{context_zigzag!r}.")
+    if context_zigzag and context_parallel is None:
+        raise ValueError("context_zigzag=True lays the tokens out for a sequence-parallel "
+                         "model; give context_parallel='ring' (or 'ulysses') too.")
+    return bool(context_zigzag)

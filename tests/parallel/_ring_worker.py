@@ -395,6 +395,10 @@ def main(argv):
         res.update(run_case(case, usp_mesh if case.method == "usp" else mesh))
         res[f"cpu_seconds/{case.name}"] = time.process_time() - t1
     res.update(ulysses_errors(mesh))
+    if quick:  # the modules' context-parallel switch, in the same process
+        import _modules_worker
+
+        res.update({f"modules/{k}": v for k, v in _modules_worker.run(full=False).items()})
     if not quick:
         res["local_positions/rope_yarn"] = local_positions_control(mesh, "rope_yarn")
         res["local_positions/t5"] = local_positions_control(mesh, "t5")

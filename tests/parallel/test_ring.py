@@ -43,11 +43,15 @@ TOL = 1e-5  # float32; gradients relative to max(1, max |gradient|) per array
 
 
 def _run_worker(tmp_path_factory, *flags):
+    """Run the 8-device worker (``--modules``: tests/parallel/_modules_worker.py) with
+    ``flags``; its JSON result."""
+    worker = WORKER.with_name("_modules_worker.py") if "--modules" in flags else WORKER
+    flags = tuple(f for f in flags if f != "--modules")
     out = tmp_path_factory.mktemp("ring") / "result.json"
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the worker sets its own device count
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, str(WORKER), *flags, str(out)], check=False, env=env,
+    proc = subprocess.run([sys.executable, str(worker), *flags, str(out)], check=False, env=env,
                           capture_output=True, text=True, timeout=3000)
     if proc.returncode != 0:
         pytest.fail(f"ring worker failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")

@@ -21,15 +21,15 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from test_ring import TOL, _run_worker
+from test_ring import TOL
 
 from jaxpos import ALiBi, attention
 from jaxpos.parallel import kv_head_repeats, shard_map, ulysses_attention
 
 
-@pytest.fixture(scope="module")
-def quick(tmp_path_factory):
-    return _run_worker(tmp_path_factory, "--quick")
+@pytest.fixture
+def quick(cp_quick):
+    return {k: v for k, v in cp_quick.items() if not k.startswith("modules/")}
 
 
 def _names(res, method):
