@@ -129,6 +129,48 @@ def _reference(q, k, v, pos_logits, qp, kp, segs, scale, npos):
     return jnp.einsum("bnqk,bnkh->bnqh", p / jnp.where(l > 0, l, 1.0), v)
 
 
+def _segments(segment_ids: ArrayLike | None, kv_segment_ids: ArrayLike | None, B: int,
+              Tq: int, Tk: int) -> list[jax.Array]:
+    """The checked segment ids as int32 ``[B, 1, T]`` (zeros when absent), queries then keys.
+
+    Raises:
+      ValueError: ``kv_segment_ids`` without ``segment_ids``, a shape other than ``[B, T]``.
+      TypeError: float ids.
+    """
+    if kv_segment_ids is None:
+        kv_segment_ids = segment_ids
+    if (segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("kv_segment_ids needs segment_ids (the queries' segments) too.")
+    segs = []
+    for name, seg, T in (("segment_ids", segment_ids, Tq), ("kv_segment_ids", kv_segment_ids,
+                                                           Tk)):
+        if seg is None:
+            segs.append(jnp.zeros((B, 1, T), jnp.int32))
+            continue
+        _checks.check_integer_positions(name, seg)
+        if _checks.shape_of(seg) != (B, T):
+            raise ValueError(f"{name} must have shape [B, T] = [{B}, {T}]; got "
+                             f"{_checks.shape_of(seg)}.")
+        segs.append(jnp.asarray(seg, jnp.int32)[:, None, :])
+    return segs
+
+
+def _static_scale(scale: float | None, H: int) -> float:
+    """The score scale: ``1 / sqrt(H)`` by default, else the given static number.
+
+    Raises:
+      TypeError: a traced scale.
+    """
+    if scale is None:
+        scale = 1.0 / float(np.sqrt(H))
+    elif not _checks.is_concrete(scale):
+        raise TypeError("cope_attention needs a static scale (a Python or concrete number); "
+                        "got a traced one.")
+    else:
+        scale = _checks.check_real("scale", scale)
+    return scale
+
+
 def cope_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, pos_emb: ArrayLike, *,
                    causal: bool = True, q_positions: ArrayLike | None = None,
                    kv_positions: ArrayLike | None = None,
@@ -186,32 +228,12 @@ def cope_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, pos_emb: ArrayLike,
                          f"[{N}, {H}, npos]; got {es}.")
     if block_size is not None:
         _checks.check_positive_int("block_size", block_size)
-    if scale is None:
-        scale = 1.0 / float(np.sqrt(H))
-    elif not _checks.is_concrete(scale):
-        raise TypeError("cope_attention needs a static scale (a Python or concrete number); "
-                        "got a traced one.")
-    else:
-        scale = _checks.check_real("scale", scale)
+    scale = _static_scale(scale, H)
     qp = _checks.positions_2d("q_positions", jnp.arange(Tq, dtype=jnp.int32) + max(Tk - Tq, 0)
                               if q_positions is None else q_positions, B, Tq)
     kp = _checks.positions_2d("kv_positions", jnp.arange(Tk, dtype=jnp.int32)
                               if kv_positions is None else kv_positions, B, Tk)
-    if kv_segment_ids is None:
-        kv_segment_ids = segment_ids
-    if (segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError("kv_segment_ids needs segment_ids (the queries' segments) too.")
-    segs = []
-    for name, seg, T in (("segment_ids", segment_ids, Tq), ("kv_segment_ids", kv_segment_ids,
-                                                           Tk)):
-        if seg is None:
-            segs.append(jnp.zeros((B, 1, T), jnp.int32))
-            continue
-        _checks.check_integer_positions(name, seg)
-        if _checks.shape_of(seg) != (B, T):
-            raise ValueError(f"{name} must have shape [B, T] = [{B}, {T}]; got "
-                             f"{_checks.shape_of(seg)}.")
-        segs.append(jnp.asarray(seg, jnp.int32)[:, None, :])
+    segs = _segments(segment_ids, kv_segment_ids, B, Tq, Tk)
     dtype, Hv = _checks.dtype_of(q), _checks.shape_of(v)[-1]
     if B == 0 or Tq == 0:
         return jnp.zeros((B, Tq, N, Hv), dtype)

@@ -239,7 +239,8 @@ class AttentionCore:
             segment_ids = padding_segment_ids(pad, segment_ids)
             pos = kv_pos = fill_hidden_positions(pos, pad)
         attend_fn = attention_for(scheme)
-        kw = dict(position=scheme, q_positions=pos, kv_positions=kv_pos, causal=self.causal,
+        kw: dict[str, Any] = dict(
+                  position=scheme, q_positions=pos, kv_positions=kv_pos, causal=self.causal,
                   mask=mask, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                   scale=self.scale, mask_mod=self._mask_mod(mask_mod), sinks=self._sinks(),
                   implementation=implementation or self.implementation,
