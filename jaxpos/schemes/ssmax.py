@@ -21,8 +21,9 @@ Which ``n``:
 The call's visibility counts too (:meth:`SSMax.for_call`, asked by :func:`jaxpos.attention`
 once per call): under a named mask_mod with a closed form (a sliding window:
 ``min(q_pos + 1, window)``; Llama 4's chunks: ``q_pos mod chunk + 1``; a prefix LM in a
-causal call: ``q_pos + 1``) and under ``kv_lengths`` (a KV cache's fill: at most
-``kv_lengths[b]`` keys) ``n`` is the number of keys in the query's softmax. Segments (packed
+causal call: ``q_pos + 1``) ``n`` is the number of keys in the query's softmax.
+``kv_lengths`` (a KV cache's fill) hide slots and leave ``n = q_pos + 1``, so a cached
+decode step equals the full pass over the same positions. Segments (packed
 sequences, padding) are counted by the positions, which restart at 0 in each segment. A
 dense ``mask``, another mask_mod, or a mask_mod in a non-causal call are refused: their
 counts are not known without a pass over the keys.
@@ -153,7 +154,8 @@ class SSMax(PositionScheme):
                  kv_lengths: Any = None) -> PositionScheme:
         """SSMax counting the keys this call's query sees (Nakanishi 2025, Eq. 2: ``n`` is
         the length of the softmax's input): the named mask_mod's closed form
-        (``causal_key_count``), bounded by ``kv_lengths[b]``.
+        (``causal_key_count``). ``kv_lengths`` hide cache slots and leave ``n`` to the
+        positions (``q_pos + 1``), so a cached decode step equals the full pass.
 
         Raises:
           ValueError: a dense ``mask``; a mask_mod without a closed form, or any mask_mod
@@ -170,9 +172,12 @@ class SSMax(PositionScheme):
                              f"in a causal call without num_keys; got mask_mod "
                              f"{type(mask_mod).__name__} with causal={causal} and num_keys="
                              f"{'set' if self.num_keys is not None else 'None'}.")
-        if mask_mod is None and kv_lengths is None:
+        if mask_mod is None:
+            # kv_lengths hide cache slots, not positions: n stays q_pos + 1, the count the
+            # full pass over the same positions uses (a decode step equals the full pass,
+            # also for rows whose positions start past 0)
             return self
-        return self.replace(visible=mask_mod, kv_lengths=kv_lengths)
+        return self.replace(visible=mask_mod)
 
     def score_mod(self) -> Callable[..., jax.Array] | None:
         """``score * s[head] * log(n)``: ``n = q_pos + 1`` (causal), the call's mask_mod's

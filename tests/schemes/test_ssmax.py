@@ -196,7 +196,7 @@ def test_chunked_mask_counts_the_chunk(impl):
 
 
 @pytest.mark.parametrize("impl", ["reference", "chunked"])
-def test_kv_lengths_bound_the_count(impl):
+def test_kv_lengths_hide_slots_and_n_follows_positions(impl):
     # a decode step against a cache of 16 slots: row 0 filled to 13, row 1 to 7
     q, k, v = qkv(13, B=2, T=1, N=4, H=8, Tk=16)
     lens = np.array([13, 7])
@@ -205,7 +205,8 @@ def test_kv_lengths_bound_the_count(impl):
         (np.arange(16)[None, None, :] <= q_pos[:, :, None])
     out = jaxpos.attention(q, k, v, position=SSMax(S), causal=True, q_positions=q_pos,
                            kv_positions=np.arange(16), kv_lengths=lens, implementation=impl)
-    assert _rel(out, np_ssmax_counted(q, k, v, S, vis)) <= 2e-5
+    # n = q_pos + 1 = 13 on both rows: the count a full pass over these positions uses
+    assert _rel(out, np_ssmax_counted(q, k, v, S, vis, n=q_pos + 1)) <= 2e-5
 
 
 def test_masks_whose_count_is_unknown_are_refused():
