@@ -47,7 +47,7 @@ from jaxpos.schemes.irope import TemperatureTunedNoPE, attention_temperature, no
 from jaxpos.schemes.kerple import KERPLE, KERPLELog, KERPLEPower, kerple_bias
 from jaxpos.schemes.learned import learned_positions
 from jaxpos.schemes.mla import mla_qk, mla_softmax_scale, split_nope_rope
-from jaxpos.schemes.path import PaTH, PaTHFoX
+from jaxpos.schemes.path import PaTH, PaTHFoX, l2_normalise, short_causal_conv
 from jaxpos.schemes.pope import PoPE, apply_pope, clamp_phase_bias, pope_frequencies
 from jaxpos.schemes.rnope import rnope_swa_layers
 from jaxpos.schemes.rope import (
@@ -180,6 +180,7 @@ __all__ = [
     "half_to_interleaved",
     "interleaved_to_half",
     "kerple_bias",
+    "l2_normalise",
     "learned_positions",
     "mla_attention",
     "mla_qk",
@@ -211,6 +212,7 @@ __all__ = [
     "shaw_logits",
     "shaw_values",
     "shift_matrix",
+    "short_causal_conv",
     "sinusoidal_frequencies",
     "sinusoidal_pe",
     "split_nope_rope",
