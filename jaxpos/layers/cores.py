@@ -49,7 +49,7 @@ from jaxpos.layers.options import (
     no_rope_scaling,
 )
 from jaxpos.parallel.context import layer_attention, zigzag_order
-from jaxpos.schemes.base import NoPE, PositionScheme
+from jaxpos.schemes.base import REGISTRY, NoPE, PositionScheme
 from jaxpos.schemes.learned import learned_positions
 
 __all__ = [
@@ -405,6 +405,12 @@ class StackCore:
 
     def _hidden(self, tokens, positions, rope_scaling, implementation, mask=None,
                 segment_ids=None, attention_mask=None, deterministic=None, rngs=None):
+        name = self._position_name()
+        if getattr(REGISTRY.get(name), "reads_token_order", False):
+            raise ValueError(f"context_zigzag=True reorders the tokens, but position={name!r} "
+                             f"is computed along the tokens in their order; use "
+                             f"context_zigzag=False (the contiguous ring) or "
+                             f"context_parallel='ulysses'.")
         _checks.check_rank("tokens", tokens, (2,), "[batch, seq] token ids")
         B, T = _checks.shape_of(tokens)
         pad = check_attention_mask(attention_mask, B, T)
@@ -476,6 +482,12 @@ class DecoderCore(StackCore):
         (:func:`jaxpos.parallel.context.zigzag_order`; positions say where each token is),
         so that every device of a causal ring holds as many early as late tokens; the
         logits are returned in the tokens' own order."""
+        name = self._position_name()
+        if getattr(REGISTRY.get(name), "reads_token_order", False):
+            raise ValueError(f"context_zigzag=True reorders the tokens, but position={name!r} "
+                             f"is computed along the tokens in their order; use "
+                             f"context_zigzag=False (the contiguous ring) or "
+                             f"context_parallel='ulysses'.")
         _checks.check_rank("tokens", tokens, (2,), "[batch, seq] token ids")
         B, T = _checks.shape_of(tokens)
         pad = check_attention_mask(attention_mask, B, T)

@@ -324,6 +324,11 @@ class PositionScheme:
     #: (stick-breaking): the Flax modules call :meth:`attention`, not :func:`jaxpos.attention`.
     replaces_softmax: bool = False
 
+    #: True for a scheme computed along the token axis in the tokens' order (FoX's
+    #: cumulative forget gates; PaTH's causal convolution), which a reordered layout such as
+    #: the zigzag of context parallelism would change: the modules refuse that layout.
+    reads_token_order: bool = False
+
     def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, **kwargs: Any) -> jax.Array:
         """The attention of a ``replaces_softmax`` scheme: the function its engine registered
         under the scheme's name (:func:`register_attention`), called as ``fn(self, q, k, v,

@@ -172,6 +172,9 @@ class FoX(PositionScheme):
       ValueError: ``log_forget`` not rank 3. TypeError: not floating.
     """
 
+    reads_token_order = True  # the gates are summed in token order
+
+
     # fields, set once in __init__ (the pytree's children and static data)
     log_forget: jax.Array
 

@@ -100,6 +100,9 @@ class PaTH(PositionScheme):
         whose key heads differ from the option ``num_kv_heads``.
     """
 
+    reads_token_order = True  # the short causal convolution runs in token order
+
+
     u: jax.Array
     conv: jax.Array
     beta: jax.Array

@@ -62,6 +62,14 @@ def test_context_parallel_option_errors():
                   rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize("position", ["fox", "path"])
+def test_zigzag_refuses_a_scheme_computed_in_token_order(position):
+    model = DecoderLM(32, d_model=16, num_layers=1, num_heads=2, position=position,
+                      context_parallel="ring", context_zigzag=True, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="context_zigzag=True reorders the tokens"):
+        model(jnp.zeros((1, 8), jnp.int32))
+
+
 def test_context_parallel_without_a_mesh_says_what_to_do():
     layer = MultiHeadAttention(16, 2, causal=True, context_parallel="ring", rngs=nnx.Rngs(0))
     x = jnp.zeros((1, 8, 16))
