@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpos import _checks
+
 __all__ = ["carried_attention", "to_blocks", "from_blocks"]
 
 
@@ -191,3 +193,19 @@ def carried_attention(tile: Callable, init: Callable, q_blocks: Any, kv_blocks: 
     qf, qi_, rq = _split(q_blocks)
     kf, ki, rk = _split(kv_blocks)
     return _core((tile, init, int(block_q), rq, rk), qf, qi_, kf, ki, v_blocks)
+
+
+def static_scale(fn: str, scale: Any, H: int) -> float:
+    """The score scale of the carried-state attentions (``fn`` names the caller):
+    ``1 / sqrt(H)`` by default, else the given static number.
+
+    Raises:
+      TypeError: a traced scale (the blocked algorithms compile it in).
+      ValueError: a scale that is not a real number.
+    """
+    if scale is None:
+        return 1.0 / float(np.sqrt(H))
+    if not _checks.is_concrete(scale):
+        raise TypeError(f"{fn} needs a static scale (a Python or concrete number); "
+                        f"got a traced one.")
+    return _checks.check_real("scale", scale)

@@ -42,7 +42,7 @@ from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos._util import pad_axis
-from jaxpos.core.carried import carried_attention, from_blocks, to_blocks
+from jaxpos.core.carried import carried_attention, from_blocks, static_scale, to_blocks
 from jaxpos.core.path import compute_dtype, refuse_softmax_options
 from jaxpos.schemes.base import register_attention
 
@@ -155,22 +155,6 @@ def _segments(segment_ids: ArrayLike | None, kv_segment_ids: ArrayLike | None, B
     return segs
 
 
-def _static_scale(scale: float | None, H: int) -> float:
-    """The score scale: ``1 / sqrt(H)`` by default, else the given static number.
-
-    Raises:
-      TypeError: a traced scale.
-    """
-    if scale is None:
-        scale = 1.0 / float(np.sqrt(H))
-    elif not _checks.is_concrete(scale):
-        raise TypeError("cope_attention needs a static scale (a Python or concrete number); "
-                        "got a traced one.")
-    else:
-        scale = _checks.check_real("scale", scale)
-    return scale
-
-
 def cope_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, pos_emb: ArrayLike, *,
                    causal: bool = True, q_positions: ArrayLike | None = None,
                    kv_positions: ArrayLike | None = None,
@@ -228,7 +212,7 @@ def cope_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, pos_emb: ArrayLike,
                          f"[{N}, {H}, npos]; got {es}.")
     if block_size is not None:
         _checks.check_positive_int("block_size", block_size)
-    scale = _static_scale(scale, H)
+    scale = static_scale("cope_attention", scale, H)
     qp = _checks.positions_2d("q_positions", jnp.arange(Tq, dtype=jnp.int32) + max(Tk - Tq, 0)
                               if q_positions is None else q_positions, B, Tq)
     kp = _checks.positions_2d("kv_positions", jnp.arange(Tk, dtype=jnp.int32)

@@ -46,7 +46,7 @@ from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos._util import pad_axis
-from jaxpos.core.carried import carried_attention, from_blocks, to_blocks
+from jaxpos.core.carried import carried_attention, from_blocks, static_scale, to_blocks
 from jaxpos.schemes.base import register_attention
 
 __all__ = ["IMPLEMENTATIONS", "compute_dtype", "path_attention", "refuse_softmax_options",
@@ -93,15 +93,6 @@ def _check_inputs(q, k, v, w, beta, log_forget, segment_ids):
         if _checks.shape_of(segment_ids) != (B, Tq):
             raise ValueError(f"segment_ids must have shape [B, T] = [{B}, {Tq}]; got "
                              f"{_checks.shape_of(segment_ids)}.")
-
-
-def _scale(scale, H):
-    if scale is None:
-        return 1.0 / float(np.sqrt(H))
-    if not _checks.is_concrete(scale):
-        raise TypeError("path_attention needs a static scale (a Python or concrete number); "
-                        "got a traced one.")
-    return _checks.check_real("scale", scale)
 
 
 def path_scores(q: ArrayLike, k: ArrayLike, w: ArrayLike, beta: ArrayLike) -> jax.Array:
@@ -280,7 +271,7 @@ def path_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, w: ArrayLike, beta:
         _checks.check_positive_int("block_size", block_size)
     B, T, N, H = _checks.shape_of(q)
     Nk = _checks.shape_of(k)[2]
-    scale = _scale(scale, H)
+    scale = static_scale("path_attention", scale, H)
     dtype = _checks.dtype_of(q)
     Hv = _checks.shape_of(v)[-1]
     if B == 0 or T == 0:
