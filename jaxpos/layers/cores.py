@@ -405,12 +405,6 @@ class StackCore:
 
     def _hidden(self, tokens, positions, rope_scaling, implementation, mask=None,
                 segment_ids=None, attention_mask=None, deterministic=None, rngs=None):
-        name = self._position_name()
-        if getattr(REGISTRY.get(name), "reads_token_order", False):
-            raise ValueError(f"context_zigzag=True reorders the tokens, but position={name!r} "
-                             f"is computed along the tokens in their order; use "
-                             f"context_zigzag=False (the contiguous ring) or "
-                             f"context_parallel='ulysses'.")
         _checks.check_rank("tokens", tokens, (2,), "[batch, seq] token ids")
         B, T = _checks.shape_of(tokens)
         pad = check_attention_mask(attention_mask, B, T)
