@@ -108,7 +108,11 @@ def check_nonneg_int(name: str, value: Any) -> int:
 
 
 def positions_2d(name: str, positions: Any, batch: int, seq: int) -> jax.Array:
-    """Validate ``positions`` ([seq] or [batch, seq], integer) and return int32 [batch|1, seq]."""
+    """Validate ``positions`` ([seq] or [batch, seq], integer) and return int32 [batch|1, seq].
+
+    NumPy or Python positions come back as a NumPy array: inside ``jax.jit`` every ``jnp``
+    operation on a constant is staged out, and the engines must still see known positions
+    as known (e.g. ``is_causal`` for ``arange`` on the XLA path)."""
     check_integer_positions(name, positions)
     check_int32_range(name, positions)
     shp = shape_of(positions)
@@ -118,17 +122,24 @@ def positions_2d(name: str, positions: Any, batch: int, seq: int) -> jax.Array:
                 f"{name} must have shape [{seq}] or [{batch}, {seq}] to match the sequence "
                 f"length {seq}; got shape {shp}."
             )
-        return jnp.asarray(positions, jnp.int32)[None, :]
+        return _as_int32(positions)[None, :]
     if len(shp) == 2:
         if shp[1] != seq or shp[0] not in (1, batch):
             raise ValueError(
                 f"{name} must have shape [{seq}] or [{batch}, {seq}] to match batch {batch} and "
                 f"sequence length {seq}; got shape {shp}."
             )
-        return jnp.asarray(positions, jnp.int32)
+        return _as_int32(positions)
     raise ValueError(
         f"{name} must have shape [{seq}] or [{batch}, {seq}]; got shape {shp} (rank {len(shp)})."
     )
+
+
+def _as_int32(positions: Any) -> Any:
+    """int32 positions: a NumPy array for NumPy / Python input, else a ``jax.Array``."""
+    if isinstance(positions, (jax.Array, jax.core.Tracer)):
+        return jnp.asarray(positions, jnp.int32)
+    return np.asarray(positions, np.int32)
 
 
 def is_concrete(x: Any) -> bool:

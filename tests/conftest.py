@@ -59,7 +59,8 @@ def pytest_collection_modifyitems(config, items):
     """Marks the cases listed in ``tests/slow_cases.txt`` ``slow``."""
     if not _SLOW_CASES.is_file():
         return
-    names = {line.split()[0] for line in _SLOW_CASES.read_text().splitlines()
+    # "nodeid seconds" per line (a parametrised id may hold spaces)
+    names = {line.rsplit(None, 1)[0] for line in _SLOW_CASES.read_text().splitlines()
              if line.strip() and not line.startswith("#")}
     for item in items:
         if item.nodeid in names:

@@ -291,6 +291,8 @@ class AttentionCore:
         (:class:`jaxpos.layers.cache.CacheRead`), whatever the cache type."""
         attend_fn = attention_for(read.scheme)
         impl = implementation or self.implementation
+        if attend_fn is not attention:
+            read = read.unpaged()  # the replacing schemes take rows of slots, not pages
         extra = read.keywords()
         if attend_fn is attention and takes_kv_lengths(impl):
             # the cache's fill counts bound the loop over keys (the segment ids hide the

@@ -139,11 +139,25 @@ def run(full: bool) -> dict:
     res = {}
     if full:
         from jaxpos.layers.options import stack_positions
+        from jaxpos.schemes.base import REGISTRY
 
-        # (FoX reads its forget gates in token order: it runs the contiguous ring, not the
-        # zigzag layout, which gives it other gates; stick-breaking is not softmax)
-        cases = [("nnx", p, m, m == "ring" and p != "fox") for p in stack_positions()
-                 if p != "stick_breaking" for m in ("ring", "ulysses")]
+        def flag(p, name):
+            return getattr(REGISTRY.get(p), name, False)
+
+        # a scheme computed in token order (FoX) runs the contiguous ring, not the zigzag
+        # layout (which would give it other gates); a scheme replacing softmax attention
+        # (stick-breaking, CoPE, PaTH) is refused by name, checked below
+        cases = [("nnx", p, m, m == "ring" and not flag(p, "reads_token_order"))
+                 for p in stack_positions() if not flag(p, "replaces_softmax")
+                 for m in ("ring", "ulysses")]
+        for p in stack_positions():
+            if flag(p, "replaces_softmax"):
+                try:
+                    nnx_case(p, "ring", mesh)
+                    res[f"refused/nnx/{p}/not-refused"] = "ran"
+                except ValueError as e:
+                    ok = "replaces softmax attention" in str(e)
+                    res[f"refusal/nnx/{p}" if ok else f"refused/nnx/{p}"] = str(e)[:300]
         cases += [("linen", p, "ulysses", False) for p in ("rope", "t5", "shaw")]
     else:
         cases = QUICK

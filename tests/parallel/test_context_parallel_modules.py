@@ -50,6 +50,8 @@ def test_context_parallel_every_scheme_the_modules_build(tmp_path_factory):
     res = _run_worker(tmp_path_factory, "--modules", "--full")
     _check(res)
     assert any("mesh2x4" in k for k in res)
+    # the schemes replacing softmax attention are refused, by name
+    assert {"refusal/nnx/stick_breaking", "refusal/nnx/cope", "refusal/nnx/path"} <= set(res)
 
 
 def test_context_parallel_option_errors():

@@ -18,7 +18,7 @@ from jaxpos import nnx as jn
 from jaxpos.layers.cache import PagedKVCache
 
 V, D, N = 40, 16, 2
-NO_CACHE = {"fox"}  # refuses to decode from any KV cache
+NO_CACHE = {"fox", "path", "path_fox"}  # refuse to decode from any KV cache
 DEFAULT = {"rope", "t5"}  # the rest (and Linen) in the slow run
 MASK = np.array([[1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1, 1]])  # row 1 left-padded
 

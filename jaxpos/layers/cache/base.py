@@ -21,6 +21,7 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxpos.core.paged import gather_pages
 from jaxpos.layers.functional import fill_hidden_positions, visible_top
 from jaxpos.schemes.base import NoPE, PositionScheme
 
@@ -77,6 +78,20 @@ class CacheRead(NamedTuple):
         ``page_table``): ``{name: value}`` for those that are not None."""
         return {n: val for n, val in (("rope_tables", self.rope_tables),
                                       ("page_table", self.page_table)) if val is not None}
+
+    def unpaged(self) -> CacheRead:
+        """This read with a paged cache's pages gathered into rows of slots
+        (``k``, ``v`` ``[B, pages_per_seq * page_size, N_kv, H]``, ``page_table`` None), for
+        a scheme whose own ``attention`` replaces softmax attention and takes no
+        ``page_table`` (stick-breaking, CoPE). Slots at or past a row's ``kv_lengths`` hold
+        zeros, as the dense cache's empty slots do (a padding query, segment 0, sees them
+        in both). Returns ``self`` for a read that holds no pages."""
+        if self.page_table is None:
+            return self
+        k, v = (gather_pages(x, self.page_table) for x in (self.k, self.v))
+        filled = (jnp.arange(k.shape[1])[None, :] < self.kv_lengths[:, None])[..., None, None]
+        return self._replace(k=jnp.where(filled, k, 0), v=jnp.where(filled, v, 0),
+                             page_table=None)
 
 
 class Cache(abc.ABC):
