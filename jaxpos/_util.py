@@ -1,5 +1,6 @@
 """Small array helpers shared by the attention engines and the kernel package: padding,
-powers of two, and ``shard_map``'s varying-axis types (one home for each)."""
+powers of two, ``shard_map``'s varying-axis types and the ring's one collective (one home
+for each)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["cast_varying", "match_vma", "pad_axis", "poison_rows", "pow2_at_least",
-           "sink_gradient", "varying_axes", "zero_cotangent"]
+           "ring_shift", "sink_gradient", "varying_axes", "zero_cotangent"]
 
 
 def pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0,
@@ -91,3 +92,11 @@ def sink_gradient(sinks: jax.Array, lse: jax.Array, delta: jax.Array,
     flat = lambda x: jnp.moveaxis(x, head_axis, 0).reshape(x.shape[head_axis], -1)
     w = jnp.exp(sinks.astype(jnp.float32)[:, None] - flat(lse))
     return -jnp.sum(jnp.where(jnp.isfinite(w), w, 0.0) * flat(delta), axis=1)
+
+
+def ring_shift(tree: Any, axis_name: str, size: int) -> Any:
+    """Send every leaf to the next device of the ring over ``axis_name`` of ``size``
+    devices (device i -> i + 1 mod P), inside ``shard_map``: ring attention's one
+    collective (:mod:`jaxpos.parallel.ring`, :mod:`jaxpos.parallel.engine_ring`)."""
+    perm = [(i, (i + 1) % size) for i in range(size)]
+    return jax.tree_util.tree_map(lambda x: jax.lax.ppermute(x, axis_name, perm), tree)

@@ -27,6 +27,7 @@ from jax.typing import ArrayLike
 
 from jaxpos.core import engines
 from jaxpos.core.call import transform_call, validate_call
+from jaxpos.core.paged import paged_attention
 from jaxpos.mods import BlockMask
 from jaxpos.schemes.base import PositionScheme, as_scheme
 
@@ -190,9 +191,8 @@ def attention(
     if implementation is not None:
         engines.get_engine(implementation)  # an unknown name fails before anything else
     if page_table is not None:  # k and v are pages: jaxpos.core.paged
-        from jaxpos.core.paged import paged_attention
-        kw = {n: x for n, x in locals().items() if n not in ("q", "k", "v", "paged_attention")}
-        return paged_attention(q, k, v, **kw)
+        kw = {n: x for n, x in locals().items() if n not in ("q", "k", "v")}
+        return paged_attention(attention, q, k, v, **kw)
     call = validate_call(q, k, v, position=position, score_mod=score_mod, mask_mod=mask_mod,
                          block_mask=block_mask, sinks=sinks, q_positions=q_positions,
                          kv_positions=kv_positions, causal=causal, mask=mask,

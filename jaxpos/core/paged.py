@@ -236,8 +236,8 @@ def _poison(out: jax.Array, bad: jax.Array | None) -> jax.Array:
     return jnp.where(bad[:, None, None, None], jnp.array(jnp.nan, out.dtype), out)
 
 
-def paged_attention(q: ArrayLike, k_pages: ArrayLike, v_pages: ArrayLike, *,
-                    page_table: ArrayLike, kv_lengths: ArrayLike | None,
+def paged_attention(attention: Callable[..., jax.Array], q: ArrayLike, k_pages: ArrayLike,
+                    v_pages: ArrayLike, *, page_table: ArrayLike, kv_lengths: ArrayLike | None,
                     q_positions: ArrayLike | None = None,
                     kv_positions: ArrayLike | None = None,
                     implementation: str | None = None, block_q: int | None = None,
@@ -247,6 +247,8 @@ def paged_attention(q: ArrayLike, k_pages: ArrayLike, v_pages: ArrayLike, *,
     with ``page_table=``.
 
     Args:
+      attention: :func:`jaxpos.attention` (its entry passes itself), which runs the call on
+        the gathered keys when the paged kernel does not take it.
       q: ``[B, Tq, N, H]`` float.
       k_pages, v_pages: ``[num_pages, page_size, N_kv, H]`` / ``[..., H_v]`` float.
       page_table: integer ``[B, pages_per_seq]``.
@@ -269,7 +271,6 @@ def paged_attention(q: ArrayLike, k_pages: ArrayLike, v_pages: ArrayLike, *,
         every error of the dense call (:func:`jaxpos.attention`).
     """
     from jaxpos.core import engines
-    from jaxpos.core.entry import attention
 
     if kv_lengths is None:
         raise ValueError("kv_lengths is required with page_table: integer [B], the number of "

@@ -52,18 +52,8 @@ from jaxpos.parallel.context import layer_attention, zigzag_order
 from jaxpos.schemes.base import REGISTRY, NoPE, PositionScheme
 from jaxpos.schemes.learned import learned_positions
 
-__all__ = [
-    "AttentionCore",
-    "BlockCore",
-    "DecoderCore",
-    "EncoderCore",
-    "LearnedCore",
-    "PositionCore",
-    "SinusoidalCore",
-    "StackCore",
-    "param_value",
-    "position_scheme",
-]
+__all__ = ["AttentionCore", "BlockCore", "DecoderCore", "EncoderCore", "LearnedCore",
+           "PositionCore", "SinusoidalCore", "StackCore", "param_value", "position_scheme"]
 
 def attention_for(scheme: PositionScheme) -> Callable[..., jax.Array]:
     """:func:`jaxpos.attention`, or the scheme's own ``attention`` when the scheme replaces

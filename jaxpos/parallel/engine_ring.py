@@ -35,13 +35,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxpos import _checks
-from jaxpos._util import match_vma, sink_gradient, zero_cotangent
+from jaxpos._util import match_vma, ring_shift, sink_gradient, zero_cotangent
 from jaxpos.core import engines
 from jaxpos.core.call import AttentionCall
 from jaxpos.core.chunked import tile_kind, varying_zero
 from jaxpos.core.tiles import lse_merge
 from jaxpos.mods import EMPTY, ConvertedMod, convert_mod
-from jaxpos.parallel.ring import shift
 
 __all__ = ["Rebound", "engine_ring", "lse_engines", "lse_runner", "ring_engine"]
 
@@ -179,7 +178,7 @@ def _forward(cfg: _Cfg, params, sinks, q, loc, kv):
             return o + z, l + z
 
         o, l = jax.lax.cond(_live(cfg, loc, kv), run, lambda _: empty, None)
-        nxt = shift(kv, cfg.axis_name, cfg.size)
+        nxt = ring_shift(kv, cfg.axis_name, cfg.size)
         o_bn = jnp.swapaxes(out, 1, 2)  # merge in [B, N, Tq, Hv]
         merged, lse = lse_merge(o_bn, lse, jnp.swapaxes(o, 1, 2), l)
         return (nxt, jnp.swapaxes(merged, 1, 2), lse), None
@@ -233,7 +232,7 @@ def _core_bwd(cfg: _Cfg, res, dout):
         kv, (dk, dv), dq, dp = carry
         gp, gq, gk, gv = grads(kv)
         dq, dp = dq + gq, [a + b for a, b in zip(dp, gp)]
-        kv, dkv = shift((kv, (dk + gk, dv + gv)), cfg.axis_name, cfg.size)
+        kv, dkv = ring_shift((kv, (dk + gk, dv + gv)), cfg.axis_name, cfg.size)
         return (kv, dkv, dq, dp), None
 
     init = (kv, (zeros(kv["k"]), zeros(kv["v"])), zeros(q), [zeros(p) for p in params])

@@ -55,7 +55,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxpos import _checks
-from jaxpos._util import match_vma, sink_gradient, zero_cotangent
+from jaxpos._util import match_vma, ring_shift, sink_gradient, zero_cotangent
 from jaxpos.core.call import AttentionCall, validate_call
 from jaxpos.core.chunked import (
     BLOCK_K,
@@ -74,6 +74,7 @@ from jaxpos.core.chunked import (
 from jaxpos.core.reference import heads_major, make_terms
 from jaxpos.core.tiles import lse_merge
 from jaxpos.mods import EMPTY
+from jaxpos.parallel.engine_ring import engine_ring, ring_engine
 from jaxpos.schemes.base import PositionScheme
 
 __all__ = ["from_zigzag", "ring_attention", "shard_map", "to_zigzag", "zigzag_permutation"]
@@ -255,14 +256,8 @@ class _RingCfg(NamedTuple):
     groups: int  # query heads per key/value head
 
 
-def shift(tree: Any, axis_name: str, size: int) -> Any:
-    """Send every leaf to the next device of the ring (device i -> i + 1 mod P)."""
-    perm = [(i, (i + 1) % size) for i in range(size)]
-    return jax.tree_util.tree_map(lambda x: jax.lax.ppermute(x, axis_name, perm), tree)
-
-
 def _shift(tree, rc: _RingCfg):
-    return shift(tree, rc.axis_name, rc.size)
+    return ring_shift(tree, rc.axis_name, rc.size)
 
 
 def _expand(x, groups):
@@ -500,7 +495,6 @@ def ring_attention(
                          scale=scale, block_q=block_q, block_k=block_k, sharded=True)
     if call.q_len == 0 or call.kv_len == 0:
         return call.zeros()
-    from jaxpos.parallel.engine_ring import ring_engine
 
     return _ring(call, axis_name, P, ring_engine(call, implementation))
 
@@ -516,7 +510,6 @@ def ring_core(call: AttentionCall, axis_name: str, P: int, implementation: str) 
     """The ring on a validated call whose scheme transform is already applied: this
     device's ``[B, Tq, N, H_v]`` rows (q's dtype)."""
     if implementation not in _TILE_ENGINES:  # one engine call (with its lse) per block
-        from jaxpos.parallel.engine_ring import engine_ring
 
         return engine_ring(call, axis_name, P, implementation)
     Tq, Tk = call.q_len, call.kv_len
