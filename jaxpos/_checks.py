@@ -137,7 +137,7 @@ def positions_2d(name: str, positions: Any, batch: int, seq: int) -> jax.Array:
 
 def _as_int32(positions: Any) -> Any:
     """int32 positions: a NumPy array for NumPy / Python input, else a ``jax.Array``."""
-    if isinstance(positions, (jax.Array, jax.core.Tracer)):
+    if isinstance(positions, jax.Array):  # tracers included
         return jnp.asarray(positions, jnp.int32)
     return np.asarray(positions, np.int32)
 

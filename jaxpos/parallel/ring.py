@@ -495,7 +495,6 @@ def ring_attention(
                          scale=scale, block_q=block_q, block_k=block_k, sharded=True)
     if call.q_len == 0 or call.kv_len == 0:
         return call.zeros()
-
     return _ring(call, axis_name, P, ring_engine(call, implementation))
 
 
@@ -510,7 +509,6 @@ def ring_core(call: AttentionCall, axis_name: str, P: int, implementation: str) 
     """The ring on a validated call whose scheme transform is already applied: this
     device's ``[B, Tq, N, H_v]`` rows (q's dtype)."""
     if implementation not in _TILE_ENGINES:  # one engine call (with its lse) per block
-
         return engine_ring(call, axis_name, P, implementation)
     Tq, Tk = call.q_len, call.kv_len
     qs, kk, vv, m = heads_major(call, repeat_kv=False)
