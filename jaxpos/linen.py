@@ -56,6 +56,7 @@ from jaxpos.layers.cores import (
     PositionCore,
     SinusoidalCore,
     StackCore,
+    module_scheme,
 )
 from jaxpos.layers.functional import (
     learned_table_init,
@@ -457,6 +458,11 @@ class MultiHeadAttention(_LinenDropout, AttentionCore, AttentionOptions, nn.Modu
     def _position(self):
         return self._pos
 
+    def _cache_scheme(self):
+        if isinstance(self.position, str):
+            return self.position, check_attention(self).scheme_options
+        return module_scheme(self.position)
+
     def _sinks(self):
         return self._sink_logits
 
@@ -557,6 +563,11 @@ class _Stack(StackCore, StackOptions, nn.Module):
     def _cache_dims(self):
         _, _, Nk, H = attention_dims(self.d_model, self.num_heads, self.num_kv_heads, None)
         return _checks.check_positive_int("num_layers", self.num_layers), Nk, H
+
+    def _cache_schemes(self):
+        spec = stack_spec(self, causal=self._causal)
+        plans = spec.layer_plans or (spec.plan,) * spec.num_layers
+        return tuple((p.scheme, p.options, spec.num_heads) for p in plans)
 
     def setup(self) -> None:
         check_stack_context(self)

@@ -88,6 +88,7 @@ from jaxpos.layers.cores import (
     BlockCore,
     DecoderCore,
     EncoderCore,
+    module_scheme,
     position_scheme,
 )
 from jaxpos.layers.functional import BIAS_INIT, linear_params, norm_params, token_embedding_init
@@ -296,6 +297,9 @@ class MultiHeadAttention(_NnxDropout, AttentionCore, nnx.Module):
     def _position(self):
         return self.position_module
 
+    def _cache_scheme(self):
+        return module_scheme(self.position_module)
+
     def _sinks(self):
         return None if self.sinks is None else self.sinks[...]
 
@@ -394,6 +398,14 @@ class _Stack(nnx.Module):
 
     def _cache_dims(self):
         return self.num_layers, self.num_kv_heads, self.head_dim
+
+    def _cache_schemes(self):
+        N = self.blocks[0].attn.num_heads
+        if self.rel_position is not None:  # one scheme for the stack, passed to every layer
+            return ((*(module_scheme(self.rel_position) or ("nope", ())), N),) * \
+                self.num_layers
+        return tuple((*(module_scheme(b.attn.position_module) or ("nope", ())), N)
+                     for b in self.blocks)
 
 
 class DecoderLM(DecoderCore, _Stack):

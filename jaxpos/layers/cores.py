@@ -23,7 +23,14 @@ from jax.typing import ArrayLike
 from jaxpos import _checks
 from jaxpos.core.engines import takes_kv_lengths
 from jaxpos.core.entry import attention
-from jaxpos.layers.cache import Cache, CacheRead, check_cache, new_cache, poison_rows
+from jaxpos.layers.cache import (
+    Cache,
+    CacheRead,
+    check_cache,
+    new_cache,
+    poison_rows,
+    with_decode_state,
+)
 from jaxpos.layers.functional import (
     attention_inputs,
     check_attention_input,
@@ -115,6 +122,26 @@ class PositionCore:
         return build_scheme(position, self._scheme_params(), num_heads=num_heads,
                             head_dim=head_dim, causal=causal, options=options,
                             rope_scaling=rope_scaling, x=x, positions=positions)
+
+
+def decode_state_cache(cache: Cache, scheme: tuple | None, num_heads: int,
+                       head_dim: int) -> Cache:
+    """A layer's empty cache with the decode state of its scheme ``(name, options)`` when
+    the scheme keeps one (PaTH: :func:`jaxpos.layers.cache.with_decode_state`), else
+    ``cache`` (also for ``scheme`` None or a name that is not a registered scheme)."""
+    if scheme is None or scheme[0] not in REGISTRY:
+        return cache
+    return with_decode_state(cache, scheme[0], dict(scheme[1] or ()), num_heads, head_dim)
+
+
+def module_scheme(module: Any) -> tuple | None:
+    """``(name, options)`` of a position module (``_spec()``), or None for no module or
+    one without a spec."""
+    spec = getattr(module, "_spec", None)
+    if spec is None:
+        return None
+    name, _, _, _, options = spec()
+    return name, options
 
 
 def position_scheme(module: Any, rope_scaling: Any = None, *, x: jax.Array | None = None,
@@ -272,9 +299,10 @@ class AttentionCore:
           ValueError / TypeError: sizes that are not positive ints, a bad ``keep_first``,
             options that select no cache type or two.
         """
-        _, _, Nk, H = self._dims()
-        return new_cache(batch, max_len, Nk, H, dtype or self.dtype, keep_first=keep_first,
-                         **cache_options)
+        _, N, Nk, H = self._dims()
+        cache = new_cache(batch, max_len, Nk, H, dtype or self.dtype, keep_first=keep_first,
+                          **cache_options)
+        return decode_state_cache(cache, self._cache_scheme(), N, H)
 
     def _attend_cache(self, read: CacheRead, implementation, mask_mod) -> jax.Array:
         """One attention call of a decode step on what the cache handed
@@ -506,8 +534,10 @@ class DecoderCore(StackCore):
             cache, so no step could equal a fresh pass over the kept tokens); bad sizes.
         """
         L, Nk, H = self._cache_dims()
-        caches = tuple(new_cache(batch, max_len, Nk, H, dtype or self.dtype,
-                                 keep_first=keep_first, **cache_options) for _ in range(L))
+        caches = tuple(decode_state_cache(
+            new_cache(batch, max_len, Nk, H, dtype or self.dtype, keep_first=keep_first,
+                      **cache_options), (name, options), num_heads, H)
+            for name, options, num_heads in self._cache_schemes())
         given = {"keep_first": keep_first, **cache_options}
         self._check_cache_positions(caches[0], "init_cache(" + ", ".join(
             f"{n}={val!r}" for n, val in given.items() if val is not None) + ")")

@@ -297,6 +297,22 @@ class PositionScheme:
         """
         return q, k, self
 
+    @classmethod
+    def init_decode_state(cls, batch: int, slots: int, *, num_heads: int, head_dim: int,
+                          options: dict) -> Any:
+        """The empty per-layer state a scheme's KV-cache decoding keeps besides the keys
+        and values (a pytree of arrays with a leading batch axis), or None (the default:
+        the cache alone suffices). A scheme returning state registers the writer that
+        updates it (:func:`jaxpos.layers.cache.scheme_state.register_state_writer`); the
+        modules' ``init_cache`` wraps each layer's cache with it. PaTH keeps its
+        convolution's last inputs (:meth:`jaxpos.schemes.path.PaTH.init_decode_state`).
+
+        Args:
+          batch: rows; slots: slots per row of the cache (``Cache.slots_per_row``);
+          num_heads, head_dim: the layer's; options: the scheme's options.
+        """
+        return None
+
     def load_tables(self, q_positions: ArrayLike, kv_positions: ArrayLike,
                     seq_len: ArrayLike | None = None) -> Any | None:
         """What the scheme needs where attention loads q and k, for keys stored raw:

@@ -22,9 +22,11 @@ padding, which they pass as segment ids), as the authors' varlen convolution doe
 The layer's keys and values may have fewer heads than its queries: set the scheme option
 ``num_kv_heads`` to the layer's (default: the number of query heads).
 
-KV-cache decoding is refused: the paper's inference rule updates every cached key by
-each new transform and the convolution needs the last inputs, neither of which the
-modules' KV cache keeps.
+KV-cache decoding follows the paper's inference rule (§3.2): the caches the modules'
+``init_cache`` make for a PaTH layer carry its decode state (:meth:`PaTH.init_decode_state`:
+the convolution's last ``K - 1`` inputs per row and, for PaTH-FoX, the cumulative forget
+gates), and each step moves every cached key by the new tokens' transforms
+(:mod:`jaxpos.layers.cache.path`, :mod:`jaxpos.core.path_decode`).
 """
 
 from __future__ import annotations
@@ -96,8 +98,9 @@ class PaTH(PositionScheme):
     :func:`jaxpos.attention` (which refuses the scheme: :meth:`transform_qk` raises).
 
     Raises:
-      ValueError: a non-causal layer; KV-cache decoding (:meth:`cache_write`); a layer
-        whose key heads differ from the option ``num_kv_heads``.
+      ValueError: a non-causal layer; a cache without PaTH's decode state
+        (:meth:`cache_write`); a layer whose key heads differ from the option
+        ``num_kv_heads``.
     """
 
     reads_token_order = True  # the short causal convolution runs in token order
@@ -184,6 +187,49 @@ class PaTH(PositionScheme):
         w = jax.nn.silu(short_causal_conv(self.u, self.conv, segment_ids))
         return l2_normalise(w.reshape(B, T, self.num_kv_heads, width // self.num_kv_heads))
 
+    def decode_directions(self, tail: jax.Array, mask: jax.Array
+                          ) -> tuple[jax.Array, jax.Array]:
+        """``w`` of a decode step's new tokens and the convolution's next tail.
+
+        The convolution of a new token reads the ``K - 1`` tokens before it in its row,
+        padding skipped: the last of those written by earlier steps are ``tail``.
+
+        Args:
+          tail: float32 ``[B, K - 1, N_kv * H]``, the last ``K - 1`` inputs ``u`` of the
+            row's tokens (zeros before a row's first token: the convolution's restart).
+          mask: bool ``[B, T]``, True for a token, False for padding (whose ``w`` is
+            computed but unused: the writer sets its ``beta`` to 0).
+
+        Returns:
+          ``(w float32 [B, T, N_kv, H], tail float32 [B, K - 1, N_kv * H])``.
+        """
+        B, T, width = self.u.shape
+        K = self.conv.shape[0]
+        order = jnp.argsort(~mask, axis=1, stable=True)  # tokens first, in their order
+        ext = jnp.concatenate([tail, jnp.take_along_axis(self.u, order[..., None], 1)], 1)
+        out = short_causal_conv(ext, self.conv)[:, K - 1:]
+        out = jnp.take_along_axis(out, jnp.argsort(order, axis=1)[..., None], 1)
+        n = jnp.sum(mask, axis=1, dtype=jnp.int32)
+        keep = n[:, None] + jnp.arange(K - 1, dtype=jnp.int32)
+        new_tail = jnp.take_along_axis(ext, keep[..., None], 1)
+        w = l2_normalise(jax.nn.silu(out).reshape(B, T, self.num_kv_heads,
+                                                  width // self.num_kv_heads))
+        return w, new_tail
+
+    @classmethod
+    def init_decode_state(cls, batch: int, slots: int, *, num_heads: int, head_dim: int,
+                          options: dict) -> dict:
+        """The empty decode state of one layer (:mod:`jaxpos.layers.cache.scheme_state`):
+        ``tail`` zeros float32 ``[batch, K - 1, N_kv * H]`` (the convolution's last
+        inputs) and, for PaTH-FoX, ``g_last`` ``[batch, N]`` (each row's cumulative log
+        forget gate) and ``g_slots`` ``[batch, slots, N]`` (each cached slot's)."""
+        nk, _, K = cls._sizes(num_heads, head_dim, 1, options)
+        state = {"tail": jnp.zeros((batch, K - 1, nk * head_dim), jnp.float32)}
+        if cls.forget:
+            state["g_last"] = jnp.zeros((batch, num_heads), jnp.float32)
+            state["g_slots"] = jnp.zeros((batch, slots, num_heads), jnp.float32)
+        return state
+
     def check_causal(self, causal: bool) -> None:
         if not causal:
             raise ValueError("PaTH attention is causal by definition (Yang et al. 2025, Eq. 2); "
@@ -197,16 +243,16 @@ class PaTH(PositionScheme):
                          f"for position={self.registry_name!r}).")
 
     def cache_write(self, q: jax.Array, k: jax.Array, positions: jax.Array):
-        """KV-cache decoding is refused.
+        """Writing to a cache without PaTH's decode state is refused.
 
         Raises:
-          ValueError: always.
+          ValueError: always (decode from the caches of the model's ``init_cache``).
         """
         raise ValueError(
-            f"position={self.registry_name!r} cannot decode from the modules' KV cache: "
-            f"PaTH's inference rule (Yang et al. 2025, §3.2) multiplies every cached key by "
-            f"each new token's transform and its short convolution needs the last inputs; the "
-            f"cache keeps neither. Run the full sequence through the model instead.")
+            f"position={self.registry_name!r} decodes from a KV cache that carries its decode "
+            f"state (the short convolution's last inputs; PaTH's inference rule, Yang et al. "
+            f"2025, §3.2, moves every cached key by each new token's transform): use the "
+            f"caches of the layer's or model's init_cache, not a bare KVCache.")
 
 
 @register("path_fox")

@@ -10,7 +10,7 @@ one call. Every step's logits equal the full pass's at those positions (float32,
 cache (FoX: its bias needs the forget gates of every cached token) raises a
 ``ValueError`` about the cache instead of giving other numbers.
 
-The default run decodes every scheme but FIRE and PoPE with NNX (reference
+The default run decodes every scheme but FIRE, PoPE and PaTH with NNX (reference
 implementation) and RoPE with Linen; the others (and stick-breaking through the chunked
 implementation) run with ``-m slow`` (the twins share the cores,
 ``tests/modules/test_linen.py`` checks their logits are identical).
@@ -30,9 +30,10 @@ from jaxpos import nnx as jn
 V, D, N, T = 40, 16, 2, 7
 OFFSETS = np.array([0, 4])  # row 1 starts at position 4
 PROMPT = (3, 1)             # tokens each row prefills
-NO_CACHE = {"fox", "path", "path_fox"}  # schemes that refuse to decode from a KV cache
+NO_CACHE = {"fox"}  # schemes that refuse to decode from a KV cache
 LINEN_DEFAULT = {"rope"}
-NNX_SLOW = {"fire", "pope"}  # the most expensive eager decodes; xPos stays (read-time transform)
+NNX_SLOW = {"fire", "pope", "path", "path_fox"}  # the most expensive eager decodes (PaTH also in
+# tests/modules/test_path_decoding.py); xPos stays (read-time transform)
 
 CASES = (
     [pytest.param(p, "nnx", "reference", id=f"{p}-nnx",
@@ -82,11 +83,11 @@ def test_kv_cache_decoding_equals_the_full_pass(position, kind, implementation):
                                    err_msg=f"prefill of row {b}")
         caches.append(cache)
     cache = _concat_rows(*caches)
-    np.testing.assert_array_equal(cache[0].length, PROMPT)
+    np.testing.assert_array_equal(cache[0].token_count()[:, 0], PROMPT)
     rows = np.arange(2)
     for s in range(3):
         idx = np.array(PROMPT) + s
         logits, cache = decode(tokens[rows, idx][:, None], cache, positions[rows, idx][:, None])
         np.testing.assert_allclose(logits[:, 0], full[rows, idx], rtol=2e-5, atol=2e-5,
                                    err_msg=f"decode step {s}")
-    np.testing.assert_array_equal(cache[-1].length, np.array(PROMPT) + 3)
+    np.testing.assert_array_equal(cache[-1].token_count()[:, 0], np.array(PROMPT) + 3)

@@ -3,9 +3,9 @@ Golovneva et al. 2024) in the Flax modules: the layer's transforms follow the pa
 parameterisation (a float64 NumPy rebuild of ``w`` = L2-normalised SiLU of a causal
 depthwise convolution of a low-rank projection, ``beta = 2 sigmoid(.)``, FoX's gate),
 padding and packing restart the convolution, grouped-query layers, NNX and Linen agree,
-CoPE decodes from a KV cache as its full pass (with non-zero embeddings), PaTH refuses
-to decode, and ``jaxpos.attention`` refuses both schemes naming the functions that run
-them."""
+CoPE decodes from a KV cache as its full pass (with non-zero embeddings; PaTH's decoding:
+``test_path_decoding.py``), and ``jaxpos.attention`` refuses both schemes naming the
+functions that run them."""
 
 import jax
 import jax.numpy as jnp
@@ -131,13 +131,6 @@ def test_cope_decoding_equals_the_full_pass():
         logits, cache = m.decode_step(tokens[:, i:i + 1], cache)
         steps.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(steps, 1), full, atol=2e-5)
-
-
-def test_path_refuses_to_decode():
-    m = jn.DecoderLM(30, d_model=D, num_layers=1, num_heads=N, position="path",
-                     rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="cannot decode from the modules' KV cache"):
-        m.decode_step(jnp.zeros((1, 2), jnp.int32), m.init_cache(1, 8))
 
 
 @pytest.mark.parametrize("impl", ["reference", "chunked", "pallas", "xla"])

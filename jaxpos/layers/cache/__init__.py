@@ -8,7 +8,9 @@ cache type behind one protocol (:mod:`jaxpos.layers.cache.base`):
 * :mod:`~jaxpos.layers.cache.streaming`: :class:`StreamingKVCache` (StreamingLLM, Xiao et
   al. 2024, §3.2);
 * :mod:`~jaxpos.layers.cache.paged`: :class:`PagedKVCache` (vLLM's paged cache, Kwon et al.
-  2023, §4.2).
+  2023, §4.2);
+* :mod:`~jaxpos.layers.cache.scheme_state`: :class:`SchemeStateCache`, another cache plus
+  a scheme's decode state (PaTH's writer: :mod:`~jaxpos.layers.cache.path`).
 
 :func:`new_cache` builds the cache that the options of ``init_cache`` ask for. A new cache
 type is one file: a :class:`Cache` subclass and its empty-cache function, plus one
@@ -31,6 +33,12 @@ from jaxpos.layers.cache.base import (
 )
 from jaxpos.layers.cache.dense import KVCache, init_kv_cache, update_kv_cache
 from jaxpos.layers.cache.paged import PagedKVCache, init_paged_cache
+from jaxpos.layers.cache.path import write_path_step
+from jaxpos.layers.cache.scheme_state import (
+    SchemeStateCache,
+    register_state_writer,
+    with_decode_state,
+)
 from jaxpos.layers.cache.streaming import (
     StreamingKVCache,
     init_streaming_cache,
@@ -39,11 +47,12 @@ from jaxpos.layers.cache.streaming import (
     update_streaming_cache,
 )
 
-__all__ = ["Cache", "CacheRead", "KVCache", "PagedKVCache", "StreamingKVCache", "check_cache",
-           "init_kv_cache", "init_paged_cache", "init_streaming_cache", "new_cache",
-           "place_order", "poison_rows", "read_positions",
-           "register_cache", "rotate_at_write", "rotates_on_load", "streaming_ranks",
-           "update_kv_cache", "update_streaming_cache"]
+__all__ = ["Cache", "CacheRead", "KVCache", "PagedKVCache", "SchemeStateCache",
+           "StreamingKVCache", "check_cache", "init_kv_cache", "init_paged_cache",
+           "init_streaming_cache", "new_cache", "place_order", "poison_rows", "read_positions",
+           "register_cache", "register_state_writer", "rotate_at_write", "rotates_on_load",
+           "streaming_ranks", "update_kv_cache", "update_streaming_cache", "with_decode_state",
+           "write_path_step"]
 
 #: (options owned, builder) for each cache type besides the dense one, in registration order
 _CACHES: list[tuple[tuple[str, ...], Callable[..., Cache]]] = []

@@ -129,6 +129,33 @@ class Cache(abc.ABC):
         """int32 ``[B, 1]``: tokens written per row, padding excluded (the default
         position of the next token)."""
 
+    @property
+    def slots_per_row(self) -> int:
+        """``S``, the slots of a row as :meth:`CacheRead.unpaged` lays them out (static):
+        the size of a scheme's per-slot decode state
+        (:mod:`jaxpos.layers.cache.scheme_state`).
+
+        Raises:
+          ValueError: a cache type that does not say (it cannot carry such state).
+        """
+        raise ValueError(f"{type(self).__name__} cannot carry a scheme's decode state (it "
+                         f"does not give slots_per_row).")
+
+    def update_keys(self, fn: Any) -> Cache:
+        """The cache with every row's stored keys replaced by ``fn(k)``: ``k`` the keys
+        ``[B, S, N_kv, H]`` in the row-of-slots layout of :meth:`CacheRead.unpaged`
+        (float32), ``fn`` returning the same shape. For a scheme whose decoding moves the
+        cached keys at each step (PaTH's inference rule, Yang et al. 2025, §3.2).
+
+        Raises:
+          ValueError: a cache type whose keys cannot be rewritten in place (the
+            StreamingLLM cache re-places its tokens; the default).
+        """
+        raise ValueError(f"{type(self).__name__} cannot rewrite its stored keys in place, "
+                         f"which decoding this scheme needs (PaTH moves every cached key by "
+                         f"each new token's transform); use the dense cache (init_cache "
+                         f"without options) or the paged one.")
+
     @abc.abstractmethod
     def write(self, scheme: PositionScheme, q: jax.Array, k: jax.Array, v: jax.Array,
               positions: jax.Array, mask: jax.Array | None) -> tuple[Cache, CacheRead]:

@@ -3,7 +3,7 @@ row's fill count (padding stored as invisible slots)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +62,16 @@ class KVCache(_KVCacheFields, Cache):
     def token_count(self) -> jax.Array:
         """int32 ``[B, 1]`` tokens held per row (padding excluded)."""
         return self.tokens[:, None]
+
+    @property
+    def slots_per_row(self) -> int:
+        """``max_len``."""
+        return self.k.shape[1]
+
+    def update_keys(self, fn: Any) -> KVCache:
+        """:meth:`jaxpos.layers.cache.Cache.update_keys`: ``k <- fn(k)`` (in float32, stored
+        in the cache's dtype)."""
+        return self._replace(k=fn(self.k.astype(jnp.float32)).astype(self.k.dtype))
 
     def write(self, scheme: PositionScheme, q: jax.Array, k: jax.Array, v: jax.Array,
               positions: jax.Array, mask: jax.Array | None) -> tuple[KVCache, CacheRead]:

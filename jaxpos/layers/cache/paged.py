@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
+from jaxpos.core.paged import gather_pages
 from jaxpos.layers.cache.base import (
     Cache,
     CacheRead,
@@ -151,6 +152,24 @@ class PagedKVCache(Cache):
     def token_count(self) -> jax.Array:
         """int32 ``[B, 1]`` tokens held per row (padding excluded)."""
         return self.tokens[:, None]
+
+    @property
+    def slots_per_row(self) -> int:
+        """``S = pages_per_seq * page_size``."""
+        return self.positions.shape[1]
+
+    def update_keys(self, fn: Any) -> PagedKVCache:
+        """:meth:`jaxpos.layers.cache.Cache.update_keys`: every row's pages gathered into
+        rows of slots, ``fn`` applied, written back to the same pages (entries without a
+        page are dropped). A page must belong to one row (as the pages this cache hands
+        out do): a page two rows share would be written twice."""
+        B, pps = self.page_table.shape
+        ps, P = self.page_size, self.num_pages
+        rows = fn(gather_pages(self.k_pages, self.page_table).astype(jnp.float32))
+        rows = rows.astype(self.k_pages.dtype).reshape((B * pps, ps) + self.k_pages.shape[2:])
+        table = self.page_table.reshape(-1)
+        index = jnp.where((table >= 0) & (table < P), table, P)  # P: out of range, dropped
+        return dataclasses.replace(self, k_pages=self.k_pages.at[index].set(rows, mode="drop"))
 
     def write(self, scheme: PositionScheme, q: jax.Array, k: jax.Array, v: jax.Array,
               positions: jax.Array, mask: jax.Array | None) -> tuple[PagedKVCache, CacheRead]:

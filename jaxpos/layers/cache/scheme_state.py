@@ -1,0 +1,109 @@
+"""A KV cache that carries a scheme's decode state beside another cache.
+
+Most schemes decode from keys, values and positions alone. A scheme computed along the
+token axis needs more: PaTH's short convolution reads the last inputs of the row, and its
+inference rule moves every cached key at each step (Yang et al. 2025, arXiv:2505.16381,
+§3.2). Such a scheme says so with
+:meth:`jaxpos.PositionScheme.init_decode_state` and registers a writer here; the modules'
+``init_cache`` then wraps each layer's cache (:func:`with_decode_state`), and a step's
+:meth:`SchemeStateCache.write` hands the inner cache and the state to the writer. The
+modules never ask which cache they hold: the wrapper is a :class:`Cache` like the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from jaxpos.layers.cache.base import Cache, CacheRead
+from jaxpos.schemes.base import PositionScheme, get_scheme
+
+__all__ = ["SchemeStateCache", "register_state_writer", "with_decode_state"]
+
+#: scheme name -> writer(scheme, inner, state, q, k, v, positions, mask)
+#: -> (inner, state, read)
+_WRITERS: dict[str, Callable[..., tuple[Cache, Any, CacheRead]]] = {}
+
+
+def register_state_writer(*names: str) -> Callable[[Callable], Callable]:
+    """Function decorator: the writer of the schemes registered as ``names``, called by
+    :meth:`SchemeStateCache.write` as ``fn(scheme, inner, state, q, k, v, positions,
+    mask)`` and returning ``(inner, state, read)`` (the arguments of
+    :meth:`Cache.write`, plus the inner cache and the scheme's state)."""
+
+    def deco(fn):
+        for name in names:
+            _WRITERS[name] = fn
+        return fn
+
+    return deco
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SchemeStateCache(Cache):
+    """A cache (``inner``, any :class:`Cache` that implements ``update_keys`` and
+    ``slots_per_row``) with the decode ``state`` of the scheme ``scheme_name`` (a pytree
+    whose arrays have a leading batch axis: rows of two caches concatenate).
+
+    Attributes:
+      inner: the cache of keys and values; state: the scheme's state
+        (:meth:`jaxpos.PositionScheme.init_decode_state`); scheme_name: static.
+    """
+
+    inner: Cache
+    state: Any
+    scheme_name: str = dataclasses.field(metadata={"static": True})
+
+    @property
+    def batch_size(self) -> int:
+        return self.inner.batch_size
+
+    @property
+    def slots_per_row(self) -> int:
+        return self.inner.slots_per_row
+
+    def token_count(self) -> jax.Array:
+        return self.inner.token_count()
+
+    def write(self, scheme: PositionScheme, q: jax.Array, k: jax.Array, v: jax.Array,
+              positions: jax.Array, mask: jax.Array | None
+              ) -> tuple[SchemeStateCache, CacheRead]:
+        """:meth:`jaxpos.layers.cache.Cache.write` by the scheme's registered writer.
+
+        Raises:
+          ValueError: a scheme other than the one the state was made for.
+        """
+        if scheme.registry_name != self.scheme_name:
+            raise ValueError(f"this cache carries the decode state of position="
+                             f"{self.scheme_name!r}; the step's scheme is "
+                             f"{type(scheme).__name__} ({scheme.registry_name!r}).")
+        inner, state, read = _WRITERS[self.scheme_name](scheme, self.inner, self.state, q, k,
+                                                        v, positions, mask)
+        return SchemeStateCache(inner, state, self.scheme_name), read
+
+
+def with_decode_state(cache: Cache, scheme_name: str, options: dict,
+                      num_heads: int, head_dim: int) -> Cache:
+    """``cache`` wrapped with the decode state of the scheme ``scheme_name`` when its
+    class keeps one (:meth:`jaxpos.PositionScheme.init_decode_state`), else ``cache``.
+
+    Raises:
+      ValueError: a cache type that cannot carry the state (it does not rewrite its keys
+        in place: the StreamingLLM cache), naming the scheme.
+    """
+    cls = get_scheme(scheme_name)
+    if cls.init_decode_state.__func__ is PositionScheme.init_decode_state.__func__:
+        return cache
+    if type(cache).update_keys is Cache.update_keys or scheme_name not in _WRITERS:
+        raise ValueError(f"position={scheme_name!r} decodes by moving the cached keys at each "
+                         f"step, which {type(cache).__name__} cannot do; use the dense cache "
+                         f"(init_cache without options) or the paged one (page_size=, "
+                         f"num_pages=).")
+    state = cls.init_decode_state(cache.batch_size, cache.slots_per_row,
+                                  num_heads=num_heads, head_dim=head_dim,
+                                  options=dict(options))
+    return SchemeStateCache(cache, state, scheme_name)
