@@ -43,7 +43,7 @@ from jaxpos.schemes.base import PositionScheme, register_attention
 __all__ = ["PaTHCacheRead", "cached_path_attention", "chunk_transforms", "move_keys"]
 
 
-def chunk_transforms(q: ArrayLike, k: ArrayLike, w: ArrayLike, beta: ArrayLike
+def chunk_transforms(q: jax.Array, k: jax.Array, w: ArrayLike, beta: ArrayLike
                      ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """The block quantities of one decode step of ``T`` new tokens.
 

@@ -5,9 +5,12 @@ positions, segments and dtypes), on every path that takes them: the ``"reference
 :func:`jaxpos.cope_attention`, forward against the float64 references of
 ``_replacing_reference.py`` and the chunked gradients against the reference path's (the
 reference's gradients are checked against float64 finite differences in
-``tests/attention``). Every engine of :func:`jaxpos.attention` refuses them with a
-``ValueError`` naming the function and implementations that run them. A scheme or call
-shape joins by adding an entry to ``SHAPES``.
+``tests/attention``). PaTH's KV-cache decoding (the modules' path: steps of 3, 1 and 4
+tokens over a dense cache, ``jaxpos.layers.cache.path``) takes the shapes a cache row holds
+(one sequence, left padding), against the same float64 reference. Every engine of
+:func:`jaxpos.attention` refuses them with a ``ValueError`` naming the function and
+implementations that run them. A scheme or call shape joins by adding an entry to
+``SHAPES`` (``DECODE_SHAPES`` for decoding).
 
 PaTH is causal self-attention by definition (its transforms are the tokens between the
 key and the query), so it takes the self-attention shapes; CoPE takes queries aligned to
@@ -23,6 +26,9 @@ from _conformance_cases import CALL_SHAPES, tolerance
 from _replacing_reference import np_cope, np_path
 
 import jaxpos
+from jaxpos.core.path_decode import cached_path_attention
+from jaxpos.layers.cache import init_kv_cache
+from jaxpos.layers.cache.path import write_transforms
 
 #: scheme -> call shapes it takes (the rest: a clear error, tested below).
 SHAPES = {
@@ -31,6 +37,9 @@ SHAPES = {
     "cope": ("training", "gqa", "prefill_chunk", "decode", "offset_positions", "packed",
              "left_padded", "empty_rows_causal_segments", "bfloat16"),
 }
+#: scheme -> call shapes its KV-cache decoding takes (packed rows are no cache's rows).
+DECODE_SHAPES = {"path": ("training", "gqa", "left_padded"),
+                 "path_fox": ("training", "gqa", "left_padded")}
 CASES = [pytest.param(s, c, i, id=f"{i}-{c}-{s}",
                       marks=() if c == "training" else pytest.mark.slow)
          for s, shapes in SHAPES.items() for c in shapes for i in ("reference", "chunked")]
@@ -121,3 +130,34 @@ def test_softmax_engines_refuse_them_naming_the_paths_that_take_them(impl):
                 (jnp.zeros((4, 5)),)
             with pytest.raises(ValueError, match="'reference' or 'chunked'"):
                 fn(q, q, q, *extra, implementation=impl)
+
+
+@pytest.mark.parametrize(("scheme", "shape"), [
+    pytest.param(s, c, id=f"cache_decode-{c}-{s}",
+                 marks=() if (s, c) == ("path_fox", "left_padded") else pytest.mark.slow)
+    for s, shapes in DECODE_SHAPES.items() for c in shapes])
+def test_cache_decoding_matches_float64(scheme, shape):
+    case = CALL_SHAPES[shape]("none")
+    q, k, v, _ = case.arrays()
+    extras = _extras(scheme, case)
+    seg = case.np_("segment_ids")
+    mask = np.ones((case.B, case.Tq), bool) if seg is None else seg != 0
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    cache = init_kv_cache(case.B, case.Tk, case.Nk, q.shape[-1], jnp.float32)
+    lf = extras.get("log_forget")
+    g_last, g_slots = jnp.zeros((case.B, case.N)), jnp.zeros((case.B, case.Tk, case.N))
+    outs = []
+    for a, b in ((0, 3), (3, 4), (4, case.Tq)):
+        sl = slice(a, b)
+        cache, read, gates = write_transforms(
+            cache, f32(q[:, sl]), f32(k[:, sl]), f32(v[:, sl]), f32(extras["w"][:, sl]),
+            f32(extras["beta"][:, sl]), None if lf is None else f32(lf[:, sl]),
+            np.broadcast_to(np.arange(a, b), (case.B, b - a)), mask[:, sl], g_last, g_slots)
+        if gates is not None:
+            g_last, g_slots = gates
+        outs.append(np.asarray(cached_path_attention(
+            read.scheme, read.q, read.k, read.v, segment_ids=read.segment_ids,
+            kv_segment_ids=read.kv_segment_ids)))
+    ref = np_path(q, k, v, extras["w"], extras["beta"], lf, mask.astype(int))
+    tol = tolerance(case) * max(1.0, float(np.abs(ref).max()))
+    np.testing.assert_allclose(np.concatenate(outs, 1)[mask], ref[mask], rtol=0, atol=tol)
