@@ -169,11 +169,24 @@ class ModuleDecoder:
 
     Args:
       model: a :class:`jaxpos.nnx.DecoderLM` (its weights are split off as :attr:`params`).
+
+    Raises:
+      ValueError: a model whose decoding keeps state beside the keys and values (PaTH:
+        the loop owns only the pages).
     """
 
     def __init__(self, model: Any):
         from flax import nnx
 
+        from jaxpos.layers.cache.paged import PagedKVCache
+
+        kept = [type(c).__name__ for c in model.init_cache(1, 1, page_size=1, num_pages=1)
+                if not isinstance(c, PagedKVCache)]
+        if kept:
+            raise ValueError(f"the serving loop owns only the key and value pages, but this "
+                             f"model's layers decode with a cache that keeps more ({kept[0]}: "
+                             f"PaTH's decode state, its short convolution's last inputs); "
+                             f"decode it with model.decode_step and its own init_cache.")
         self._graphdef, self.params = nnx.split(model)
         self.vocab_size = int(model.embed.embedding.shape[0])
         self._model = model

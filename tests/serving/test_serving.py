@@ -9,9 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxpos
 from jaxpos.layers.functional import embed_tokens, merge_heads, mlp, project_heads, rms_norm
+from jaxpos.nnx import DecoderLM
 from jaxpos.serving import (
     PageAllocator,
     PagedDecoder,
@@ -20,6 +22,7 @@ from jaxpos.serving import (
     sample_tokens,
     write_pages,
 )
+from jaxpos.serving.model import ModuleDecoder
 
 
 # ------------------------------------------------------------------------ allocator
@@ -189,3 +192,10 @@ def test_the_loop_drives_a_decoder_lm_through_its_paged_cache():
         prompt = list(c.request.prompt)
         full = np.asarray(lm(jnp.asarray([prompt + c.tokens[:-1]])))[0]
         np.testing.assert_array_equal(c.tokens, np.argmax(full[len(prompt) - 1:], axis=-1))
+
+
+def test_module_decoder_refuses_a_model_whose_decoding_keeps_state():
+    model = DecoderLM(32, d_model=16, num_layers=1, num_heads=2, position="path",
+                      rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="owns only the key and value pages.*PaTH"):
+        ModuleDecoder(model)
