@@ -56,7 +56,6 @@ from jaxpos.layers.cores import (
     PositionCore,
     SinusoidalCore,
     StackCore,
-    module_scheme,
 )
 from jaxpos.layers.functional import (
     learned_table_init,
@@ -74,6 +73,7 @@ from jaxpos.layers.options import (
     freeze_options,
     has_params,
     init_scheme_params,
+    module_scheme,
     stack_positions,
 )
 from jaxpos.layers.spec import (

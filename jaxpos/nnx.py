@@ -88,7 +88,6 @@ from jaxpos.layers.cores import (
     BlockCore,
     DecoderCore,
     EncoderCore,
-    module_scheme,
     position_scheme,
 )
 from jaxpos.layers.functional import BIAS_INIT, linear_params, norm_params, token_embedding_init
@@ -102,7 +101,12 @@ from jaxpos.layers.nnx_positions import (
     T5RelativeBias,
     make_position_module,
 )
-from jaxpos.layers.options import ABSOLUTE_POSITIONS, attention_positions, stack_positions
+from jaxpos.layers.options import (
+    ABSOLUTE_POSITIONS,
+    attention_positions,
+    module_scheme,
+    stack_positions,
+)
 from jaxpos.layers.spec import (
     AttentionOptions,
     BlockOptions,

@@ -6,7 +6,8 @@ same weights both twins therefore give the same outputs.
 A core reads its parameters as attributes (``self.q_proj.kernel``, ``self.table``, ...)
 through :func:`param_value` (an :class:`flax.nnx.Variable` or a plain array) and its
 hyper-parameters through small hooks that each twin gives (``_dims()``, ``_position()``,
-``_sinks()``, ``_spec()``, ``_scheme_params()``, ``_position_name()``, ``_cache_dims()``).
+``_sinks()``, ``_spec()``, ``_scheme_params()``, ``_position_name()``, ``_cache_dims()``,
+``_cache_scheme()`` / ``_cache_schemes()``: the scheme of a layer's / each layer's cache).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from jaxpos.layers.cache import (
     Cache,
     CacheRead,
     check_cache,
+    decode_state_cache,
     new_cache,
     poison_rows,
-    with_decode_state,
 )
 from jaxpos.layers.functional import (
     attention_inputs,
@@ -124,26 +125,6 @@ class PositionCore:
                             rope_scaling=rope_scaling, x=x, positions=positions)
 
 
-def decode_state_cache(cache: Cache, scheme: tuple | None, num_heads: int,
-                       head_dim: int) -> Cache:
-    """A layer's empty cache with the decode state of its scheme ``(name, options)`` when
-    the scheme keeps one (PaTH: :func:`jaxpos.layers.cache.with_decode_state`), else
-    ``cache`` (also for ``scheme`` None or a name that is not a registered scheme)."""
-    if scheme is None or scheme[0] not in REGISTRY:
-        return cache
-    return with_decode_state(cache, scheme[0], dict(scheme[1] or ()), num_heads, head_dim)
-
-
-def module_scheme(module: Any) -> tuple | None:
-    """``(name, options)`` of a position module (``_spec()``), or None for no module or
-    one without a spec."""
-    spec = getattr(module, "_spec", None)
-    if spec is None:
-        return None
-    name, _, _, _, options = spec()
-    return name, options
-
-
 def position_scheme(module: Any, rope_scaling: Any = None, *, x: jax.Array | None = None,
                     positions: ArrayLike | None = None) -> PositionScheme:
     """The scheme object of an attention-position module for one call: ``module.scheme(
@@ -165,8 +146,10 @@ class AttentionCore:
     declare ``q_proj``/``k_proj``/``v_proj``/``o_proj`` (``kernel``, ``bias``), fields
     ``causal``, ``scale``, ``implementation``, ``dtype``, ``mask_mod`` (a callable or
     None), and give ``_dims()`` -> ``(d_model, num_heads, num_kv_heads, head_dim)``,
-    ``_position()`` (the position module or None) and ``_sinks()`` (the sink logits
-    ``[num_heads]``, or None for a layer without sinks); for dropout a field
+    ``_position()`` (the position module or None), ``_cache_scheme()`` (``(name,
+    options)`` of the layer's scheme, or None: the decode state of its cache) and
+    ``_sinks()`` (the sink logits ``[num_heads]``, or None for a layer without sinks); for
+    dropout a field
     ``dropout_rate`` and ``_is_deterministic(deterministic)`` / ``_dropout_key(rngs)``
     (Flax's conventions of each twin)."""
 
@@ -404,7 +387,9 @@ class StackCore:
     ``rel_position`` (the stack's :class:`jaxpos.nnx.PositionModule`, or None when the
     scheme lives in every layer), ``blocks``, ``final_norm`` and fields ``vocab_size``, ``d_model``,
     ``max_len``, ``implementation``, ``dtype``; and give ``_position_name()`` and
-    ``_cache_dims()`` -> ``(num_layers, num_kv_heads, head_dim)``."""
+    ``_cache_dims()`` -> ``(num_layers, num_kv_heads, head_dim)`` and ``_cache_schemes()``
+    -> ``((name, options, num_heads), ...)`` one per layer (the decode state of its
+    cache)."""
 
     if TYPE_CHECKING:  # attributes and methods of the NNX / Linen class mixing this in
         def __getattr__(self, name: str) -> Any: ...

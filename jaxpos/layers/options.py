@@ -31,6 +31,7 @@ __all__ = [
     "buildable",
     "check_attention_options",
     "check_learned_length",
+    "module_scheme",
     "check_mask_mod",
     "check_module_dims",
     "check_options_read",
@@ -437,3 +438,13 @@ def check_module_dims(num_heads: int | None, head_dim: int | None,
     for arg, val in (("num_heads", num_heads), ("head_dim", head_dim), ("d_model", d_model)):
         if val is not None:
             _checks.check_positive_int(arg, val)
+
+
+def module_scheme(module: Any) -> tuple | None:
+    """``(name, options)`` of a position module (``_spec()``), or None for no module or
+    one without a spec."""
+    spec = getattr(module, "_spec", None)
+    if spec is None:
+        return None
+    name, _, _, _, options = spec()
+    return name, options

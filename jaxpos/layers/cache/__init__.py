@@ -36,6 +36,7 @@ from jaxpos.layers.cache.paged import PagedKVCache, init_paged_cache
 from jaxpos.layers.cache.path import write_path_step
 from jaxpos.layers.cache.scheme_state import (
     SchemeStateCache,
+    decode_state_cache,
     register_state_writer,
     with_decode_state,
 )
@@ -48,11 +49,11 @@ from jaxpos.layers.cache.streaming import (
 )
 
 __all__ = ["Cache", "CacheRead", "KVCache", "PagedKVCache", "SchemeStateCache",
-           "StreamingKVCache", "check_cache", "init_kv_cache", "init_paged_cache",
-           "init_streaming_cache", "new_cache", "place_order", "poison_rows", "read_positions",
-           "register_cache", "register_state_writer", "rotate_at_write", "rotates_on_load",
-           "streaming_ranks", "update_kv_cache", "update_streaming_cache", "with_decode_state",
-           "write_path_step"]
+           "StreamingKVCache", "check_cache", "decode_state_cache", "init_kv_cache",
+           "init_paged_cache", "init_streaming_cache", "new_cache", "place_order", "poison_rows",
+           "read_positions", "register_cache", "register_state_writer", "rotate_at_write",
+           "rotates_on_load", "streaming_ranks", "update_kv_cache", "update_streaming_cache",
+           "with_decode_state", "write_path_step"]
 
 #: (options owned, builder) for each cache type besides the dense one, in registration order
 _CACHES: list[tuple[tuple[str, ...], Callable[..., Cache]]] = []

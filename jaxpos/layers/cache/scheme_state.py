@@ -19,9 +19,10 @@ from typing import Any
 import jax
 
 from jaxpos.layers.cache.base import Cache, CacheRead
-from jaxpos.schemes.base import PositionScheme, get_scheme
+from jaxpos.schemes.base import REGISTRY, PositionScheme, get_scheme
 
-__all__ = ["SchemeStateCache", "register_state_writer", "with_decode_state"]
+__all__ = ["SchemeStateCache", "decode_state_cache", "register_state_writer",
+           "with_decode_state"]
 
 #: scheme name -> writer(scheme, inner, state, q, k, v, positions, mask)
 #: -> (inner, state, read)
@@ -107,3 +108,13 @@ def with_decode_state(cache: Cache, scheme_name: str, options: dict,
                                   num_heads=num_heads, head_dim=head_dim,
                                   options=dict(options))
     return SchemeStateCache(cache, state, scheme_name)
+
+
+def decode_state_cache(cache: Cache, scheme: tuple | None, num_heads: int,
+                       head_dim: int) -> Cache:
+    """A layer's empty cache with the decode state of its scheme ``(name, options)`` when
+    the scheme keeps one (PaTH: :func:`jaxpos.layers.cache.with_decode_state`), else
+    ``cache`` (also for ``scheme`` None or a name that is not a registered scheme)."""
+    if scheme is None or scheme[0] not in REGISTRY:
+        return cache
+    return with_decode_state(cache, scheme[0], dict(scheme[1] or ()), num_heads, head_dim)
