@@ -93,6 +93,28 @@ def test_cache_steps_equal_the_float64_householder_products(fox, paged):
     np.testing.assert_allclose(np.asarray(keys)[:, :T][MASK], moved[MASK], atol=3e-6)
 
 
+@pytest.mark.slow
+def test_float64_cache_steps_keep_float64_precision():
+    q, k, v, w, beta, lf = _inputs(1)
+    with jax.enable_x64(True):
+        cache = init_kv_cache(B, 10, NK, H, jnp.float64)
+        g_last, g_slots = jnp.zeros((B, N), jnp.float64), jnp.zeros((B, 10, N), jnp.float64)
+        outs = []
+        for a, b in STEPS:
+            sl = slice(a, b)
+            pos = np.broadcast_to(np.arange(a, b), (B, b - a))
+            cache, read, (g_last, g_slots) = write_transforms(
+                cache, *(jnp.asarray(x[:, sl]) for x in (q, k, v, w, beta, lf)), pos,
+                MASK[:, sl], g_last, g_slots)
+            outs.append(np.asarray(cached_path_attention(
+                read.scheme, read.q, read.k, read.v, segment_ids=read.segment_ids,
+                kv_segment_ids=read.kv_segment_ids)))
+    got = np.concatenate(outs, 1)
+    assert got.dtype == np.float64
+    want = np_path(q, k, v, w, beta, lf, MASK.astype(int))
+    np.testing.assert_allclose(got[MASK], want[MASK], atol=1e-12)
+
+
 def _strengthen(model):
     """Make the PaTH transforms far from identity: beta biases in (-2, 2) (``beta`` in
     (0.24, 1.76)), ``w_up`` times 30 (the convolution's SiLU out of its linear range)."""

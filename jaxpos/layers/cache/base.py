@@ -144,8 +144,9 @@ class Cache(abc.ABC):
     def update_keys(self, fn: Any) -> Cache:
         """The cache with every row's stored keys replaced by ``fn(k)``: ``k`` the keys
         ``[B, S, N_kv, H]`` in the row-of-slots layout of :meth:`CacheRead.unpaged`
-        (float32), ``fn`` returning the same shape. For a scheme whose decoding moves the
-        cached keys at each step (PaTH's inference rule, Yang et al. 2025, §3.2).
+        (float32, or float64 for a float64 cache), ``fn`` returning the same shape. For a
+        scheme whose decoding moves the cached keys at each step (PaTH's inference rule,
+        Yang et al. 2025, §3.2).
 
         Raises:
           ValueError: a cache type whose keys cannot be rewritten in place (the

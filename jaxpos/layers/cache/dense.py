@@ -69,9 +69,10 @@ class KVCache(_KVCacheFields, Cache):
         return self.k.shape[1]
 
     def update_keys(self, fn: Any) -> KVCache:
-        """:meth:`jaxpos.layers.cache.Cache.update_keys`: ``k <- fn(k)`` (in float32, stored
-        in the cache's dtype)."""
-        return self._replace(k=fn(self.k.astype(jnp.float32)).astype(self.k.dtype))
+        """:meth:`jaxpos.layers.cache.Cache.update_keys`: ``k <- fn(k)`` (in float32, or
+        float64 for a float64 cache; stored in the cache's dtype)."""
+        ct = jnp.promote_types(self.k.dtype, jnp.float32)
+        return self._replace(k=fn(self.k.astype(ct)).astype(self.k.dtype))
 
     def write(self, scheme: PositionScheme, q: jax.Array, k: jax.Array, v: jax.Array,
               positions: jax.Array, mask: jax.Array | None) -> tuple[KVCache, CacheRead]:

@@ -165,7 +165,8 @@ class PagedKVCache(Cache):
         out do): a page two rows share would be written twice."""
         B, pps = self.page_table.shape
         ps, P = self.page_size, self.num_pages
-        rows = fn(gather_pages(self.k_pages, self.page_table).astype(jnp.float32))
+        ct = jnp.promote_types(self.k_pages.dtype, jnp.float32)
+        rows = fn(gather_pages(self.k_pages, self.page_table).astype(ct))
         rows = rows.astype(self.k_pages.dtype).reshape((B * pps, ps) + self.k_pages.shape[2:])
         table = self.page_table.reshape(-1)
         index = jnp.where((table >= 0) & (table < P), table, P)  # P: out of range, dropped
