@@ -11,6 +11,20 @@ from __future__ import annotations
 import numpy as np
 
 
+def path_inputs(seed, B=2, T=7, N=4, Nk=2, H=4, Hv=3):
+    """Random PaTH inputs as float32 NumPy arrays ``(q, k, v, w, beta, log_forget)``: ``w``
+    unit rows, ``beta = 2 sigmoid(normal)``, ``log_forget = -0.3 |normal|``."""
+    r = np.random.default_rng(seed)
+    q = r.standard_normal((B, T, N, H))
+    k = r.standard_normal((B, T, Nk, H))
+    v = r.standard_normal((B, T, Nk, Hv))
+    w = r.standard_normal((B, T, Nk, H))
+    w /= np.linalg.norm(w, axis=-1, keepdims=True)
+    beta = 2.0 / (1.0 + np.exp(-r.standard_normal((B, T, Nk))))
+    log_forget = -0.3 * np.abs(r.standard_normal((B, T, N)))
+    return tuple(np.asarray(x, np.float32) for x in (q, k, v, w, beta, log_forget))
+
+
 def _softmax_out(s, v):
     if not np.isfinite(s).any():
         return np.zeros(v.shape[-1])

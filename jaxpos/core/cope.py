@@ -43,7 +43,7 @@ from jax.typing import ArrayLike
 from jaxpos import _checks
 from jaxpos._util import pad_axis
 from jaxpos.core.carried import carried_attention, from_blocks, static_scale, to_blocks
-from jaxpos.core.path import compute_dtype, refuse_softmax_options
+from jaxpos.core.path import compute_dtype, refuse_softmax_options, softmax_rows
 from jaxpos.schemes.base import register_attention
 
 __all__ = ["IMPLEMENTATIONS", "cope_attention", "cope_positions", "interpolate_logits",
@@ -122,11 +122,7 @@ def _chunked(q, k, v, pos_logits, qp, kp, segs, scale, npos, block):
 def _reference(q, k, v, pos_logits, qp, kp, segs, scale, npos):
     vis = _visible(qp, kp, *segs)
     s, _ = _scores(q, k, pos_logits, vis, jnp.zeros(q.shape[:3], q.dtype), scale, npos)
-    m = jnp.max(s, -1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s - m)
-    l = jnp.sum(p, -1, keepdims=True)
-    return jnp.einsum("bnqk,bnkh->bnqh", p / jnp.where(l > 0, l, 1.0), v)
+    return jnp.einsum("bnqk,bnkh->bnqh", softmax_rows(s), v)
 
 
 def _segments(segment_ids: ArrayLike | None, kv_segment_ids: ArrayLike | None, B: int,

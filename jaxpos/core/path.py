@@ -49,8 +49,9 @@ from jaxpos._util import pad_axis
 from jaxpos.core.carried import carried_attention, from_blocks, static_scale, to_blocks
 from jaxpos.schemes.base import register_attention
 
-__all__ = ["IMPLEMENTATIONS", "compute_dtype", "path_attention", "refuse_softmax_options",
-           "scheme_attention", "path_scores", "wy_blocks"]
+__all__ = ["IMPLEMENTATIONS", "compute_dtype", "group_heads", "path_attention",
+           "path_scores", "refuse_softmax_options", "scheme_attention", "softmax_rows",
+           "wy_blocks"]
 
 #: The implementations of :func:`path_attention`.
 IMPLEMENTATIONS = ("reference", "chunked")
@@ -62,6 +63,22 @@ def compute_dtype(x: ArrayLike) -> jnp.dtype:
     """float32, or float64 for float64 inputs (the float64 checks): the dtype PaTH and
     CoPE compute in."""
     return jnp.promote_types(_checks.dtype_of(x), jnp.float32)
+
+
+def softmax_rows(s: jax.Array) -> jax.Array:
+    """``softmax(s)`` over the last axis with ``-inf`` for hidden entries; a row with no
+    visible entry gives zeros (not NaN): the dense references of PaTH, CoPE and PaTH's
+    decode step."""
+    m = jnp.max(s, -1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    l = jnp.sum(p, -1, keepdims=True)
+    return p / jnp.where(l > 0, l, 1.0)
+
+
+def group_heads(x: ArrayLike, groups: int, dtype: Any) -> jax.Array:
+    """``[B, T, N_kv, ...]`` -> ``[B, N_kv * groups, T, ...]`` in ``dtype``: each key head
+    repeated for the ``groups`` query heads that share it (grouped-query attention)."""
+    return jnp.repeat(jnp.swapaxes(jnp.asarray(x, dtype), 1, 2), groups, axis=1)
 
 
 def _check_inputs(q, k, v, w, beta, log_forget, segment_ids):
@@ -208,13 +225,7 @@ def _reference(q, k, v, w, beta, G, seg, scale):
     s = scale * (s + G[..., :, None] - G[..., None, :])
     T = q.shape[2]
     vis = (seg[..., :, None] == seg[..., None, :]) & jnp.tril(jnp.ones((T, T), bool))
-    s = jnp.where(vis, s, _NEG_INF)
-    m = jnp.max(s, -1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s - m)
-    l = jnp.sum(p, -1, keepdims=True)
-    p = p / jnp.where(l > 0, l, 1.0)
-    return jnp.einsum("bnqk,bnkh->bnqh", p, v)
+    return jnp.einsum("bnqk,bnkh->bnqh", softmax_rows(jnp.where(vis, s, _NEG_INF)), v)
 
 
 def path_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, w: ArrayLike, beta: ArrayLike,
@@ -277,7 +288,7 @@ def path_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, w: ArrayLike, beta:
     if B == 0 or T == 0:
         return jnp.zeros((B, T, N, Hv), dtype)
     g, ct = N // Nk, compute_dtype(q)
-    heads = lambda x: jnp.repeat(jnp.swapaxes(jnp.asarray(x, ct), 1, 2), g, axis=1)
+    heads = lambda x: group_heads(x, g, ct)
     qq = jnp.swapaxes(jnp.asarray(q, ct), 1, 2)
     kk, vv, ww, bb = heads(k), heads(v), heads(w), heads(beta)
     if log_forget is None:
@@ -344,11 +355,7 @@ def scheme_attention(scheme, q: jax.Array, k: jax.Array, v: jax.Array, *,
     if kv_segment_ids is not None and kv_segment_ids is not segment_ids:
         raise ValueError("PaTH attention is self-attention: kv_segment_ids must be None or "
                          "segment_ids.")
-    if k.shape[2] != scheme.num_kv_heads:
-        raise ValueError(f"the layer's keys have {k.shape[2]} heads but "
-                         f"{type(scheme).__name__} was built for num_kv_heads="
-                         f"{scheme.num_kv_heads}; pass scheme_options={{'num_kv_heads': "
-                         f"{k.shape[2]}}}.")
+    scheme.check_kv_heads(k.shape[2])
     w = scheme.directions(segment_ids)
     lf = scheme.log_forget
     return path_attention(q, k, v, w.astype(q.dtype), scheme.beta.astype(q.dtype),

@@ -35,7 +35,9 @@ from jaxpos.core.carried import static_scale
 from jaxpos.core.path import (
     IMPLEMENTATIONS,
     compute_dtype,
+    group_heads,
     refuse_softmax_options,
+    softmax_rows,
     wy_blocks,
 )
 from jaxpos.schemes.base import PositionScheme, register_attention
@@ -61,7 +63,7 @@ def chunk_transforms(q: jax.Array, k: jax.Array, w: ArrayLike, beta: ArrayLike
     ct = compute_dtype(q)
     N, Nk = q.shape[2], k.shape[2]
     g = N // Nk
-    heads = lambda x: jnp.repeat(jnp.swapaxes(jnp.asarray(x, ct), 1, 2), g, axis=1)
+    heads = lambda x: group_heads(x, g, ct)
     qq = jnp.swapaxes(jnp.asarray(q, ct), 1, 2)
     ww = heads(w)
     q_t, k_t, y, a_loc = wy_blocks(qq, heads(k), ww, heads(beta), q.shape[1])
@@ -142,7 +144,7 @@ def cached_path_attention(scheme: PaTHCacheRead, q: jax.Array, k: jax.Array, v: 
     ct = compute_dtype(q)
     scale = static_scale("PaTH attention", scale, H)
     g = N // k.shape[2]
-    heads = lambda x: jnp.repeat(jnp.swapaxes(jnp.asarray(x, ct), 1, 2), g, axis=1)
+    heads = lambda x: group_heads(x, g, ct)
     qq = jnp.swapaxes(jnp.asarray(q, ct), 1, 2)
     seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids)
     kv_seg = jnp.ones(k.shape[:2], jnp.int32) if kv_segment_ids is None else kv_segment_ids
@@ -152,11 +154,8 @@ def cached_path_attention(scheme: PaTHCacheRead, q: jax.Array, k: jax.Array, v: 
     vis_c = (seg != 0)[:, None, :, None] & (scheme.cached & (kv_seg != 0))[:, None, None, :]
     s_w = scale * (scheme.a_local.astype(ct) + g_q[..., :, None] - g_q[..., None, :])
     vis_w = (seg[:, :, None] == seg[:, None, :])[:, None] & jnp.tril(jnp.ones((T, T), bool))
-    s = jnp.concatenate([jnp.where(vis_c, s_c, -jnp.inf), jnp.where(vis_w, s_w, -jnp.inf)], -1)
-    m = jnp.max(s, -1, keepdims=True)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-    l = jnp.sum(p, -1, keepdims=True)
-    p = p / jnp.where(l > 0, l, 1.0)
+    p = softmax_rows(jnp.concatenate([jnp.where(vis_c, s_c, -jnp.inf),
+                                      jnp.where(vis_w, s_w, -jnp.inf)], -1))
     vv = jnp.concatenate([heads(v), heads(scheme.v_new)], 2)
     out = jnp.einsum("bnts,bnsh->bnth", p, vv)
     return jnp.swapaxes(out, 1, 2).astype(q.dtype)

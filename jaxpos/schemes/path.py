@@ -230,6 +230,18 @@ class PaTH(PositionScheme):
             state["g_slots"] = jnp.zeros((batch, slots, num_heads), jnp.float32)
         return state
 
+    def check_kv_heads(self, num_kv_heads: int) -> None:
+        """The layer's key heads must be the scheme's ``num_kv_heads``.
+
+        Raises:
+          ValueError: naming both and the option to set.
+        """
+        if num_kv_heads != self.num_kv_heads:
+            raise ValueError(f"the layer's keys have {num_kv_heads} heads but "
+                             f"{type(self).__name__} was built for num_kv_heads="
+                             f"{self.num_kv_heads}; pass scheme_options={{'num_kv_heads': "
+                             f"{num_kv_heads}}}.")
+
     def check_causal(self, causal: bool) -> None:
         if not causal:
             raise ValueError("PaTH attention is causal by definition (Yang et al. 2025, Eq. 2); "

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _replacing_reference import np_path
+from _replacing_reference import np_path, path_inputs
 
 import jaxpos
 from jaxpos import path_attention
@@ -17,17 +17,8 @@ from jaxpos import path_attention
 IMPLS = ("reference", "chunked")
 
 
-def inputs(seed, B=2, T=7, N=4, Nk=2, H=4, Hv=3):
-    r = np.random.default_rng(seed)
-    q = r.standard_normal((B, T, N, H))
-    k = r.standard_normal((B, T, Nk, H))
-    v = r.standard_normal((B, T, Nk, Hv))
-    w = r.standard_normal((B, T, Nk, H))
-    w /= np.linalg.norm(w, axis=-1, keepdims=True)
-    beta = 2.0 / (1.0 + np.exp(-r.standard_normal((B, T, Nk))))
-    log_forget = -0.3 * np.abs(r.standard_normal((B, T, N)))
-    f32 = lambda x: jnp.asarray(x, jnp.float32)
-    return tuple(map(f32, (q, k, v, w, beta, log_forget)))
+def inputs(seed, **sizes):
+    return tuple(jnp.asarray(x) for x in path_inputs(seed, **sizes))
 
 
 @pytest.mark.parametrize("impl", IMPLS)

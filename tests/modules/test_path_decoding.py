@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _replacing_reference import np_path
+from _replacing_reference import np_path, path_inputs
 from flax import nnx
 
 from jaxpos import linen as jl
@@ -35,16 +35,8 @@ STEPS = ((0, 3), (3, 4), (4, 6), (6, 7), (7, 8))
 
 
 def _inputs(seed=0):
-    r = np.random.default_rng(seed)
-    q = r.standard_normal((B, T, N, H))
-    k = r.standard_normal((B, T, NK, H))
-    v = r.standard_normal((B, T, NK, H))
-    w = r.standard_normal((B, T, NK, H))
-    w /= np.linalg.norm(w, axis=-1, keepdims=True)
-    beta = 2.0 / (1.0 + np.exp(-r.standard_normal((B, T, NK))))
-    lf = -0.3 * np.abs(r.standard_normal((B, T, N)))
-    # both sides hold the float32 numbers
-    return [np.asarray(np.asarray(x, np.float32), np.float64) for x in (q, k, v, w, beta, lf)]
+    # float64 copies of the float32 numbers both sides hold
+    return [np.asarray(x, np.float64) for x in path_inputs(seed, B, T, N, NK, H, H)]
 
 
 def _explicit_moved_keys(k, w, beta, mask):

@@ -53,11 +53,7 @@ def write_path_step(scheme: Any, inner: Cache, state: dict, q: jax.Array, k: jax
         cache's errors (overflow).
     """
     B, T = q.shape[:2]
-    if k.shape[2] != scheme.num_kv_heads:
-        raise ValueError(f"the layer's keys have {k.shape[2]} heads but "
-                         f"{type(scheme).__name__} was built for num_kv_heads="
-                         f"{scheme.num_kv_heads}; pass scheme_options={{'num_kv_heads': "
-                         f"{k.shape[2]}}}.")
+    scheme.check_kv_heads(k.shape[2])
     keep = jnp.ones((B, T), bool) if mask is None else jnp.asarray(mask, bool)
     w, tail = scheme.decode_directions(state["tail"], keep)
     inner, read, gates = write_transforms(inner, q, k, v, w, scheme.beta, scheme.log_forget,
