@@ -35,6 +35,45 @@ def test_every_subpackage_is_listed_for_installation():
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
 
 
+# ------------------------------------------------------------- the top-level kernels/ folder
+def _run_from_root(code: str, *path: str) -> subprocess.CompletedProcess:
+    """``python -c code`` from the repository root (the current directory first on
+    ``sys.path``, as for a user who runs the docs' snippets there), ``path`` prepended."""
+    prelude = f"import sys; sys.path[:0] = {list(path)!r}\n"
+    return subprocess.run([sys.executable, "-c", prelude + code], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_repository_root_does_not_shadow_the_pypi_kernels_package():
+    """transformers >= 5.25 imports the PyPI package ``kernels``; from the repository root
+    the folder ``kernels/`` (our ``jaxpos.kernels``) must not stand in for it."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("kernels")  # from site-packages: this test runs with tests/ first
+    code = ("import kernels, transformers\n"
+            "from transformers.integrations import hub_kernels\n"
+            "transformers.LlamaConfig(); transformers.LlamaForCausalLM\n"
+            "import jaxpos.kernels\n"
+            "print(kernels.__file__); print(jaxpos.kernels.__file__)\n")
+    done = _run_from_root(code, str(ROOT))
+    assert done.returncode == 0, done.stderr[-2000:]
+    pypi, ours = done.stdout.split()
+    assert pathlib.Path(pypi).parent != ROOT / "kernels"
+    assert pathlib.Path(ours).parent == ROOT / "kernels"
+
+
+def test_top_level_kernels_import_without_the_pypi_package_is_not_found():
+    """With no installed ``kernels`` on the path, ``import kernels`` from the root fails as
+    for any missing module instead of importing ``jaxpos.kernels`` under a second name."""
+    code = ("import sys\n"
+            "sys.path[:] = [p for p in sys.path if 'site-packages' not in p]\n"
+            "try:\n    import kernels\nexcept ModuleNotFoundError as e:\n    print(e.name)\n"
+            "else:\n    print('imported', kernels.__file__)\n"
+            "print('kernels' in sys.modules)\n")
+    done = _run_from_root(code, str(ROOT))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["kernels", "False"]
+
+
 # ------------------------------------------------------------- lazy subpackages
 def test_subpackages_are_attributes_after_a_plain_import():
     # A fresh interpreter: in this one another test may already have imported them.
