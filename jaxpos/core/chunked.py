@@ -455,6 +455,7 @@ class ChunkedEngine:
     decode path for a few queries against a filled cache. The default on CPU."""
 
     name = "chunked"
+    compiler_partitioned = True  # XLA operations: the compiler splits them under Auto axes
     rotates_on_load = True  # the decode path rotates each key block as it slices it
 
     def refuses(self, call: AttentionCall) -> None:

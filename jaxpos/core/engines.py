@@ -24,6 +24,11 @@ and optionally
   loads the keys); otherwise :func:`run` rotates q and k first (default False);
 * ``takes_kv_lengths``: False when the engine refuses ``kv_lengths`` (default True); a
   caller that can express the fill another way asks :func:`takes_kv_lengths`.
+* ``compiler_partitioned``: True when the engine is made of XLA operations that the
+  compiler's partitioner splits under a mesh with Auto axes (default False: an opaque
+  kernel). Under a mesh, :func:`run` runs an engine per (batch, head) shard inside
+  ``jax.shard_map`` (:mod:`jaxpos.core.partition`): always under Explicit axes, and under
+  Auto axes unless it is ``compiler_partitioned``.
 
 A new engine is its own file and one :func:`register_engine` call. The built-in engines
 ("reference", "chunked", "xla" and the fused Pallas kernel "pallas") register in their own
@@ -230,7 +235,9 @@ def _poisoned(call: AttentionCall, x: jax.Array) -> jax.Array:
 def run(engine: Engine, call: AttentionCall) -> jax.Array:
     """``engine.run`` on ``call`` (a validated, transformed, non-empty call); rows with an
     out-of-range traced ``kv_lengths`` are NaN."""
-    return _poisoned(call, engine.run(_prepared(engine, call)))
+    from jaxpos.core.partition import run_sharded  # per shard under a mesh
+
+    return _poisoned(call, run_sharded(engine, _prepared(engine, call), engine.run))
 
 
 def run_with_lse(call: AttentionCall, implementation: str | None = None
@@ -254,7 +261,9 @@ def run_with_lse(call: AttentionCall, implementation: str | None = None
         lse = jnp.full(rows, -jnp.inf, jnp.float32) if call.sinks is None else \
             jnp.broadcast_to(jnp.asarray(call.sinks, jnp.float32)[None, :, None], rows)
         return call.zeros(), lse
-    out, lse = fn(_prepared(engine, call))
+    from jaxpos.core.partition import run_sharded  # per shard under a mesh
+
+    out, lse = run_sharded(engine, _prepared(engine, call), fn, with_lse=True)
     return _poisoned(call, out), _poisoned(call, lse)
 
 

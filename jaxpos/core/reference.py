@@ -185,6 +185,7 @@ class ReferenceEngine:
     memory), never the default."""
 
     name = "reference"
+    compiler_partitioned = True  # XLA operations: the compiler splits them under Auto axes
 
     def refuses(self, call: AttentionCall) -> None:
         """Nothing: the reference runs every validated call."""

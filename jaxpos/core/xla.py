@@ -336,6 +336,7 @@ class XlaEngine:
     for calls without a score term (:func:`xla_preferred`)."""
 
     name = "xla"
+    compiler_partitioned = True  # XLA operations: the compiler splits them under Auto axes
     takes_kv_lengths = False
 
     def refuses(self, call: AttentionCall) -> str | TypeError | None:
