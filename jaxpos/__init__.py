@@ -17,7 +17,7 @@ Importing :mod:`jaxpos` registers every scheme.
 """
 
 from jaxpos.core.cope import cope_attention
-from jaxpos.core.engines import register_engine
+from jaxpos.core.engines import register_engine, register_engine_module
 from jaxpos.core.entry import (
     ALL_IMPLEMENTATIONS,
     IMPLEMENTATIONS,
@@ -105,6 +105,10 @@ from jaxpos.schemes.ssmax import SSMax, ssmax_multiplier
 from jaxpos.schemes.stick_breaking import StickBreaking
 from jaxpos.schemes.t5 import T5Bias, check_bucket_args, t5_bias, t5_bucket
 from jaxpos.schemes.xpos import XPos, apply_xpos, xpos_scale, xpos_zeta
+
+# The kernel's engine registers itself when its module is imported; the core never imports
+# the kernel package, so the package names the module for the core's registry here.
+register_engine_module("pallas", "jaxpos.kernels.dispatch")
 
 __version__ = "0.1.0"
 

@@ -2,12 +2,18 @@
 that picks a built-in engine per backend (the ``"xla"`` engine lives in
 :mod:`jaxpos.core.xla`).
 
+The dependency runs one way: this package imports :mod:`jaxpos.core`, the core never
+imports it. :mod:`jaxpos` names this module as the ``"pallas"`` engine's
+(:func:`jaxpos.core.engines.register_engine_module`), so the core's registry imports it on
+the first call that asks for the engine, and it registers :class:`PallasEngine` itself.
+
 * :class:`PallasEngine`: the ``"pallas"`` engine of :mod:`jaxpos.core.engines`.
 * :func:`attention_via_kernel`: the fused Pallas kernel (:mod:`jaxpos.kernels.fused`) on
   already-transformed q and k, as a public function.
 * :func:`choose_implementation`: which of ``"pallas"``, ``"xla"``, ``"chunked"`` is the
   fastest correct path on a backend for a call's features (``docs/kernel.md`` has the
-  measurements behind it); the engines' preference lists and cost rules follow it.
+  measurements behind it); it lives in :mod:`jaxpos.core.entry` (the core decides which
+  engine runs, and never imports this package) and is re-exported here.
 * :func:`supports_scheme`: whether the kernel can run a scheme (the scheme protocol's
   ``fusable``).
 
@@ -19,10 +25,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
-from jaxpos import _checks
 from jaxpos.core import engines
-from jaxpos.core.xla import DENSE_BIAS_BUDGET_BYTES, GPU_BACKENDS, xla_preferred
+from jaxpos.core.entry import choose_implementation
+from jaxpos.core.xla import DENSE_BIAS_BUDGET_BYTES
 from jaxpos.kernels.fused import kernel_attention, run_call
+from jaxpos.kernels.paged import paged_attention_kernel, paged_refusal
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -52,71 +59,6 @@ def supports_scheme(scheme: Any) -> bool:
         raise TypeError(f"scheme must be a jaxpos PositionScheme (NoPE(), RoPE(...), "
                         f"ALiBi(...), ...); got {type(scheme).__name__} {scheme!r}.")
     return bool(scheme.fusable)
-
-
-def choose_implementation(*, backend: str, fusable: bool, has_score_mod: bool,
-                          has_mask_mod: bool, Tq: int, Tk: int, num_heads: int, batch: int,
-                          dense_bias_budget_bytes: int | None = None) -> str:
-    """The implementation ``jaxpos.attention(implementation=None)`` should use.
-
-    The rule (measured on an NVIDIA H200, bf16, causal, B=4 N=16 H=128, T=8192; see
-    ``docs/kernel.md``):
-
-    * ``backend == "cpu"`` -> ``"chunked"`` (``O(T)`` memory; the kernel only runs in the
-      slow Pallas interpreter there);
-    * a scheme that is not ``fusable`` (Shaw) -> ``"chunked"``, on every backend;
-    * ``"tpu"`` -> ``"pallas"`` (Mosaic; XLA's attention materialises ``T x T`` scores);
-    * NVIDIA GPU (``"gpu"`` / ``"cuda"``) with no score_mod and no mask_mod (NoPE, RoPE,
-      xPos: their transform is applied before) -> ``"xla"``: cuDNN's flash attention
-      (measured 500 TFLOP/s forward, 483 forward+backward) beats the Pallas kernel
-      (171 / 172);
-    * NVIDIA GPU with a score term (a score_mod, the scheme's included) -> ``"pallas"``:
-      the kernel applies it in float32 tile by tile. cuDNN is not used for a bias
-      (:func:`jaxpos.core.xla.cudnn_allowed`): it takes the bias in the inputs' dtype, which
-      rounds the term (BLOOM's ``slopes[h] * kv_pos`` was 0.64 off in bfloat16), and its
-      bias gradient is wrong for batch > 1 (https://github.com/jax-ml/jax/issues/30593);
-      the 284 / 197 TFLOP/s once measured for ALiBi through cuDNN came from that path;
-    * NVIDIA GPU with a mask_mod only -> ``"xla"`` (cuDNN with the mask materialised
-      densely; no bias, so no bias gradient) while that dense array,
-      ``batch * num_heads * Tq * Tk * 4`` bytes, fits ``dense_bias_budget_bytes``
-      (default :data:`DENSE_BIAS_BUDGET_BYTES`, 1 GiB); above it ``"pallas"``, whose
-      memory is ``O(T)``. A window is a mask_mod, never cuDNN's ``local_window_size``
-      (its non-causal window attends to the future: https://github.com/jax-ml/jax/pull/39576);
-    * any other backend (ROCm, where cuDNN is absent) -> ``"pallas"`` if fusable.
-
-    Args:
-      backend: ``jax.default_backend()`` (``"cpu"``, ``"gpu"``, ``"cuda"``, ``"rocm"``,
-        ``"tpu"``).
-      fusable: the scheme's ``fusable`` property.
-      has_score_mod, has_mask_mod: whether the call has a score term / a mask_mod (a
-        scheme's own score_mod counts).
-      Tq, Tk, num_heads, batch: the call's shape.
-      dense_bias_budget_bytes: override of :data:`DENSE_BIAS_BUDGET_BYTES`.
-
-    Returns:
-      ``"pallas"``, ``"xla"`` or ``"chunked"``.
-
-    Raises:
-      TypeError: ``backend`` not a string; a shape that is not an integer.
-      ValueError: a negative shape.
-    """
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a string such as jax.default_backend(); got "
-                        f"{type(backend).__name__} {backend!r}.")
-    for name, n in (("Tq", Tq), ("Tk", Tk), ("num_heads", num_heads), ("batch", batch)):
-        _checks.check_nonneg_int(name, n)
-    budget = DENSE_BIAS_BUDGET_BYTES if dense_bias_budget_bytes is None else \
-        _checks.check_nonneg_int("dense_bias_budget_bytes", dense_bias_budget_bytes)
-    backend = backend.lower()
-    if backend == "cpu" or not fusable:
-        return "chunked"
-    if backend == "tpu":
-        return "pallas"
-    if backend in GPU_BACKENDS:
-        dense_bytes = int(batch) * int(num_heads) * int(Tq) * int(Tk) * 4
-        return "xla" if xla_preferred(has_score_mod=has_score_mod, has_mask_mod=has_mask_mod,
-                                      dense_bytes=dense_bytes, budget=budget) else "pallas"
-    return "pallas"
 
 
 def attention_via_kernel(q: jax.Array, k: jax.Array, v: jax.Array, *,
@@ -214,6 +156,21 @@ class PallasEngine:
         """``(out [B, Tq, N, H_v], lse float32 [B, N, Tq])`` from the kernel (the sinks in
         the lse; both differentiable)."""
         return cast("tuple[jax.Array, jax.Array]", run_kernel(call, return_lse=True))
+
+    def run_paged(self, call: AttentionCall, k_pages: jax.Array, v_pages: jax.Array,
+                  page_table: jax.Array) -> jax.Array | None:
+        """The paged call on the pages themselves (:mod:`jaxpos.kernels.paged`: key tiles
+        of one page read through ``page_table``), or None when the paged entry does not
+        take it: a page size that is not a power of two, pages not in q's dtype, a block
+        mask, dropout, a ``block_k`` other than the page size, a scheme that transforms
+        keys per call (:func:`jaxpos.kernels.paged.paged_refusal`). The caller then runs
+        the kernel on the gathered keys. ``page_table`` holds only valid page indices."""
+        ps = k_pages.shape[1]
+        if (call.block_mask is not None or not k_pages.dtype == v_pages.dtype == call.q.dtype
+                or paged_refusal(call, ps) is not None):
+            return None
+        return paged_attention_kernel(call.replace(block_k=None), k_pages, v_pages,
+                                      page_table)
 
 
 engines.register_engine(PallasEngine())

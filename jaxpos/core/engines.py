@@ -32,7 +32,9 @@ and optionally
 
 A new engine is its own file and one :func:`register_engine` call. The built-in engines
 ("reference", "chunked", "xla" and the fused Pallas kernel "pallas") register in their own
-modules, loaded on first use (``jaxpos.kernels`` loads Pallas).
+modules, loaded on first use: the core's three are named here, the kernel's by
+:mod:`jaxpos` (:func:`register_engine_module`), since the core never imports the kernel
+package (``jaxpos.kernels`` depends on the core, not the other way round).
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ if TYPE_CHECKING:
     from jaxpos.core.call import AttentionCall
 
 __all__ = ["PREFERENCE", "Engine", "engine_names", "get_engine", "mixed_dtypes", "preference",
-           "register_engine", "run", "run_with_lse", "select_engine", "takes_kv_lengths",
-           "traced_scale", "unfusable_scheme", "fused_refusal"]
+           "register_engine", "register_engine_module", "run", "run_with_lse",
+           "select_engine", "takes_kv_lengths", "traced_scale", "unfusable_scheme",
+           "fused_refusal"]
 
 
 @runtime_checkable
@@ -72,13 +75,15 @@ class Engine(Protocol):
 
 
 _ENGINES: dict[str, Engine] = {}
-#: The built-in engines' modules, imported on first use (each registers its engine).
-_BUILTIN_MODULES = {"reference": "jaxpos.core.reference", "chunked": "jaxpos.core.chunked",
-                    "pallas": "jaxpos.kernels.dispatch", "xla": "jaxpos.core.xla"}
+#: Engine name -> the module that registers it, imported on first use: the core's own
+#: engines, and those named by :func:`register_engine_module` (the kernel's, by
+#: :mod:`jaxpos`).
+_ENGINE_MODULES = {"reference": "jaxpos.core.reference", "chunked": "jaxpos.core.chunked",
+                   "xla": "jaxpos.core.xla"}
 
 #: Backend -> engine names in order of preference for ``implementation=None``: the first
 #: that neither refuses the call nor declines it by its cost rule runs it. The measured
-#: rule behind the order is ``docs/kernel.md``'s (:func:`jaxpos.kernels.choose_implementation`):
+#: rule behind the order is ``docs/kernel.md``'s (:func:`jaxpos.core.entry.choose_implementation`):
 #: on CPU the chunked engine (the kernel runs only in the Pallas interpreter there); on an
 #: NVIDIA GPU cuDNN (``"xla"``) while there is no score term and a mask fits the dense
 #: budget, else the kernel; on TPU the kernel. ``"default"`` serves any other backend.
@@ -148,6 +153,21 @@ def register_engine(engine: Engine, *, backends: Iterable[str] = (),
     return engine
 
 
+def register_engine_module(name: str, module: str) -> None:
+    """Name the module whose import registers the engine ``name``: :func:`get_engine`
+    imports it the first time the engine is asked for, so a package that depends on the
+    core (the kernel's, ``jaxpos.kernels``) provides an engine without the core importing
+    it, and without being imported before it is used.
+
+    Raises:
+      TypeError: ``name`` or ``module`` is not a non-empty string.
+    """
+    for arg, value in (("name", name), ("module", module)):
+        if not isinstance(value, str) or not value:
+            raise TypeError(f"{arg} must be a non-empty string; got {value!r}.")
+    _ENGINE_MODULES[name] = module
+
+
 def _checked_backend(backend: str) -> str:
     if not isinstance(backend, str):
         raise TypeError(f"backends must be strings; got {type(backend).__name__}.")
@@ -159,7 +179,7 @@ def _checked_backend(backend: str) -> str:
 
 def engine_names() -> tuple[str, ...]:
     """Every name ``implementation=`` accepts: the built-in engines and the registered ones."""
-    return tuple(dict.fromkeys([*_BUILTIN_MODULES, *_ENGINES]))
+    return tuple(dict.fromkeys([*_ENGINE_MODULES, *_ENGINES]))
 
 
 def get_engine(name: str) -> Engine:
@@ -170,8 +190,8 @@ def get_engine(name: str) -> Engine:
     """
     if not isinstance(name, str):
         _checks.check_choice("implementation", name, engine_names())
-    if name not in _ENGINES and name in _BUILTIN_MODULES:
-        importlib.import_module(_BUILTIN_MODULES[name])
+    if name not in _ENGINES and name in _ENGINE_MODULES:
+        importlib.import_module(_ENGINE_MODULES[name])
     if name not in _ENGINES:
         _checks.check_choice("implementation", name, engine_names())
     return _ENGINES[name]

@@ -25,13 +25,16 @@ from typing import Any, Literal
 import jax
 from jax.typing import ArrayLike
 
+from jaxpos import _checks
 from jaxpos.core import engines
 from jaxpos.core.call import transform_call, validate_call
 from jaxpos.core.paged import paged_attention
+from jaxpos.core.xla import DENSE_BIAS_BUDGET_BYTES, GPU_BACKENDS, xla_preferred
 from jaxpos.mods import BlockMask
 from jaxpos.schemes.base import PositionScheme, as_scheme
 
-__all__ = ["ALL_IMPLEMENTATIONS", "IMPLEMENTATIONS", "attention", "default_implementation"]
+__all__ = ["ALL_IMPLEMENTATIONS", "IMPLEMENTATIONS", "attention", "choose_implementation",
+           "default_implementation"]
 
 #: The built-in tiled engines (every scheme, mask and feature; compared in the tests).
 IMPLEMENTATIONS = ("reference", "chunked", "pallas")
@@ -41,12 +44,77 @@ IMPLEMENTATIONS = ("reference", "chunked", "pallas")
 ALL_IMPLEMENTATIONS = IMPLEMENTATIONS + ("xla",)
 
 
+def choose_implementation(*, backend: str, fusable: bool, has_score_mod: bool,
+                          has_mask_mod: bool, Tq: int, Tk: int, num_heads: int, batch: int,
+                          dense_bias_budget_bytes: int | None = None) -> str:
+    """The implementation ``jaxpos.attention(implementation=None)`` should use.
+
+    The rule (measured on an NVIDIA H200, bf16, causal, B=4 N=16 H=128, T=8192; see
+    ``docs/kernel.md``):
+
+    * ``backend == "cpu"`` -> ``"chunked"`` (``O(T)`` memory; the kernel only runs in the
+      slow Pallas interpreter there);
+    * a scheme that is not ``fusable`` (Shaw) -> ``"chunked"``, on every backend;
+    * ``"tpu"`` -> ``"pallas"`` (Mosaic; XLA's attention materialises ``T x T`` scores);
+    * NVIDIA GPU (``"gpu"`` / ``"cuda"``) with no score_mod and no mask_mod (NoPE, RoPE,
+      xPos: their transform is applied before) -> ``"xla"``: cuDNN's flash attention
+      (measured 500 TFLOP/s forward, 483 forward+backward) beats the Pallas kernel
+      (171 / 172);
+    * NVIDIA GPU with a score term (a score_mod, the scheme's included) -> ``"pallas"``:
+      the kernel applies it in float32 tile by tile. cuDNN is not used for a bias
+      (:func:`jaxpos.core.xla.cudnn_allowed`): it takes the bias in the inputs' dtype, which
+      rounds the term (BLOOM's ``slopes[h] * kv_pos`` was 0.64 off in bfloat16), and its
+      bias gradient is wrong for batch > 1 (https://github.com/jax-ml/jax/issues/30593);
+      the 284 / 197 TFLOP/s once measured for ALiBi through cuDNN came from that path;
+    * NVIDIA GPU with a mask_mod only -> ``"xla"`` (cuDNN with the mask materialised
+      densely; no bias, so no bias gradient) while that dense array,
+      ``batch * num_heads * Tq * Tk * 4`` bytes, fits ``dense_bias_budget_bytes``
+      (default :data:`DENSE_BIAS_BUDGET_BYTES`, 1 GiB); above it ``"pallas"``, whose
+      memory is ``O(T)``. A window is a mask_mod, never cuDNN's ``local_window_size``
+      (its non-causal window attends to the future: https://github.com/jax-ml/jax/pull/39576);
+    * any other backend (ROCm, where cuDNN is absent) -> ``"pallas"`` if fusable.
+
+    Args:
+      backend: ``jax.default_backend()`` (``"cpu"``, ``"gpu"``, ``"cuda"``, ``"rocm"``,
+        ``"tpu"``).
+      fusable: the scheme's ``fusable`` property.
+      has_score_mod, has_mask_mod: whether the call has a score term / a mask_mod (a
+        scheme's own score_mod counts).
+      Tq, Tk, num_heads, batch: the call's shape.
+      dense_bias_budget_bytes: override of :data:`DENSE_BIAS_BUDGET_BYTES`.
+
+    Returns:
+      ``"pallas"``, ``"xla"`` or ``"chunked"``.
+
+    Raises:
+      TypeError: ``backend`` not a string; a shape that is not an integer.
+      ValueError: a negative shape.
+    """
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string such as jax.default_backend(); got "
+                        f"{type(backend).__name__} {backend!r}.")
+    for name, n in (("Tq", Tq), ("Tk", Tk), ("num_heads", num_heads), ("batch", batch)):
+        _checks.check_nonneg_int(name, n)
+    budget = DENSE_BIAS_BUDGET_BYTES if dense_bias_budget_bytes is None else \
+        _checks.check_nonneg_int("dense_bias_budget_bytes", dense_bias_budget_bytes)
+    backend = backend.lower()
+    if backend == "cpu" or not fusable:
+        return "chunked"
+    if backend == "tpu":
+        return "pallas"
+    if backend in GPU_BACKENDS:
+        dense_bytes = int(batch) * int(num_heads) * int(Tq) * int(Tk) * 4
+        return "xla" if xla_preferred(has_score_mod=has_score_mod, has_mask_mod=has_mask_mod,
+                                      dense_bytes=dense_bytes, budget=budget) else "pallas"
+    return "pallas"
+
+
 def default_implementation(position: PositionScheme | None = None, *,
                            score_mod: Callable[..., Any] | None = None,
                            mask_mod: Callable[..., Any] | None = None, q_len: int = 0,
                            kv_len: int = 0, num_heads: int = 1, batch: int = 1) -> str:
     """The built-in engine ``attention(implementation=None)`` runs for a call with these
-    features, by the measured rule of :func:`jaxpos.kernels.choose_implementation`
+    features, by the measured rule of :func:`choose_implementation`
     (``docs/kernel.md``): ``"chunked"`` on CPU and for schemes the kernel cannot fuse
     (Shaw); on an NVIDIA GPU ``"xla"`` (``jax.nn.dot_product_attention``, cuDNN) when
     there is no score term, or for a mask_mod alone while its dense mask fits the
@@ -71,8 +139,6 @@ def default_implementation(position: PositionScheme | None = None, *,
     backend = jax.default_backend()
     if backend == "cpu":
         return "chunked"
-    from jaxpos.kernels import choose_implementation
-
     has_score = score_mod is not None or scheme.score_mod() is not None
     return choose_implementation(backend=backend, fusable=scheme.fusable,
                                  has_score_mod=has_score, has_mask_mod=mask_mod is not None,

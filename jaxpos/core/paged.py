@@ -32,10 +32,11 @@ Paths:
   per-call transform rewrites the keys, such as ``RoPE`` given raw keys): the pages are
   gathered and the dense call runs. Caches store RoPE keys rotated at write (then pass
   ``position=None``), or pass ``rope_tables`` to rotate each block on load.
-* ``"pallas"``: the kernel's paged entry (:mod:`jaxpos.kernels.paged`: key tiles of one
-  page read through the page table; forward only, for serving) when the page size is a
-  power of two, the pages are in q's dtype and the call has no block mask, dropout or
-  key-transforming scheme; otherwise the kernel on the gathered keys.
+* an engine with ``run_paged(call, k_pages, v_pages, page_table)`` reads the pages itself
+  when that returns an output: ``"pallas"``'s is the kernel's paged entry (key tiles of
+  one page read through the page table; forward only, for serving) when the page size is
+  a power of two, the pages are in q's dtype and the call has no block mask, dropout or
+  key-transforming scheme; otherwise (None) the engine runs on the gathered keys.
 
 Bad input: page shapes that disagree with each other or with q, a page table or lengths of
 the wrong shape or dtype raise ``ValueError`` / ``TypeError`` always; with concrete values,
@@ -290,7 +291,8 @@ def paged_attention(attention: Callable[..., jax.Array], q: ArrayLike, k_pages: 
     call = validate_call(q, k_shape, v_shape, q_positions=q_positions,
                          kv_positions=kv_positions, block_q=block_q, block_k=block_k,
                          kv_lengths=lens, **options)
-    name = engines.select_engine(call, implementation).name
+    engine = engines.select_engine(call, implementation)
+    name = engine.name
     if B == 0 or Tq == 0:
         return call.zeros()
     table = _safe_table(page_table, layout.num_pages)
@@ -301,25 +303,13 @@ def paged_attention(attention: Callable[..., jax.Array], q: ArrayLike, k_pages: 
                             buffered=call.rope_tables is not None)
         out = run_chunked_decode(call, load_kv=load, block_k=bk)
         return _poison(out, bad)
-    if name == "pallas" and _kernel_takes(call, k_pages, v_pages, block_k):
-        from jaxpos.kernels.paged import paged_attention_kernel
-
-        kcall = call.replace(block_k=None)
-        return _poison(paged_attention_kernel(kcall, k_pages, v_pages, table), bad)
+    run_paged = getattr(engine, "run_paged", None)  # an engine that reads pages itself
+    out = None if run_paged is None else run_paged(call, k_pages, v_pages, table)
+    if out is not None:
+        return _poison(out, bad)
     out = _dense(attention, call, name, gather_pages(k_pages, table),
                  gather_pages(v_pages, table), options, block_q, block_k)
     return _poison(out, bad)
-
-
-def _kernel_takes(call: AttentionCall, k_pages, v_pages, block_k) -> bool:
-    """Whether the kernel's paged entry (``jaxpos.kernels.paged``) runs the call: a
-    power-of-two page size (its key tile), pages in q's dtype, no block mask, no dropout,
-    no block_k other than the page size, a scheme whose keys need no per-call transform.
-    The other calls run the kernel on the gathered keys."""
-    ps = k_pages.shape[1]
-    return (ps & (ps - 1) == 0 and k_pages.dtype == v_pages.dtype == call.q.dtype
-            and call.block_mask is None and call.dropout is None
-            and block_k in (None, ps) and not _transforms_keys(call.scheme))
 
 
 def _dense(attention: Callable, call: AttentionCall, name: str, k, v, options, block_q,

@@ -1,0 +1,69 @@
+"""The layout docs/architecture.md describes, checked on the source files themselves.
+
+* The attention core never imports the kernel package: ``jaxpos.kernels`` depends on
+  ``jaxpos.core`` (it registers its engine there), so an import of the kernel from the
+  core, even one deferred into a function, would close a circle that static tools miss.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _imported_modules(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
+    """``(line, module)`` of every import in the file: top-level, inside functions and
+    classes, under ``if TYPE_CHECKING``, and string arguments of ``import_module`` /
+    ``__import__`` calls; relative imports resolved against the file's package."""
+    package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parent = ".".join(parts[:len(parts) - node.level + 1])
+                base = f"{parent}.{base}" if base else parent
+            found += [(node.lineno, base)] + [(node.lineno, f"{base}.{a.name}")
+                                              for a in node.names]
+        elif isinstance(node, ast.Call):
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+            if name in ("import_module", "__import__") and node.args and \
+                    isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def test_import_scanner_sees_deferred_and_relative_imports(tmp_path):
+    """The scanner itself: a deferred import, a relative one and an import_module string
+    are all found (so the direction test below cannot pass by not looking)."""
+    pkg = tmp_path / "jaxpos" / "core"
+    pkg.mkdir(parents=True)
+    f = pkg / "sample.py"
+    f.write_text("import os\n"
+                 "def late():\n"
+                 "    from jaxpos.kernels.paged import paged_attention_kernel\n"
+                 "    from ..kernels import dispatch\n"
+                 "    importlib.import_module('jaxpos.kernels.dispatch')\n")
+    mods = [m for _, m in _imported_modules(f, tmp_path)]
+    assert "os" in mods
+    assert "jaxpos.kernels.paged.paged_attention_kernel" in mods
+    assert "jaxpos.kernels.dispatch" in mods
+    assert mods.count("jaxpos.kernels.dispatch") == 2  # the relative import and the string
+
+
+def test_core_never_imports_the_kernel_package():
+    """Every module of jaxpos/core, every import in it (deferred ones included): none
+    names ``jaxpos.kernels`` or the top-level ``kernels`` folder."""
+    files = sorted((ROOT / "jaxpos" / "core").rglob("*.py"))
+    assert len(files) > 10  # the core is there to be read
+    bad = [f"{f.relative_to(ROOT)}:{line} imports {mod}"
+           for f in files for line, mod in _imported_modules(f)
+           if mod.split(".")[:2] == ["jaxpos", "kernels"] or mod.split(".")[0] == "kernels"]
+    assert not bad, "the core must not depend on the kernel package:\n" + "\n".join(bad)
+
