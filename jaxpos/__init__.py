@@ -231,9 +231,10 @@ __all__ = [
 ]
 
 # Subpackages imported on first use, so that ``import jaxpos`` stays light (no Flax, no
-# Pallas) while ``jaxpos.nnx.DecoderLM`` and ``jaxpos.linen.params_from_nnx`` work after
-# a plain ``import jaxpos`` (PEP 562, module ``__getattr__``).
-_LAZY_SUBMODULES = ("kernels", "linen", "nnx", "parallel", "testing")
+# Pallas) while ``jaxpos.nnx.DecoderLM``, ``jaxpos.linen.params_from_nnx`` and
+# ``jaxpos.serving.ServingEngine`` work after a plain ``import jaxpos`` (PEP 562, module
+# ``__getattr__``). Every public subpackage is either imported above or listed here.
+_LAZY_SUBMODULES = ("hf", "kernels", "layers", "linen", "nnx", "parallel", "serving", "testing")
 
 
 def __getattr__(name: str):

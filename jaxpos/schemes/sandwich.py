@@ -6,7 +6,7 @@ Sandwich keeps only the position-position term of the sinusoidal transformer's s
 ``(W_q (e_m + p_m))^T (W_k (e_n + p_n))``: the inner product of the sinusoidal vectors
 of dimension ``d_bar`` of the query position ``m`` and the key position ``n``,
 
-    ``p_m . p_n = sum_{i=1}^{d_bar/2} cos((m - n) / base^(2i / d_bar))``,   base = 10000,
+    p_m . p_n = sum_{i=1}^{d_bar/2} cos((m - n) / base^(2i / d_bar)),   base = 10000,
 
 added to the score as a bias with no parameters. Like ALiBi (Press et al. 2022) it is
 compressed per head: head ``h = 1..H`` divides it by ``8h / H`` (the paper borrows
