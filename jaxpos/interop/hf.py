@@ -13,7 +13,16 @@ It follows HF's own rules (``modeling_rope_utils.py``, ``standardize_rope_params
   or the older ``type``; ``"mrope"`` (Qwen2-VL) is default RoPE plus ``mrope_section``;
   ``"su"`` (early Phi-3) is LongRoPE.
 * head width: ``head_dim``, else ``hidden_size // num_attention_heads``; DeepSeek-V2/V3
-  rotate only ``qk_rope_head_dim`` features of each head.
+  rotate only ``qk_rope_head_dim`` features of each head. A layer type's own overrides
+  come first (transformers >= 5.2's ``per_layer_config``, read as HF's
+  ``config.per_layer_config[layer_type]``): Gemma 4's full-attention heads are
+  ``global_head_dim`` (512) wide where its sliding ones are ``head_dim`` (256); a Gemma 4
+  ``config.json`` with ``global_head_dim`` and no ``per_layer_config`` is read as HF's
+  config builder reads it. ``attention_k_eq_v`` (Gemma 4: a full layer's values are its
+  unrotated key projection) and ``num_global_key_value_heads`` leave the rotary as is.
+* ``rope_type="proportional"`` (Gemma 4's full layers, p-RoPE):
+  :class:`~jaxpos.schemes.rope.scaling.ProportionalScaling` over the whole head, its
+  ``partial_rotary_factor`` the rotated share; ``"axial"`` (2-D, vision towers) is refused.
 * ``rotary_dim = int(head_dim * partial_rotary_factor)`` (also read as GPT-NeoX's
   ``rotary_pct``, default 0.25 for ``model_type="gpt_neox"`` as in HF); GPT-J's explicit
   ``rotary_dim``.
@@ -100,6 +109,7 @@ def hf_rope_settings(config: Any, *, layer_type: str | None = None) -> dict:
     types, whose HF rotary always interleaves. False without ``mrope_section``."""
     d = _as_dict(config)
     _check_whole_config(d)
+    d.update(_layer_overrides(d, layer_type))
     model_type = d.get("model_type")
     params: dict[str, Any] = _rope_parameters(d, layer_type)
     base = params.get("rope_theta", d.get("rope_theta", d.get("rotary_emb_base")))
@@ -113,6 +123,12 @@ def hf_rope_settings(config: Any, *, layer_type: str | None = None) -> dict:
         rotary_dim = int(d["rotary_dim"])
 
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "axial":
+        raise ValueError(
+            f"rope_type='axial' (layer_type={layer_type!r}) is the 2-D rotary of image patches "
+            f"(Gemma 4's and other vision towers: height and width positions); "
+            f"rope_from_hf_config builds the 1-D RoPE of text layers. For 2-D patch positions "
+            f"see jaxpos.axial_rope_frequencies and jaxpos.apply_axial_rope.")
     max_pos = d.get("max_position_embeddings", d.get("n_positions"))
     if rope_type in ("llama3", "yarn", "longrope", "su"):
         if d.get("original_max_position_embeddings") is not None:  # HF: the top level wins
@@ -139,6 +155,72 @@ def hf_rope_settings(config: Any, *, layer_type: str | None = None) -> dict:
             "mrope_section": tuple(section) if section is not None else None,
             "mrope_interleaved": bool(interleaved) and section is not None,
             "head_dim": head_dim}
+
+
+# Families whose config builder gives full-attention layers their own head width
+# (``global_head_dim``, default 512) through ``per_layer_config`` (Gemma 4 and its kin).
+_GLOBAL_HEAD_DIM_MODELS = ("gemma4", "diffusion_gemma", "embedding_gemma2")
+# Families whose attention leaves the scores unscaled (``scaling = 1.0``, QK-norm instead).
+_UNIT_SCALE_MODELS = ("gemma3n", "gemma4", "diffusion_gemma", "embedding_gemma2")
+# The per-layer overrides that change a layer's rotary frequencies.
+_ROPE_KEYS = ("head_dim", "hidden_size", "num_attention_heads", "partial_rotary_factor",
+              "rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings",
+              "original_max_position_embeddings", "rotary_dim", "qk_rope_head_dim")
+
+
+def _layer_overrides(d: dict, layer_type: str | None, layer_index: int | None = None) -> dict:
+    """The rotary-relevant per-layer overrides of a heterogeneous HF config.
+
+    transformers >= 5.2 stores per-layer differences as ``per_layer_config`` ``{layer index:
+    {attribute: value}}`` (Gemma 4: ``{"head_dim": 512}`` on its full-attention layers) and
+    reads a layer type's rotary from ``config.per_layer_config[layer_type]``, which exists only
+    when every layer of that type has the same overrides. A Gemma 4 ``config.json`` written
+    before that holds ``global_head_dim`` instead (512 when absent), which the config builder
+    turns into those overrides.
+    """
+    plc = d.get("per_layer_config")
+    model_type = str(d.get("model_type") or "")
+    if plc is None:
+        if layer_index is not None:
+            layer_type = hf_layer_types(d)[layer_index]
+        if model_type.startswith(_GLOBAL_HEAD_DIM_MODELS) and layer_type == "full_attention":
+            return {"head_dim": int(d.get("global_head_dim") or 512)}
+        return {}
+    if not isinstance(plc, dict):
+        raise TypeError(f"per_layer_config must be a dict {{layer index: {{attribute: value}}}}; "
+                        f"got {type(plc).__name__}.")
+    per_layer = {}
+    for k, v in plc.items():
+        try:
+            per_layer[int(k)] = {a: x for a, x in dict(v or {}).items() if a in _ROPE_KEYS}
+        except (TypeError, ValueError):
+            raise ValueError(f"per_layer_config keys must be layer indices; got {k!r}.") from None
+    if layer_index is not None:
+        return per_layer.get(layer_index, {})
+    if not any(per_layer.values()):
+        return {}
+    if layer_type is None:
+        n = d.get("num_hidden_layers")
+        layers = range(int(n)) if n is not None else sorted(per_layer)
+        what = "all layers"
+        if not layers:
+            return {}
+    else:
+        types = hf_layer_types(d)
+        layers = [i for i, t in enumerate(types) if t == layer_type]
+        if not layers:
+            raise ValueError(f"layer_type={layer_type!r} names no layer of this config; its "
+                             f"layer_types hold {sorted(set(types))}.")
+        what = f"the {layer_type!r} layers"
+    first = per_layer.get(layers[0], {})
+    for i in layers:
+        if per_layer.get(i, {}) != first:
+            raise ValueError(
+                f"per_layer_config gives {what} different rotary settings (layer {layers[0]}: "
+                f"{first}, layer {i}: {per_layer.get(i, {})})"
+                + ("; pass layer_type=" if layer_type is None else "")
+                + "; read each layer with rope_per_layer_from_hf_config.")
+    return first
 
 
 def _rope_parameters(d: dict, layer_type: str | None) -> dict[str, Any]:
@@ -189,8 +271,8 @@ def rope_from_hf_config(config: Any, *, layer_type: str | None = None,
       config: a ``transformers.PretrainedConfig`` or its ``config.json`` as a dict
         (transformers v4 ``rope_theta`` + ``rope_scaling``, or v5 ``rope_parameters``;
         a ``text_config`` sub-config is read too, as for Qwen2-VL).
-      layer_type: for configs with rope parameters per layer type (Gemma 3's
-        ``"full_attention"`` / ``"sliding_attention"``).
+      layer_type: for configs with rope parameters or head widths per layer type (Gemma 3
+        and Gemma 4's ``"full_attention"`` / ``"sliding_attention"``).
       angle_precision: ``"high"`` (default) or ``"float32"`` for HF's exact numbers.
 
     Returns:
@@ -203,19 +285,31 @@ def rope_from_hf_config(config: Any, *, layer_type: str | None = None,
 
     Raises:
       TypeError: ``config`` neither a dict nor a config object.
-      ValueError: no way to know the head width; unknown ``rope_type``; a scaling dict
-        missing its keys; per-layer parameters without ``layer_type``.
+      ValueError: no way to know the head width; unknown ``rope_type`` or ``"axial"``; a
+        scaling dict missing its keys; per-layer parameters without ``layer_type``; a
+        ``layer_type`` whose layers differ in ``per_layer_config`` (use
+        :func:`rope_per_layer_from_hf_config`) or that names no layer.
     """
     s = hf_rope_settings(config, layer_type=layer_type)
     s.pop("head_dim")
     return RoPE(angle_precision=angle_precision, **s)
 
 
-def softmax_scale_from_hf_config(config: Any) -> float:
-    """The softmax scale HF uses: ``head_dim ** -0.5``, or for DeepSeek-V2/V3 (MLA)
-    ``qk_head_dim ** -0.5 * mscale**2`` with ``mscale = 0.1 * mscale_all_dim * ln(factor) + 1``
-    when the rope scaling is not ``"default"`` and has ``mscale_all_dim`` (HF's
-    ``yarn_apply_mscale``; :func:`jaxpos.schemes.mla.mla_softmax_scale`).
+def softmax_scale_from_hf_config(config: Any, *, layer_type: str | None = None) -> float:
+    """The softmax scale HF uses: ``head_dim ** -0.5`` of the layer's heads, or
+
+    * for DeepSeek-V2/V3 (MLA) ``qk_head_dim ** -0.5 * mscale**2`` with
+      ``mscale = 0.1 * mscale_all_dim * ln(factor) + 1`` when the rope scaling is not
+      ``"default"`` and has ``mscale_all_dim`` (HF's ``yarn_apply_mscale``;
+      :func:`jaxpos.schemes.mla.mla_softmax_scale`);
+    * ``query_pre_attn_scalar ** -0.5`` when the config has it (Gemma 2 / Gemma 3);
+    * 1 for Gemma 3n and Gemma 4 (their QK-norm replaces the scale: HF's attention sets
+      ``scaling = 1.0`` on every layer).
+
+    Args:
+      config: as for :func:`rope_from_hf_config`.
+      layer_type: for configs whose head width differs per layer type (Gemma 4's
+        ``global_head_dim``); only read by the ``head_dim ** -0.5`` rule.
 
     Raises:
       The errors of :func:`hf_rope_settings`.
@@ -226,7 +320,12 @@ def softmax_scale_from_hf_config(config: Any) -> float:
 
         return mla_softmax_scale(int(d.get("qk_nope_head_dim", 0)), int(d["qk_rope_head_dim"]),
                                  rope_parameters=d.get("rope_parameters") or d.get("rope_scaling"))
-    return float(hf_rope_settings(config)["head_dim"] ** -0.5)
+    if str(d.get("model_type") or "").startswith(_UNIT_SCALE_MODELS):
+        return 1.0
+    if d.get("query_pre_attn_scalar") is not None:
+        return float(d["query_pre_attn_scalar"]) ** -0.5
+    _check_whole_config(d)
+    return float(_head_dim({**d, **_layer_overrides(d, layer_type)}) ** -0.5)
 
 
 # ------------------------------------------------------------------- per-layer patterns
@@ -336,6 +435,9 @@ def rope_per_layer_from_hf_config(config: Any, *, angle_precision: str = "high")
       gets :class:`jaxpos.NoPE`: attention-temperature tuning is Llama 4's alone.
     * Otherwise the same :func:`rope_from_hf_config` scheme on every layer.
 
+    Each layer's own ``per_layer_config`` overrides (Gemma 4's ``head_dim`` 512 on full
+    layers) are applied to it, so its RoPE spans its own head width.
+
     Args:
       config: a ``transformers.PretrainedConfig`` or its ``config.json`` dict.
       angle_precision: as for :func:`rope_from_hf_config`.
@@ -378,8 +480,11 @@ def rope_per_layer_from_hf_config(config: Any, *, angle_precision: str = "high")
             else:
                 schemes.append(NoPE())
             continue
-        key = t if per_type else None
+        lt = t if per_type else None
+        own = _layer_overrides(d, lt, i)  # this layer's own head width etc. (Gemma 4)
+        key = (lt, repr(sorted(own.items())))
         if key not in cache:
-            cache[key] = rope_from_hf_config(d, layer_type=key, angle_precision=angle_precision)
+            d_i = dict(d, **own, per_layer_config={})
+            cache[key] = rope_from_hf_config(d_i, layer_type=lt, angle_precision=angle_precision)
         schemes.append(cache[key])
     return schemes
