@@ -44,12 +44,10 @@ from jaxpos import _checks
 from jaxpos._util import pad_axis
 from jaxpos.core.carried import carried_attention, from_blocks, static_scale, to_blocks
 from jaxpos.core.path import compute_dtype, refuse_softmax_options, softmax_rows
-from jaxpos.schemes.base import register_attention
+from jaxpos.schemes.base import REPLACING_IMPLEMENTATIONS, register_attention
 
-__all__ = ["IMPLEMENTATIONS", "cope_attention", "cope_positions", "interpolate_logits",
-           "scheme_attention"]
+__all__ = ["cope_attention", "cope_positions", "interpolate_logits", "scheme_attention"]
 
-IMPLEMENTATIONS = ("reference", "chunked")
 _BLOCK = 128
 _NEG_INF = -jnp.inf
 
@@ -193,7 +191,7 @@ def cope_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, pos_emb: ArrayLike,
         raise ValueError(f"cope_attention counts the keys from the key up to the query "
                          f"(Golovneva et al. 2024, Eq. 3): causal only; got causal="
                          f"{causal!r}.")
-    if implementation not in IMPLEMENTATIONS + (None,):
+    if implementation not in REPLACING_IMPLEMENTATIONS + (None,):
         raise ValueError(f"cope_attention runs on implementation 'reference' or 'chunked' "
                          f"(or None: 'chunked'); got {implementation!r}. The Pallas kernel "
                          f"and 'xla' do not take CoPE: its positions count the gates of the "

@@ -24,6 +24,9 @@ and optionally
   loads the keys); otherwise :func:`run` rotates q and k first (default False);
 * ``takes_kv_lengths``: False when the engine refuses ``kv_lengths`` (default True); a
   caller that can express the fill another way asks :func:`takes_kv_lengths`.
+* ``run_paged(call, k_pages, v_pages, page_table) -> out | None``: the paged call read
+  from the pages themselves (:mod:`jaxpos.core.paged`), or None for a call it does not
+  take that way; without it (or on None) the engine runs on the gathered keys.
 * ``compiler_partitioned``: True when the engine is made of XLA operations that the
   compiler's partitioner splits under a mesh with Auto axes (default False: an opaque
   kernel). Under a mesh, :func:`run` runs an engine per (batch, head) shard inside

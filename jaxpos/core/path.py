@@ -47,14 +47,12 @@ from jax.typing import ArrayLike
 from jaxpos import _checks
 from jaxpos._util import pad_axis
 from jaxpos.core.carried import carried_attention, from_blocks, static_scale, to_blocks
-from jaxpos.schemes.base import register_attention
+from jaxpos.schemes.base import REPLACING_IMPLEMENTATIONS, register_attention
 
-__all__ = ["IMPLEMENTATIONS", "compute_dtype", "group_heads", "path_attention",
+__all__ = ["compute_dtype", "group_heads", "path_attention",
            "path_scores", "refuse_softmax_options", "scheme_attention", "softmax_rows",
            "wy_blocks"]
 
-#: The implementations of :func:`path_attention`.
-IMPLEMENTATIONS = ("reference", "chunked")
 _BLOCK = 64
 _NEG_INF = -jnp.inf
 
@@ -273,7 +271,7 @@ def path_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, w: ArrayLike, beta:
         raise ValueError(f"path_attention is causal by definition (Yang et al. 2025, Eq. 2: "
                          f"the transforms from the key up to the query); got causal="
                          f"{causal!r}.")
-    if implementation not in IMPLEMENTATIONS + (None,):
+    if implementation not in REPLACING_IMPLEMENTATIONS + (None,):
         raise ValueError(f"path_attention runs on implementation 'reference' or 'chunked' "
                          f"(or None: 'chunked'); got {implementation!r}. The Pallas kernel "
                          f"and 'xla' do not take PaTH: its scores depend on the transforms "

@@ -33,14 +33,13 @@ from jax.typing import ArrayLike
 
 from jaxpos.core.carried import static_scale
 from jaxpos.core.path import (
-    IMPLEMENTATIONS,
     compute_dtype,
     group_heads,
     refuse_softmax_options,
     softmax_rows,
     wy_blocks,
 )
-from jaxpos.schemes.base import PositionScheme, register_attention
+from jaxpos.schemes.base import REPLACING_IMPLEMENTATIONS, PositionScheme, register_attention
 
 __all__ = ["PaTHCacheRead", "cached_path_attention", "chunk_transforms", "move_keys"]
 
@@ -137,7 +136,7 @@ def cached_path_attention(scheme: PaTHCacheRead, q: jax.Array, k: jax.Array, v: 
     refuse_softmax_options("PaTH attention", mask, mask_mod, sinks, extra)
     if causal is not True:
         raise ValueError(f"PaTH attention is causal by definition; got causal={causal!r}.")
-    if implementation not in IMPLEMENTATIONS + (None,):
+    if implementation not in REPLACING_IMPLEMENTATIONS + (None,):
         raise ValueError(f"PaTH decoding runs on implementation 'reference' or 'chunked' (or "
                          f"None); got {implementation!r}.")
     B, T, N, H = q.shape

@@ -53,12 +53,10 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxpos import _checks
-from jaxpos.schemes.base import register_attention
+from jaxpos.schemes.base import REPLACING_IMPLEMENTATIONS, register_attention
 
-__all__ = ["IMPLEMENTATIONS", "scheme_attention", "stick_breaking_attention",
-           "stick_breaking_weights"]
+__all__ = ["scheme_attention", "stick_breaking_attention", "stick_breaking_weights"]
 
-IMPLEMENTATIONS = ("reference", "chunked")
 _BLOCK = 128
 _NEG_INF = -jnp.inf
 
@@ -270,7 +268,7 @@ def stick_breaking_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal
         raise ValueError(f"stick_breaking_attention is causal by definition (Tan et al. 2025, "
                          f"§2: the keys before the query break the stick); got causal="
                          f"{causal!r}.")
-    _checks.check_choice("implementation", implementation, IMPLEMENTATIONS + (None,))
+    _checks.check_choice("implementation", implementation, REPLACING_IMPLEMENTATIONS + (None,))
     B, Tq, N, H = q.shape
     Tk = k.shape[1]
     qp, kp, qs, ks = _positions_and_segments(q_positions, kv_positions, segment_ids,

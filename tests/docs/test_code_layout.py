@@ -67,3 +67,17 @@ def test_core_never_imports_the_kernel_package():
            if mod.split(".")[:2] == ["jaxpos", "kernels"] or mod.split(".")[0] == "kernels"]
     assert not bad, "the core must not depend on the kernel package:\n" + "\n".join(bad)
 
+
+
+def test_implementations_is_defined_once():
+    """``IMPLEMENTATIONS`` means the engines of :func:`jaxpos.attention`, defined in one
+    module; what a scheme's own attention takes has its own name."""
+    files = sorted([*(ROOT / "jaxpos").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")])
+    where = []
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, ast.AnnAssign) else []
+            where += [f"{f.relative_to(ROOT)}:{node.lineno}" for t in targets
+                      if isinstance(t, ast.Name) and t.id == "IMPLEMENTATIONS"]
+    assert len(where) == 1 and where[0].startswith("jaxpos/core/entry.py:"), where
