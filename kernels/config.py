@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from jaxpos import _checks
@@ -125,6 +126,23 @@ def resolve_mode(interpret: Any) -> str:
     return "interpret" if interpret else "compiled"
 
 
+def float64_refusal(dtypes: Any, mode: str) -> TypeError | None:
+    """The refusal of float64 operands where the kernel is compiled (``mode`` "compiled",
+    or "auto" off CPU): Triton and Mosaic kernels are built for float32, bfloat16 and
+    float16. The Pallas interpreter (CPU) runs float64 operands, with the float32 softmax
+    and accumulation of every engine (``jax_enable_x64`` checks against a reference)."""
+    if not any(jnp.dtype(d) == jnp.float64 for d in dtypes):
+        return None
+    if mode == "interpret" or (mode == "auto" and jax.default_backend() == "cpu"):
+        return None
+    got = ", ".join(str(jnp.dtype(d)) for d in dtypes)
+    return TypeError(
+        f"implementation='pallas' compiles its kernel (Triton / Mosaic) for float32, bfloat16 "
+        f"and float16 operands; got q, k, v dtypes {got}. Cast them to float32, or use "
+        f"implementation='chunked' or 'reference' for float64 inputs (the Pallas "
+        f"interpreter, interpret=True, runs them too).")
+
+
 def tile_sizes(call: Any, Tq: int, Tk: int) -> tuple[int, int]:
     """``(bq, bk)``: the block mask's, else ``call.block_q`` / ``block_k`` (default 128)
     shrunk to the sequences (powers of two)."""
@@ -202,10 +220,14 @@ def prepare(call: Any, *, mode: str = "auto", kv_splits: int | None = None,
 
     Raises:
       ValueError / TypeError: a tile size that is not a power of two; ``kv_splits`` not a
-        positive integer.
+        positive integer; float64 operands where the kernel is compiled
+        (:func:`float64_refusal`).
     """
     q = jnp.asarray(call.q)
     k, v, Tk, Nk, table = _keys(call, pages)
+    refusal = float64_refusal((q.dtype, k.dtype, v.dtype), mode)
+    if refusal is not None:
+        raise refusal
     B, Tq, N, H = q.shape
     g = N // Nk
     bq, bk = tile_sizes(call, Tq, Tk)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, cast
 from jaxpos.core import engines
 from jaxpos.core.entry import choose_implementation
 from jaxpos.core.xla import DENSE_BIAS_BUDGET_BYTES
+from jaxpos.kernels.config import float64_refusal
 from jaxpos.kernels.fused import kernel_attention, run_call
 from jaxpos.kernels.paged import paged_attention_kernel, paged_refusal
 
@@ -139,14 +140,16 @@ class PallasEngine:
     rotates_on_load = True
 
     def refuses(self, call: AttentionCall) -> str | TypeError | None:
-        """What :func:`jaxpos.core.engines.fused_refusal` refuses, and a boolean mask
-        array."""
+        """What :func:`jaxpos.core.engines.fused_refusal` refuses, a boolean mask array,
+        and float64 operands where the kernel is compiled (off CPU;
+        :func:`jaxpos.kernels.config.float64_refusal`)."""
         mask = None if call.mask is None else (
             f"implementation='pallas' does not take a boolean mask array (got shape "
             f"{tuple(call.mask.shape)}): express it as a mask_mod from positions (with "
             f"jaxpos.create_block_mask to skip empty tiles), with causal=, positions or "
             f"segment_ids, or use implementation='chunked'.")
-        return engines.fused_refusal(self.name, "the fused Pallas kernel", call) or mask
+        wide = float64_refusal((call.q.dtype, call.k.dtype, call.v.dtype), "auto")
+        return engines.fused_refusal(self.name, "the fused Pallas kernel", call) or mask or wide
 
     def run(self, call: AttentionCall) -> jax.Array:
         """:func:`run_kernel`."""

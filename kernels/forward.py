@@ -150,7 +150,7 @@ def _kv_inputs(cfg, ops):
     """k and v: each batch row's keys of one KV head, or the whole page pools of one KV
     head and the page table (paged keys)."""
     G, g, Tk_p = cfg.heads, cfg.groups, cfg.nk * cfg.bk
-    kvh = lambda p: jax.lax.div(p * G, g)
+    kvh = lambda p: (p * G) // g  # weak-typed: int32 under jax_enable_x64 too
     segs, vsegs = layout.qk_segs(cfg), layout.v_segs(cfg)
     if cfg.paged:
         return [pb.In("k", ops.k, pb.pool(cfg.H, lambda b, p, i, *s: kvh(p), segs)),
