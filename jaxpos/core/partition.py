@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -263,21 +264,57 @@ def _lead_spec(x: Any, B: int, lead: Any, ndim: int | None = None) -> P:
     return P(first, *([None] * (n - 1)))
 
 
-def _offset_mod(fn: Callable | None, b_off: Any, h_off: Any, kind: str) -> Callable | None:
+def _offset_mod(fn: Callable | None, b_off: Any, h_off: Any, kind: str,
+                captured: dict[int, Any]) -> Callable | None:
     """``fn`` taking the shard's local batch and head indices: the global ones are passed on
-    (so captured per-head and per-row arrays are indexed as in the global call)."""
+    (so captured per-head and per-row arrays are indexed as in the global call). The
+    arrays ``fn`` captures are swapped for the shard's own copies (``captured``: id of the
+    captured array -> the value ``shard_map`` passed in), since a ``shard_map`` body may
+    not close over arrays of a mesh with Explicit axes."""
     if fn is None:
         return None
+
+    traced = _swapped(fn, captured, {})
+
     if kind == "score":
         def score_mod(score, batch, head, q_pos, kv_pos):
-            return fn(score, batch + b_off, head + h_off, q_pos, kv_pos)
+            return traced(score, batch + b_off, head + h_off, q_pos, kv_pos)
         score_mod.__qualname__ = getattr(fn, "__qualname__", "score_mod")
         return score_mod
 
     def mask_mod(batch, head, q_pos, kv_pos):
-        return fn(batch + b_off, head + h_off, q_pos, kv_pos)
+        return traced(batch + b_off, head + h_off, q_pos, kv_pos)
     mask_mod.__qualname__ = getattr(fn, "__qualname__", "mask_mod")
     return mask_mod
+
+
+def _swapped(obj: Any, captured: dict[int, Any], seen: dict[int, Any]) -> Any:
+    """``obj`` with every captured array of ``captured`` replaced, through the closures of
+    functions, tuples, lists and pytrees (a score_mod built by a scheme or composed of
+    several closes over its tables that way)."""
+    if id(obj) in captured:
+        return captured[id(obj)]
+    if id(obj) in seen:
+        return seen[id(obj)]
+    if isinstance(obj, types.FunctionType) and obj.__closure__:
+        cells = tuple(types.CellType(_swapped(c.cell_contents, captured, seen))
+                      if c.cell_contents is not None else c for c in obj.__closure__)
+        new = types.FunctionType(obj.__code__, obj.__globals__, obj.__name__,
+                                 obj.__defaults__, cells)
+        new.__kwdefaults__, new.__qualname__ = obj.__kwdefaults__, obj.__qualname__
+        seen[id(obj)] = new
+        return new
+    if isinstance(obj, types.MethodType):
+        return types.MethodType(_swapped(obj.__func__, captured, seen),
+                                _swapped(obj.__self__, captured, seen))
+    if isinstance(obj, (tuple, list)) and type(obj) in (tuple, list):
+        return type(obj)(_swapped(x, captured, seen) for x in obj)
+    if isinstance(obj, (jax.Array, types.FunctionType, str, int, float, type(None))):
+        return obj
+    leaves, tree = jax.tree_util.tree_flatten(obj)
+    if len(leaves) == 1 and leaves[0] is obj:
+        return obj
+    return jax.tree_util.tree_unflatten(tree, [_swapped(x, captured, seen) for x in leaves])
 
 
 def _index(axes: tuple[str, ...]) -> Any:
@@ -337,6 +374,12 @@ def run_sharded(engine: Any, call: AttentionCall, run: Callable[[AttentionCall],
                 arrays[f"bm_{name}"] = (x, P(b if x.shape[0] == B and B > 1 else None,
                                              h if x.shape[1] == N and N > 1 else None,
                                              *([None] * (x.ndim - 2))))
+    captured = [c for conv in (call.score_conv, call.mask_conv) if conv is not None
+                for c in conv.consts if isinstance(c, jax.core.Tracer)]
+    captured += [c for c in jax.tree_util.tree_leaves(call.scheme)  # the scheme's tables
+                 if isinstance(c, jax.core.Tracer) and all(c is not x for x in captured)]
+    for i, c in enumerate(captured):  # a score_mod's traced arrays, replicated
+        arrays[f"captured{i}"] = (c, P())
     if not _concrete_scale(call.scale):
         arrays["scale"] = (jnp.asarray(call.scale), P())
     names = tuple(arrays)
@@ -354,12 +397,14 @@ def run_sharded(engine: Any, call: AttentionCall, run: Callable[[AttentionCall],
             kv = h_off // group
             k = jax.lax.dynamic_slice_in_dim(k, kv, 1, axis=2)
             v = jax.lax.dynamic_slice_in_dim(v, kv, 1, axis=2)
+        swap = {id(c): got[f"captured{i}"] for i, c in enumerate(captured)}
         changes: dict[str, Any] = dict(
             q=got["q"], k=k, v=v, q_positions=got["q_positions"],
             kv_positions=got["kv_positions"], kv_overflow=None,
-            score_mod=_offset_mod(call.score_mod, b_off, h_off, "score"),
-            mask_mod=_offset_mod(call.mask_mod, b_off, h_off, "mask"),
-            score_conv=None, mask_conv=None, mod_tile=(0, 0))
+            score_mod=_offset_mod(call.score_mod, b_off, h_off, "score", swap),
+            mask_mod=_offset_mod(call.mask_mod, b_off, h_off, "mask", swap),
+            score_conv=None, mask_conv=None, mod_tile=(0, 0),
+            scheme=_swapped(call.scheme, swap, {}))
         for name in ("segment_ids", "kv_segment_ids", "kv_lengths", "sinks", "mask"):
             if name in got:
                 changes[name] = got[name]
