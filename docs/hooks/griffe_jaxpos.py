@@ -37,7 +37,7 @@ RAISES_ITEM = re.compile(r"[A-Za-z_][\w.]*(\s*\(.*?\))?\s*:(\s|$)")  # "ValueErr
 KERNELS_DIR = pathlib.Path(__file__).resolve().parents[2] / "kernels"
 
 
-def _objects(obj: griffe.Object, seen: set[int]):
+def _objects(obj: griffe.Object | griffe.Alias, seen: set[int]):
     if id(obj) in seen:
         return
     seen.add(id(obj))
