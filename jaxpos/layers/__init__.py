@@ -11,12 +11,15 @@
   (:class:`~jaxpos.layers.cache.Cache`): the dense :class:`~jaxpos.layers.cache.KVCache`
   and the StreamingLLM :class:`~jaxpos.layers.cache.StreamingKVCache`, one file each.
 * :mod:`jaxpos.layers.cores`: the ``*Core`` classes, the computations of the modules,
-  inherited by the NNX classes and their Linen twins (which only declare parameters).
+  inherited by the NNX classes and their Linen twins (which only declare parameters): a
+  layer's in :mod:`~jaxpos.layers.cores.layer`, a stack's in
+  :mod:`~jaxpos.layers.cores.stacks`.
 * :mod:`jaxpos.layers.stack`: where a stack's scheme lives and the one builder of a
   stack's submodules, called by the NNX and the Linen stacks with their constructors.
-* :mod:`jaxpos.layers.nnx_positions`: the NNX position modules (exported by
-  :mod:`jaxpos.nnx`).
+* :mod:`jaxpos.layers.nnx_positions` / :mod:`jaxpos.layers.linen_positions`: the NNX
+  position modules and their Linen twins (exported by :mod:`jaxpos.nnx` /
+  :mod:`jaxpos.linen`).
 
-Nothing here but :mod:`~jaxpos.layers.nnx_positions` is Flax-specific except reading a
-parameter (:func:`cores.param_value`).
+Nothing here but the position modules is Flax-specific except reading a parameter
+(:func:`cores.param_value`).
 """

@@ -3,6 +3,7 @@
 * The attention core never imports the kernel package: ``jaxpos.kernels`` depends on
   ``jaxpos.core`` (it registers its engine there), so an import of the kernel from the
   core, even one deferred into a function, would close a circle that static tools miss.
+* No source file of ``jaxpos/`` or ``kernels/`` is longer than 600 lines.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+MAX_LINES = 600
 
 
 def _imported_modules(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
@@ -81,3 +83,11 @@ def test_implementations_is_defined_once():
             where += [f"{f.relative_to(ROOT)}:{node.lineno}" for t in targets
                       if isinstance(t, ast.Name) and t.id == "IMPLEMENTATIONS"]
     assert len(where) == 1 and where[0].startswith("jaxpos/core/entry.py:"), where
+
+
+def test_source_files_are_at_most_600_lines():
+    files = sorted([*(ROOT / "jaxpos").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")])
+    assert len(files) > 50
+    long = {str(f.relative_to(ROOT)): n for f in files
+            if (n := len(f.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"files over {MAX_LINES} lines (split them along a seam): {long}"
