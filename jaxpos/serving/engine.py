@@ -37,13 +37,14 @@ class Request:
     """One generation request.
 
     Attributes:
-      prompt: token ids (at least one).
+      prompt: token ids (at least one), each in ``[0, vocab_size)`` of the model.
       max_new_tokens: the token budget (>= 1).
       temperature: 0 = greedy; else logits are divided by it before sampling.
       top_k: keep the ``top_k`` most likely tokens (0 = all).
       top_p: nucleus sampling, keep the smallest set reaching ``top_p`` (1 = all).
       eos_id: the request ends when it samples this token (kept in the output).
-      seed: the request's random stream (the same tokens whatever batch it runs in).
+      seed: the request's random stream (the same tokens whatever batch it runs in), an
+        int in ``[0, 2**32)``.
       arrival: seconds after the start of :meth:`ServingEngine.run` when it arrives.
       id: anything identifying it (default: its index in ``run``'s list).
     """
@@ -193,19 +194,58 @@ class ServingEngine:
 
     # ------------------------------------------------------------------- host side
     def _check(self, r: Request):
-        if len(r.prompt) == 0:
-            raise ValueError(f"request {r.id!r}: prompt must hold at least one token.")
-        _checks.check_positive_int("max_new_tokens", r.max_new_tokens)
-        if len(r.prompt) + r.max_new_tokens > self.max_len:
-            raise ValueError(f"request {r.id!r}: prompt ({len(r.prompt)}) + max_new_tokens "
+        """Refuse a request that can never run or would run on garbage: every error names
+        the request (its id) and the field."""
+        who = f"request {r.id!r}"
+        try:
+            prompt = None if isinstance(r.prompt, (str, bytes)) else np.asarray(r.prompt)
+        except ValueError:  # a ragged nesting
+            prompt = None
+        if prompt is not None and prompt.ndim == 1 and prompt.size == 0:
+            raise ValueError(f"{who}: prompt must hold at least one token.")
+        if (prompt is None or prompt.ndim != 1 or prompt.dtype == bool
+                or not np.issubdtype(prompt.dtype, np.integer)):
+            raise TypeError(f"{who}: prompt must be a sequence of int token ids; got "
+                            f"{type(r.prompt).__name__} {r.prompt!r:.80}.")
+        V = self.model.vocab_size
+        bad = np.flatnonzero((prompt < 0) | (prompt >= V))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{who}: prompt token ids must lie in [0, vocab_size={V}); got "
+                             f"{int(prompt[i])} at index {i} ({bad.size} id(s) out of "
+                             f"range).")
+        for name in ("max_new_tokens", "top_k", "seed"):
+            val = getattr(r, name)
+            if isinstance(val, bool) or not isinstance(val, (int, np.integer)):
+                raise TypeError(f"{who}: {name} must be an int; got {type(val).__name__} "
+                                f"{val!r}.")
+        if r.max_new_tokens < 1:
+            raise ValueError(f"{who}: max_new_tokens must be >= 1; got {r.max_new_tokens}.")
+        if len(prompt) + r.max_new_tokens > self.max_len:
+            raise ValueError(f"{who}: prompt ({len(prompt)}) + max_new_tokens "
                              f"({r.max_new_tokens}) exceeds max_len={self.max_len}.")
         need = self._pages_needed(r)
         if need > self.allocator.num_pages:
-            raise ValueError(f"request {r.id!r} needs {need} pages; the pool holds "
+            raise ValueError(f"{who} needs {need} pages; the pool holds "
                              f"num_pages={self.allocator.num_pages}.")
-        if not 0 < r.top_p <= 1 or r.temperature < 0 or r.top_k < 0:
-            raise ValueError(f"request {r.id!r}: need temperature >= 0, top_k >= 0 and top_p "
+        temperature = _checks.check_real(f"{who}: temperature", r.temperature)
+        top_p = _checks.check_real(f"{who}: top_p", r.top_p)
+        if not (0 <= temperature < np.inf and 0 < top_p <= 1 and r.top_k >= 0):
+            raise ValueError(f"{who}: need a finite temperature >= 0, top_k >= 0 and top_p "
                              f"in (0, 1]; got {r.temperature}, {r.top_k}, {r.top_p}.")
+        if not 0 <= r.seed < 2 ** 32:
+            raise ValueError(f"{who}: seed must lie in [0, 2**32); got {r.seed}.")
+        if r.eos_id is not None:
+            if isinstance(r.eos_id, bool) or not isinstance(r.eos_id, (int, np.integer)):
+                raise TypeError(f"{who}: eos_id must be None or an int; got "
+                                f"{type(r.eos_id).__name__} {r.eos_id!r}.")
+            if not 0 <= r.eos_id < V:
+                raise ValueError(f"{who}: eos_id must lie in [0, vocab_size={V}) (it could "
+                                 f"never be sampled); got {r.eos_id}.")
+        arrival = _checks.check_real(f"{who}: arrival", r.arrival)
+        if not np.isfinite(arrival):
+            raise ValueError(f"{who}: arrival must be a finite number of seconds; got "
+                             f"{r.arrival!r}.")
 
     def _pages_needed(self, r: Request) -> int:
         """Pages a request may hold: its prompt and budget, or its prompt padded to whole
@@ -314,8 +354,16 @@ class ServingEngine:
           ``(completions in finishing order, stats)``.
 
         Raises:
-          ValueError: a request that can never run (empty prompt, longer than
-            ``max_len``, more pages than the pool, bad sampling settings).
+          ValueError: before any device work, for a request that can never run or would
+            run on garbage, naming it (its ``id``) and the field: an empty prompt, a
+            prompt token id outside ``[0, model.vocab_size)`` (the embedding lookup would
+            give NaN logits, or wrap a negative id, instead of failing), longer than
+            ``max_len``, more pages than the pool, bad sampling settings (``temperature``
+            not finite or < 0, ``top_k < 0``, ``top_p`` outside ``(0, 1]``), ``seed``
+            outside ``[0, 2**32)``, ``eos_id`` outside the vocabulary, an ``arrival``
+            that is not finite.
+          TypeError: a prompt that is not a 1-D sequence of ints, or a non-int
+            ``max_new_tokens``, ``top_k``, ``seed`` or ``eos_id``.
         """
         reqs = [r if r.id is not None else dataclasses.replace(r, id=i)
                 for i, r in enumerate(requests)]

@@ -174,6 +174,48 @@ def test_requests_that_can_never_run_are_refused():
     assert jax.devices()  # (the refusals happen before any device work)
 
 
+@pytest.mark.parametrize("prompt, bad", [([69, 2, 3], 69), ([-1, 2, 3], -1), ([2, 64], 64)])
+def test_prompt_token_ids_outside_the_vocabulary_are_refused_naming_the_request(prompt, bad):
+    """With vocab 64, id 69 would give NaN logits (argmax 0) and -1 the last embedding row
+    (plausible tokens): the loop refuses both, naming the request and the id."""
+    model = PagedDecoder(vocab_size=64, d_model=16, num_layers=1, num_heads=2)
+    eng = ServingEngine(model, num_slots=1, num_pages=4, page_size=4, max_len=12,
+                        prefill_chunk=4)
+    ok = Request([1, 2], 2, id="fine")
+    with pytest.raises(ValueError, match=rf"request 'req-7'.*vocab_size=64.*got {bad} at"):
+        eng.run([ok, Request(prompt, 4, id="req-7")])
+    with pytest.raises(ValueError, match=rf"request 1: .*got {bad} at"):  # default id: index
+        eng.run([ok, Request(prompt, 4)])
+    assert eng.allocator.in_use == 0 and eng.allocator.reserved == 0  # refused before running
+
+
+@pytest.mark.parametrize("field, value, error, match", [
+    ("prompt", [1.5, 2.0], TypeError, "prompt must be a sequence of int token ids"),
+    ("prompt", "abc", TypeError, "prompt must be a sequence of int token ids"),
+    ("prompt", [[1, 2]], TypeError, "prompt must be a sequence of int token ids"),
+    ("prompt", np.zeros((0,), np.int32), ValueError, "at least one token"),
+    ("max_new_tokens", 0, ValueError, "max_new_tokens must be >= 1; got 0"),
+    ("max_new_tokens", 2.0, TypeError, "max_new_tokens must be an int"),
+    ("temperature", -1.0, ValueError, "finite temperature >= 0"),
+    ("temperature", float("nan"), ValueError, "finite temperature >= 0"),
+    ("temperature", float("inf"), ValueError, "finite temperature >= 0"),
+    ("top_k", -1, ValueError, "top_k >= 0"),
+    ("top_k", 2.5, TypeError, "top_k must be an int"),
+    ("top_p", float("nan"), ValueError, r"top_p in \(0, 1\]"),
+    ("seed", -1, ValueError, r"seed must lie in \[0, 2\*\*32\)"),
+    ("eos_id", 64, ValueError, r"eos_id must lie in \[0, vocab_size=64\)"),
+    ("arrival", float("nan"), ValueError, "arrival must be a finite"),
+])
+def test_bad_request_fields_are_refused_naming_the_request(field, value, error, match):
+    model = PagedDecoder(vocab_size=64, d_model=16, num_layers=1, num_heads=2)
+    eng = ServingEngine(model, num_slots=1, num_pages=4, page_size=4, max_len=12,
+                        prefill_chunk=4)
+    fields = dict(prompt=[1, 2], max_new_tokens=2, id="r")
+    fields[field] = value
+    with pytest.raises(error, match=rf"request 'r'.*{match}"):
+        eng.run([Request(**fields)])
+
+
 def test_the_loop_drives_a_decoder_lm_through_its_paged_cache():
     """jaxpos.nnx.DecoderLM (T5 bias) behind ModuleDecoder: each greedy generation is the
     argmax of the module's own full pass at every step."""
