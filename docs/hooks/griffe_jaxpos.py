@@ -13,7 +13,8 @@ before a code span. When the ``jaxpos`` package has been loaded, this extension
   ``jaxpos.layers.cache.dense`` is the class that module imports), becomes a link where the
   site documents it and a code span where it does not (``flax.nnx.Rngs``, a private helper);
 * turns reStructuredText's ``::`` before a literal block into ``:`` (the indented block
-  below renders as code in Markdown too);
+  below renders as code in Markdown too) and its simple tables (rows between ``=====``
+  rules, cells two spaces apart) into Markdown tables;
 * titles "Errors" a ``Raises:`` section that names no exception type ("The errors of
   :func:`x`."), which the Google-style parser cannot split into type and description.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import html
 import pathlib
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import griffe
@@ -34,17 +36,17 @@ ROLE = re.compile(r":(?:py:)?(?P<role>class|func|meth|mod|attr|data|exc|obj|cons
                   r"`(?P<body>[^`]+)`")
 LITERAL_BLOCK_INTRO = re.compile(r"(?<=\S)::$", re.M)  # "...the rule::" before an indented block
 RAISES_ITEM = re.compile(r"[A-Za-z_][\w.]*(\s*\(.*?\))?\s*:(\s|$)")  # "ValueError: ..."
+TABLE_RULE = re.compile(r"^ *=+( +=+)+ *$")  # "=====  =====" of a simple table
 KERNELS_DIR = pathlib.Path(__file__).resolve().parents[2] / "kernels"
 
 
-def _objects(obj: griffe.Object | griffe.Alias, seen: set[int]):
-    if id(obj) in seen:
+def _objects(obj: griffe.Object | griffe.Alias, seen: set[int]) -> Iterator[griffe.Object]:
+    if isinstance(obj, griffe.Alias) or id(obj) in seen:  # an import: documented where defined
         return
     seen.add(id(obj))
     yield obj
     for member in obj.members.values():
-        if not member.is_alias:
-            yield from _objects(member, seen)
+        yield from _objects(member, seen)
 
 
 def _canonical(collection: Any, path: str) -> str:
@@ -121,9 +123,35 @@ def retitle_untyped_raises(text: str) -> str:
     return "\n".join(lines)
 
 
+def simple_tables_to_markdown(text: str) -> str:
+    """``text`` with each reStructuredText simple table (a rule, a header row, a rule, body
+    rows, a rule; one line per row) as a Markdown table; a table whose rows do not split
+    into the rule's number of cells at runs of two or more spaces is left as written."""
+    lines = text.split("\n")
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        rules = [j for j in range(i, len(lines)) if TABLE_RULE.match(lines[j])][:3]
+        if (len(rules) == 3 and rules[0] == i and rules[1] == i + 2
+                and all(lines[j].strip() for j in range(i, rules[2]))):
+            ncols = len(lines[i].split())
+            rows = [re.split(r" {2,}", lines[j].strip())
+                    for j in range(i + 1, rules[2]) if j != rules[1]]
+            if all(len(row) == ncols for row in rows):
+                indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
+                table = [rows[0], ["---"] * ncols, *rows[1:]]
+                out.extend(indent + "| " + " | ".join(row) + " |" for row in table)
+                i = rules[2] + 1
+                continue
+        out.append(lines[i])
+        i += 1
+    return "\n".join(out)
+
+
 def rewrite(scope: griffe.Object, collection: Any, text: str) -> str:
-    """``text`` (a docstring of ``scope``) with its roles, ``::`` and untyped ``Raises:``
-    sections rendered for Markdown."""
+    """``text`` (a docstring of ``scope``) with its roles, ``::``, simple tables and untyped
+    ``Raises:`` sections rendered for Markdown."""
+    text = simple_tables_to_markdown(text)
     text = ROLE.sub(lambda m: render_role(scope, collection, m), text)
     text = LITERAL_BLOCK_INTRO.sub(":", text)
     return retitle_untyped_raises(text)

@@ -104,8 +104,8 @@ def test_every_docstring_parses_as_google_style(loaded):
 
 def test_no_docstring_keeps_a_raw_role_for_the_site(loaded):
     _, docstrings, _ = loaded
-    raw = [f"{path}: {ROLE_TEXT.search(text)[0]}" for path, text in docstrings
-           if ROLE_TEXT.search(text)]
+    raw = [f"{path}: {found[0]}" for path, text in docstrings
+           if (found := ROLE_TEXT.search(text))]
     assert not raw, "roles the extension left as text:\n" + "\n".join(raw)
 
 
@@ -140,6 +140,13 @@ def test_roles_become_optional_references_resolved_in_their_scope(tmp_path):
     typed = "Raises:\n  ValueError: bad x.\n  TypeError(x): worse.\n"
     assert ext.retitle_untyped_raises(untyped) == untyped.replace("Raises:", "Errors:")
     assert ext.retitle_untyped_raises(typed) == typed
+    table = ("Modules:\n\n=====  ==========\nname   role\n=====  ==========\n"
+             ":class:`A`  the a  \nb      ``b`` too\n=====  ==========\n\nAfter.")
+    assert ext.simple_tables_to_markdown(table) == (
+        "Modules:\n\n| name | role |\n| --- | --- |\n| :class:`A` | the a |\n"
+        "| b | ``b`` too |\n\nAfter.")
+    ragged = "=====  ===\na  b  c\n=====  ===\nd  e\n=====  ===\n"
+    assert ext.simple_tables_to_markdown(ragged) == ragged
 
 
 def _public_modules() -> list[str]:
