@@ -265,6 +265,8 @@ def test_built_pages_show_no_raw_role_and_no_literal_double_backticks(site):
             ticks[name] = n
     assert len(site) > 20
     assert not roles, f"raw Sphinx roles per page: {roles}"
+    leaked = [name for name, page in site.items() if "autoref" in _page_text(page)]
+    assert not leaked, f"cross-reference tags shown as text (a role in a code block?): {leaked}"
     assert not ticks, f"literal double backticks per page: {ticks}"
 
 
