@@ -170,7 +170,7 @@ def _dq(cfg, ops, lse, delta, do):
     bq, Tk_p = cfg.bq, cfg.nk * cfg.bk
     sb, sh = pb.batch_map(cfg.sched_b), pb.batch_map(cfg.sched_h)
     segs, vsegs = layout.qk_segs(cfg), layout.v_segs(cfg)
-    kvh = lambda h: h // cfg.groups  # weak-typed: int32 under jax_enable_x64 too
+    kvh = lambda h: jax.lax.div(h, jnp.asarray(cfg.groups, h.dtype))  # int32 under x64 too
     ins = [pb.In("q", ops.q, pb.tok(bq, 1, cfg.H, lambda b, h, i: (b, i, h), segs)),
            pb.In("k", ops.k, pb.tok(Tk_p, 1, cfg.H, lambda b, h, i: (b, 0, kvh(h)), segs)),
            pb.In("v", ops.v, pb.tok(Tk_p, 1, cfg.Hv, lambda b, h, i: (b, 0, kvh(h)), vsegs)),

@@ -115,3 +115,26 @@ def test_compiled_kernel_refuses_float64_inputs(x64, rng, monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     with pytest.raises(TypeError, match="compiles its kernel.*got q, k, v dtypes float64"):
         jaxpos.attention(q, k, v, implementation="pallas")
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_kernel_lowers_for_gpu_and_tpu_under_x64(x64, platform):
+    """Forward and backward (GQA, kv_lengths, sinks, a captured-array score_mod) export
+    for Triton and Mosaic with x64 on: no int64 reaches the kernels' index arithmetic."""
+    from jaxpos.kernels.fused import kernel_attention
+
+    def fwd(q, k, v, pos, lens, slopes):
+        mod = lambda s, b, h, qp, kp: s + slopes[h] * (kp - qp).astype(jnp.float32)
+        return kernel_attention(q, k, v, q_positions=pos, kv_positions=pos, causal=True,
+                                kv_lengths=lens, sinks=slopes, score_mod=mod, interpret=False)
+
+    bwd = jax.grad(lambda *a: fwd(*a).sum(), argnums=(0, 1, 2, 5))
+    sds = jax.ShapeDtypeStruct
+    args = (sds((1, 192, 4, 128), jnp.float32), sds((1, 192, 2, 128), jnp.float32),
+            sds((1, 192, 2, 128), jnp.float32), sds((192,), jnp.int32), sds((1,), jnp.int32),
+            sds((4,), jnp.float32))
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    for fn in (fwd, bwd):
+        mlir = jax.export.export(jax.jit(fn), platforms=[platform],
+                                 disabled_checks=checks)(*args).mlir_module()
+        assert ("tpu_custom_call" if platform == "tpu" else "xla.gpu.triton") in mlir
