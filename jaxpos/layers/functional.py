@@ -54,8 +54,9 @@ def learned_table_init() -> Callable[..., jax.Array]:
 
 
 def check_tokens(tokens: ArrayLike, vocab_size: int) -> jax.Array:
-    """int ``[B, T]`` token ids; concrete ids outside ``[0, vocab_size)`` raise (a gather
-    would otherwise clamp or fill them silently)."""
+    """int ``[B, T]`` token ids; concrete ids outside ``[0, vocab_size)``, negative ones
+    included, raise ``ValueError`` (a gather would otherwise fill or wrap them silently).
+    Traced ids cannot be inspected: :func:`embed_tokens` gives them NaN rows."""
     _checks.check_rank("tokens", tokens, (2,), "[batch, seq] token ids")
     dt = _checks.dtype_of(tokens)
     if not jnp.issubdtype(dt, jnp.integer):
@@ -70,8 +71,16 @@ def check_tokens(tokens: ArrayLike, vocab_size: int) -> jax.Array:
 
 def embed_tokens(embedding: ArrayLike, tokens: jax.Array, d_model: int,
                  dtype: DTypeLike) -> jax.Array:
-    """``sqrt(d_model) * embedding[tokens]``; traced out-of-range ids give NaN rows."""
-    rows = jnp.take(jnp.asarray(embedding), tokens, axis=0, mode="fill", fill_value=jnp.nan)
+    """``sqrt(d_model) * embedding[tokens]``: ``[..., d_model]`` in ``dtype`` for int ids
+    ``[...]``. An id outside ``[0, vocab_size)``, negative or ``>= vocab_size``, gives a
+    NaN row (under ``jit``, where :func:`check_tokens` cannot see the values): never
+    another token's row (``jnp.take`` would read ``-1`` as the last row)."""
+    table = jnp.asarray(embedding)
+    tokens = jnp.asarray(tokens)
+    # jnp.take wraps negative ids NumPy-style before mode="fill" applies: send them past
+    # the table, where the fill catches them like ids >= vocab_size
+    tokens = jnp.where(tokens < 0, table.shape[0], tokens)
+    rows = jnp.take(table, tokens, axis=0, mode="fill", fill_value=jnp.nan)
     return (rows * jnp.float32(math.sqrt(d_model))).astype(dtype)
 
 

@@ -90,7 +90,9 @@ class DecoderCore(StackCore):
         """Causal forward pass.
 
         Args:
-          tokens: int ``[B, T]`` in ``[0, vocab_size)`` (concrete ids outside raise).
+          tokens: int ``[B, T]`` in ``[0, vocab_size)``: concrete ids outside, negative
+            ones included, raise ``ValueError``; under ``jit`` their embedding rows are NaN
+            (so are their logits; the NaN may reach others through attention).
           positions: int ``[T]`` or ``[B, T]``, default ``arange(T)``, or Hugging Face's
             positions of ``attention_mask`` when it is given (``cumsum - 1``, padding at
             1); offsets and packing are position arrays.
