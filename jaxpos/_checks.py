@@ -254,3 +254,34 @@ def kv_lengths_out_of_range(kv_lengths: Any, Tk: int) -> jax.Array | None:
         return None
     lengths = jnp.asarray(kv_lengths)
     return (lengths < 0) | (lengths > Tk)
+
+
+def check_contiguous_segments(name: str, segment_ids: Any) -> None:
+    """Concrete integer ``[B, T]`` segment ids must give each id one run of consecutive
+    tokens per row (schemes whose position is what lies between two tokens, PaTH's
+    transforms, read a segment that comes back after another as one sequence). Traced ids
+    are not checked (the documented precondition).
+
+    Raises:
+      ValueError: an id that comes back after another id, naming the row, the id and the
+        token where it comes back.
+    """
+    if segment_ids is None or not is_concrete(segment_ids):
+        return
+    s = np.asarray(segment_ids)
+    if s.ndim != 2 or s.shape[1] < 3:
+        return
+    starts = np.ones(s.shape, bool)
+    starts[:, 1:] = s[:, 1:] != s[:, :-1]  # the first token of each run
+    for b in range(s.shape[0]):
+        run_ids = s[b, starts[b]]
+        if len(np.unique(run_ids)) == len(run_ids):
+            continue
+        seen: set = set()
+        for t in np.flatnonzero(starts[b]):
+            if int(s[b, t]) in seen:
+                raise ValueError(
+                    f"{name} must keep each segment's tokens together (one run per id and "
+                    f"row); got row {b} = {s[b].tolist()}: id {int(s[b, t])} comes back at "
+                    f"token {int(t)} after another id. Give each run its own id.")
+            seen.add(int(s[b, t]))

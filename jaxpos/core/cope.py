@@ -149,13 +149,50 @@ def _segments(segment_ids: ArrayLike | None, kv_segment_ids: ArrayLike | None, B
     return segs
 
 
+def _check_key_order(qp: Any, kp: Any, segment_ids: Any, kv_segment_ids: Any) -> None:
+    """Concrete ``kv_positions`` must be sorted along the key axis among the keys some
+    query of their segment sees (keys nobody sees, e.g. a cache's empty slots, may hold
+    anything): the gates CoPE sums "between" a key and its query are those of the keys
+    between them on that axis (Golovneva et al. 2024, Eq. 3).
+
+    Raises:
+      ValueError: two such keys of one segment and row out of order, naming both.
+    """
+    if kv_segment_ids is None:
+        kv_segment_ids = segment_ids
+    if not all(_checks.is_concrete(x) for x in (qp, kp, segment_ids, kv_segment_ids)):
+        return
+    qp, kp = np.asarray(qp), np.asarray(kp)
+    B = max(qp.shape[0], kp.shape[0])
+    qp, kp = np.broadcast_to(qp, (B, qp.shape[-1])), np.broadcast_to(kp, (B, kp.shape[-1]))
+    qs = np.zeros(qp.shape, np.int64) if segment_ids is None else np.asarray(segment_ids)
+    ks = np.zeros(kp.shape, np.int64) if kv_segment_ids is None else np.asarray(kv_segment_ids)
+    for b in range(B):
+        ids, inv = np.unique(qs[b], return_inverse=True)
+        top = np.full(len(ids), np.iinfo(np.int64).min)
+        np.maximum.at(top, inv, qp[b].astype(np.int64))  # each segment's last query
+        slot = np.clip(np.searchsorted(ids, ks[b]), 0, len(ids) - 1)
+        seen = np.flatnonzero((ids[slot] == ks[b]) & (kp[b] <= top[slot]))
+        order = seen[np.argsort(ks[b][seen], kind="stable")]  # by segment, then axis
+        same = ks[b][order][1:] == ks[b][order][:-1]
+        bad = np.flatnonzero(same & (kp[b][order][1:] < kp[b][order][:-1]))
+        if bad.size:
+            i, j = order[bad[0]], order[bad[0] + 1]
+            raise ValueError(
+                f"kv_positions must be sorted along the key axis (CoPE counts the gates of "
+                f"the keys between a key and its query on that axis); got row {b}: key {i} "
+                f"at position {int(kp[b, i])} before key {j} at position {int(kp[b, j])}, "
+                f"both in segment {int(ks[b, i])} and seen by its queries. Sort the keys "
+                f"(and their values) by position.")
+
+
 def cope_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, pos_emb: ArrayLike, *,
                    causal: bool = True, q_positions: ArrayLike | None = None,
                    kv_positions: ArrayLike | None = None,
                    segment_ids: ArrayLike | None = None,
                    kv_segment_ids: ArrayLike | None = None, scale: float | None = None,
-                   implementation: str | None = None,
-                   block_size: int | None = None) -> jax.Array:
+                   implementation: str | None = None, block_size: int | None = None,
+                   check_order: bool = True) -> jax.Array:
     """CoPE attention (Golovneva et al. 2024, §3, Eqs. 3-5): softmax attention whose
     logits add the query's score against a position embedding interpolated at the
     contextual position ``p_ij = sum_{t=j}^{i} sigmoid(scale * q_i . k_t)``.
@@ -169,7 +206,9 @@ def cope_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, pos_emb: ArrayLike,
       causal: must be True.
       q_positions, kv_positions: integer ``[T]`` or ``[B, T]``; default ``arange``, the
         queries aligned to the end of the keys (decoding). A key is visible to a query at
-        a position ``>=`` its own; keys must be sorted by position along their axis.
+        a position ``>=`` its own; keys must be sorted by position along their axis (those
+        some query sees; concrete positions are checked, traced ones under ``jit`` must
+        keep it too).
       segment_ids, kv_segment_ids: integer ``[B, Tq]`` / ``[B, Tk]`` (``kv_segment_ids``
         defaults to ``segment_ids``): only equal ids interact.
       scale: a static number, default ``1 / sqrt(H)``.
@@ -177,13 +216,17 @@ def cope_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, pos_emb: ArrayLike,
         kernel and ``"xla"`` do not run CoPE (its position term depends on the gates of
         the keys in between): ``ValueError``.
       block_size: the chunked tile size (default 128; any positive int).
+      check_order: check the order of concrete ``kv_positions`` (default True). The Flax
+        modules pass False: their padding queries see padding and empty cache slots out
+        of order, and only padding rows read those.
 
     Returns:
       ``[B, Tq, N, H_v]`` in q's dtype (float32 inside; float64 for float64 inputs).
 
     Raises:
       ValueError: bad ranks or shapes (naming the argument), ``pos_emb`` of another width
-        or head count, ``causal=False``, an unknown implementation, bad block size.
+        or head count, ``causal=False``, an unknown implementation, bad block size,
+        concrete ``kv_positions`` out of order (see above).
       TypeError: float positions or segment ids, dtypes that differ, a traced scale.
     """
     _checks.check_qkv(q, k, v)
@@ -212,6 +255,8 @@ def cope_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, pos_emb: ArrayLike,
     kp = _checks.positions_2d("kv_positions", jnp.arange(Tk, dtype=jnp.int32)
                               if kv_positions is None else kv_positions, B, Tk)
     segs = _segments(segment_ids, kv_segment_ids, B, Tq, Tk)
+    if check_order and kv_positions is not None:  # the default arange is sorted
+        _check_key_order(qp, kp, segment_ids, kv_segment_ids)
     dtype, Hv = _checks.dtype_of(q), _checks.shape_of(v)[-1]
     if B == 0 or Tq == 0:
         return jnp.zeros((B, Tq, N, Hv), dtype)
@@ -249,7 +294,9 @@ def scheme_attention(scheme, q: jax.Array, k: jax.Array, v: jax.Array, *,
                      implementation: str | None = None, **extra: Any) -> jax.Array:
     """:func:`cope_attention` with ``scheme.pos_emb`` (a :class:`jaxpos.schemes.cope.CoPE`)
     and the keywords the Flax modules pass to :func:`jaxpos.attention` (a KV cache's
-    fill counts are not needed: the segment ids hide the empty slots).
+    fill counts are not needed: the segment ids hide the empty slots), without the key
+    order check (``check_order=False``: the modules' positions are sorted; their padding
+    and empty slots are not, and only padding sees them).
 
     Returns:
       ``[B, Tq, N, H_v]`` in q's dtype.
@@ -264,4 +311,4 @@ def scheme_attention(scheme, q: jax.Array, k: jax.Array, v: jax.Array, *,
     return cope_attention(q, k, v, scheme.pos_emb.astype(q.dtype), q_positions=q_positions,
                           kv_positions=kv_positions, segment_ids=segment_ids,
                           kv_segment_ids=kv_segment_ids, scale=scale,
-                          implementation=implementation)
+                          implementation=implementation, check_order=False)

@@ -249,8 +249,9 @@ def path_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, w: ArrayLike, beta:
       log_forget: float ``[B, T, N]`` or None: the log forget gates of PaTH-FoX (at most
         0; FoX's ``log_sigmoid``), per query head.
       causal: must be True (the product runs from the key to the query).
-      segment_ids: int ``[B, T]`` or None: packed sequences, each contiguous; only equal
-        ids attend.
+      segment_ids: int ``[B, T]`` or None: packed sequences, each contiguous (the
+        transforms between two tokens are those of every token in between); only equal ids
+        attend. Concrete ids are checked; traced ones (under ``jit``) must keep it too.
       scale: a static number, default ``1 / sqrt(H)``.
       implementation: ``"reference"`` (dense), ``"chunked"`` (blockwise, ``O(T)``
         memory, custom VJP) or None (``"chunked"``). The Pallas kernel and ``"xla"`` do
@@ -263,10 +264,12 @@ def path_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, w: ArrayLike, beta:
     Raises:
       ValueError: bad ranks or shapes (naming the argument), ``q`` and ``k`` of different
         lengths, ``causal=False``, an implementation other than ``"reference"`` /
-        ``"chunked"``, a non-positive block size.
+        ``"chunked"``, a non-positive block size, concrete ``segment_ids`` whose segment
+        comes back after another one (``[0, 1, 0, 1, ...]``).
       TypeError: integer inputs, float segment ids, dtypes that differ, a traced scale.
     """
     _check_inputs(q, k, v, w, beta, log_forget, segment_ids)
+    _checks.check_contiguous_segments("segment_ids", segment_ids)
     if causal is not True:
         raise ValueError(f"path_attention is causal by definition (Yang et al. 2025, Eq. 2: "
                          f"the transforms from the key up to the query); got causal="

@@ -92,3 +92,53 @@ def test_bad_inputs_are_refused_naming_the_argument():
         cope_attention(q, k, v, E, segment_ids=np.zeros((2, 3), int))
     with pytest.raises(TypeError, match="q_positions"):
         cope_attention(q, k, v, E, q_positions=np.arange(9.0))
+
+
+def test_unsorted_concrete_kv_positions_are_refused():
+    """CoPE sums the gates of the keys between a key and its query on the key axis: keys
+    out of position order give other numbers than the same keys sorted."""
+    q, k, v, E = inputs(5, B=1, T=6)
+    perm = np.array([0, 2, 1, 3, 4, 5])
+    sorted_out = cope_attention(q, k, v, E)
+    for kvp in (perm, jnp.asarray(perm), perm[None]):
+        with pytest.raises(ValueError, match=r"kv_positions must be sorted.*key 1 at "
+                                             r"position 2 before key 2 at position 1"):
+            cope_attention(q, k[:, perm], v[:, perm], E, kv_positions=kvp)
+    # under jit the values are unknown: the documented precondition, and why it matters
+    f = jax.jit(lambda k, v, p: cope_attention(q, k, v, E, kv_positions=p))
+    traced = f(k[:, perm], v[:, perm], jnp.asarray(perm))
+    assert float(jnp.max(jnp.abs(traced - sorted_out))) > 0.1
+    # unsorted in a segment no query has is fine
+    seg = np.zeros((1, 6), int)
+    kv_seg = np.array([[1, 1, 1, 0, 0, 0]])
+    kvp = np.array([[5, 4, 3, 0, 1, 2]])
+    got = cope_attention(q, k, v, E, kv_positions=kvp, segment_ids=seg, kv_segment_ids=kv_seg,
+                         q_positions=np.arange(6))
+    want = np_cope(q, k, v, E, q_positions=np.arange(6), kv_positions=kvp, segment_ids=seg,
+                   kv_segment_ids=kv_seg)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_keys_no_query_sees_may_hold_any_position(impl):
+    """Keys no query sees (a position past every query of their segment; a cache's empty
+    slots: a segment no query has) are not checked, and the values equal the float64
+    loop; once a query sees them, their order counts."""
+    q, k, v, E = inputs(6, B=1, T=6)
+    kvp = np.array([[0, 1, 9, 2, 0, 0]])  # slot 2 past every query, 4-5 empty slots
+    kv_seg = np.array([[0, 0, 0, 0, 1, 1]])
+    qp = np.array([[0, 1, 2]])
+    got = cope_attention(q[:, :3], k, v, E, q_positions=qp, kv_positions=kvp,
+                         segment_ids=np.zeros((1, 3), int), kv_segment_ids=kv_seg,
+                         implementation=impl, block_size=2)
+    want = np_cope(q[:, :3], k, v, E, q_positions=qp, kv_positions=kvp,
+                   segment_ids=np.zeros((1, 3), int), kv_segment_ids=kv_seg)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-6)
+    qp = np.array([[0, 1, 9]])
+    with pytest.raises(ValueError, match="key 2 at position 9 before key 3 at position 2"):
+        cope_attention(q[:, :3], k, v, E, q_positions=qp, kv_positions=kvp,
+                       segment_ids=np.zeros((1, 3), int), kv_segment_ids=kv_seg)
+    out = cope_attention(q[:, :3], k, v, E, q_positions=qp, kv_positions=kvp,
+                         segment_ids=np.zeros((1, 3), int), kv_segment_ids=kv_seg,
+                         check_order=False)
+    assert np.isfinite(np.asarray(out)).all()

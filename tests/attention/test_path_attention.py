@@ -142,3 +142,30 @@ def test_bad_inputs_are_refused_naming_the_argument():
         path_attention(q, k, v, w, beta, segment_ids=np.zeros((2, 3), int))
     with pytest.raises(ValueError, match="block_size"):
         path_attention(q, k, v, w, beta, block_size=0)
+
+
+def test_segments_that_come_back_are_refused_when_concrete():
+    """PaTH moves a key through the transforms of every token between it and its query:
+    a segment that comes back after another one would pick up the other's transforms."""
+    q, k, v, w, beta, _ = inputs(7)
+    B, T = q.shape[:2]
+    alternating = np.tile(np.arange(T) % 2, (B, 1))  # [0, 1, 0, 1, ...]
+    for seg in (alternating, jnp.asarray(alternating)):
+        with pytest.raises(ValueError, match=r"segment_ids must keep each segment's tokens "
+                                             r"together.*row 0.*id 0 comes back at token 2"):
+            path_attention(q, k, v, w, beta, segment_ids=seg)
+    late = np.array([[0, 0, 1, 1, 1, 1, 0]] + [[0] * T] * (B - 1))
+    with pytest.raises(ValueError, match="id 0 comes back at token 6"):
+        path_attention(q, k, v, w, beta, segment_ids=late)
+    # under jit, the documented precondition; the numbers it gives are not those of each
+    # segment's tokens on their own (the float64 products over the even, then odd tokens)
+    got = jax.jit(lambda s: path_attention(q, k, v, w, beta, segment_ids=s,
+                                           implementation="reference"))(alternating)
+    for r in (0, 1):
+        own = np_path(*(x[:, r::2] for x in (q, k, v, w, beta)))
+        assert np.abs(np.asarray(got)[:, r + 2::2] - own[:, 1:]).max() > 1e-2
+        np.testing.assert_allclose(np.asarray(got)[:, r], own[:, 0], atol=2e-6)
+    # one run per id, in any order of ids, passes
+    ok = np.array([[2, 2, 0, 0, 0, 1, 1]] * B)
+    got = path_attention(q, k, v, w, beta, segment_ids=ok, implementation="reference")
+    np.testing.assert_allclose(np.asarray(got), np_path(q, k, v, w, beta, None, ok), atol=2e-6)
