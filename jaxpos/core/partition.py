@@ -56,6 +56,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxpos import _checks
+
 if TYPE_CHECKING:
     from jaxpos.core.call import AttentionCall
 
@@ -375,9 +377,9 @@ def run_sharded(engine: Any, call: AttentionCall, run: Callable[[AttentionCall],
                                              h if x.shape[1] == N and N > 1 else None,
                                              *([None] * (x.ndim - 2))))
     captured = [c for conv in (call.score_conv, call.mask_conv) if conv is not None
-                for c in conv.consts if isinstance(c, jax.core.Tracer)]
+                for c in conv.consts if not _checks.is_concrete(c)]
     captured += [c for c in jax.tree_util.tree_leaves(call.scheme)  # the scheme's tables
-                 if isinstance(c, jax.core.Tracer) and all(c is not x for x in captured)]
+                 if not _checks.is_concrete(c) and all(c is not x for x in captured)]
     for i, c in enumerate(captured):  # a score_mod's traced arrays, replicated
         arrays[f"captured{i}"] = (c, P())
     if not _concrete_scale(call.scale):
@@ -430,8 +432,6 @@ def run_sharded(engine: Any, call: AttentionCall, run: Callable[[AttentionCall],
 
 
 def _concrete_scale(scale: Any) -> bool:
-    from jaxpos import _checks
-
     return _checks.is_concrete(scale)
 
 
