@@ -100,3 +100,34 @@ def test_running_out_of_pages_raises_or_gives_nan_rows_under_jit():
     logits, _ = step(m, tokens, m.init_cache(2, 8, page_size=4, num_pages=3))
     logits = np.asarray(logits)
     assert np.isfinite(logits[0]).all() and np.isnan(logits[1]).all()
+
+
+def test_a_negative_fill_of_a_paged_view_raises_or_writes_nothing_under_jit():
+    """A paged cache over a loop's pages (paged_view) with lengths [-1, 2]: eagerly a
+    ValueError; under jit row 0's logits are NaN and its pages, positions and validity are
+    untouched (a negative slot would wrap to the row's last slots), row 1's logits equal
+    those of the same view with row 0 filled to 0."""
+    from jaxpos.layers.cache.paged import paged_view
+
+    m = _nnx("rope")
+    pool = m.init_cache(2, 8, page_size=4, num_pages=4)
+    table = jnp.asarray([[0, 1], [2, 3]])
+    views = lambda lengths: tuple(paged_view(c.k_pages, c.v_pages, table, jnp.asarray(lengths))
+                                  for c in pool)
+    tokens = jnp.asarray([[3], [5]])
+    with pytest.raises(ValueError, match=r"lengths must be >= 0.*\[-1, 2\]"):
+        m.decode_step(tokens, views([-1, 2]), positions=jnp.asarray([[0], [2]]))
+
+    @nnx.jit
+    def step(m, lengths):
+        return m.decode_step(tokens, views(lengths), positions=jnp.asarray([[0], [2]]))
+
+    logits, caches = step(m, jnp.asarray([-1, 2]))
+    good, _ = step(m, jnp.asarray([0, 2]))
+    logits = np.asarray(logits)
+    assert np.isnan(logits[0]).all()
+    np.testing.assert_array_equal(logits[1], np.asarray(good)[1])
+    for c in caches:
+        np.testing.assert_array_equal(np.asarray(c.k_pages)[:2], 0.0)  # row 0's pages
+        np.testing.assert_array_equal(np.asarray(c.valid)[0], [0] * 8)
+        np.testing.assert_array_equal(np.asarray(c.positions)[0], np.arange(8))

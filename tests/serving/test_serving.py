@@ -60,6 +60,21 @@ def test_write_pages_puts_token_t_at_slot_length_plus_t_and_flags_rows_without_a
     np.testing.assert_array_equal(np.asarray(kp3)[..., 0, 0], [[2, 3], [0, 0], [0, 1], [4, 5]])
 
 
+def test_write_pages_flags_a_negative_fill_and_writes_nothing():
+    """lengths [-2, 1]: row 0's slots -2 .. 1 would wrap into its own page 0 (offsets 2, 3
+    then 0, 1); the row is flagged like a fill past the table and none of its tokens is
+    written, while row 1 writes slots 1 .. 4 as usual."""
+    kp = jnp.zeros((3, 4, 1, 1))
+    k = jnp.arange(1.0, 9.0).reshape(2, 4, 1, 1)  # row 0: 1 .. 4; row 1: 5 .. 8
+    table = jnp.asarray([[0, -1], [1, 2]])
+    for run in (write_pages, jax.jit(write_pages)):
+        kp2, vp2, _, over = run(kp, kp, k, k, table, jnp.asarray([-2, 1]))
+        np.testing.assert_array_equal(np.asarray(over), [True, False])
+        want = [[0, 0, 0, 0], [0, 5, 6, 7], [8, 0, 0, 0]]
+        np.testing.assert_array_equal(np.asarray(kp2)[..., 0, 0], want)
+        np.testing.assert_array_equal(np.asarray(vp2)[..., 0, 0], want)
+
+
 # ------------------------------------------------------------------------- sampling
 def test_sampling_greedy_top_k_and_top_p():
     n = 200

@@ -51,7 +51,8 @@ def write_pages(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Arr
       k_pages, v_pages: ``[num_pages, page_size, N_kv, H]`` / ``[..., H_v]``.
       k, v: ``[B, T, N_kv, H]`` / ``[B, T, N_kv, H_v]`` (cast to the pages' dtype).
       page_table: int ``[B, pages_per_seq]``.
-      lengths: int ``[B]`` slots filled before this write.
+      lengths: int ``[B]`` slots filled before this write (a negative length is a bad
+        fill: that row writes nothing and is flagged, see Returns).
       mask: bool ``[B, T]`` (True = write) or None (all). A masked token is not written
         and takes no slot, so masked tokens must come after the row's written ones (the
         padding at the end of a prefill chunk).
@@ -60,7 +61,9 @@ def write_pages(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Arr
       ``(k_pages, v_pages, new_lengths [B], overflow [B] bool)``: ``new_lengths = lengths +
       mask.sum(1)``; ``overflow`` marks rows a token of which found no page (a slot past
       the table, or an entry outside ``[0, num_pages)``): that token is not written (never
-      clamped onto another page) and the caller makes the row's output NaN.
+      clamped onto another page) and the caller makes the row's output NaN. A row with a
+      negative length is flagged the same way and none of its tokens is written (its
+      slots would otherwise wrap into its own pages).
     """
     P, ps = k_pages.shape[:2]
     B, T = k.shape[:2]
@@ -72,7 +75,7 @@ def write_pages(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Arr
     # the column is clipped for the lookup only: a column past the table is flagged below
     entry = jnp.take_along_axis(jnp.asarray(page_table, jnp.int32),
                                 jnp.clip(col, 0, pps - 1), axis=1)
-    ok = (col < pps) & (entry >= 0) & (entry < P)
+    ok = (lengths[:, None] >= 0) & (col < pps) & (entry >= 0) & (entry < P)
     page = jnp.where(mask & ok, entry, P)  # P: out of range, dropped by the scatter
     off = slot % ps
     k_pages = k_pages.at[page, off].set(k.astype(k_pages.dtype), mode="drop")
@@ -181,7 +184,8 @@ class PagedKVCache(Cache):
 
         Raises:
           ValueError: concrete fills that would need more slots than ``max_len`` or more
-            pages than the pool (under ``jit`` those rows are NaN).
+            pages than the pool, or a negative length (a :func:`paged_view` over bad
+            lengths); under ``jit`` those rows are NaN and a negative row writes nothing.
         """
         B, S = self.positions.shape
         T = k.shape[1]
@@ -192,6 +196,9 @@ class PagedKVCache(Cache):
         new_len = self.length + T
         needed = new_len  # padding takes a slot (and its page), as in the dense cache
         if all(_checks.is_concrete(x) for x in (self.length, self.page_table, self.next_page)):
+            if (np.asarray(self.length) < 0).any():
+                raise ValueError(f"paged KV cache lengths must be >= 0 (slots filled per "
+                                 f"row); got {np.asarray(self.length).tolist()}.")
             end = np.asarray(needed)
             if (end > S).any():
                 raise ValueError(f"KV cache overflow: writing {T} token(s) after "
@@ -213,6 +220,9 @@ class PagedKVCache(Cache):
         k_pages, v_pages, _, overflow = write_pages(self.k_pages, self.v_pages, k, v, table,
                                                     self.length)
         slots = self.length[:, None] + jnp.arange(T, dtype=jnp.int32)
+        # a negative fill (write_pages flags it) writes nothing: S is dropped, where a
+        # negative slot would wrap to the row's end
+        slots = jnp.where(self.length[:, None] >= 0, slots, S)
         rows = jnp.arange(B, dtype=jnp.int32)[:, None]
         pos = jnp.broadcast_to(positions, (B, T)).astype(jnp.int32)
         new = PagedKVCache(
