@@ -141,7 +141,25 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, method: str, 
     vma = kw.get("implementation") != "pallas" or jax.default_backend() != "cpu"
     sm = jax.shard_map(local, in_specs=(rep(position), rep(sinks)) + (seq,) * len(args),
                        out_specs=seq, axis_names=frozenset({axis}), check_vma=vma)
+    args = [_sequence_sharded(x, axis) for x in args]
     return sm(position, sinks, *args)
+
+
+def _sequence_sharded(x: jax.Array, axis: str) -> jax.Array:
+    """``x`` with its sequence (axis 1) sharded over the mesh axis ``axis`` when that axis
+    is Explicit (``jax.make_mesh``'s default): ``shard_map`` then takes only inputs whose
+    type matches its ``in_specs``; the other dimensions keep their sharding. Under Auto
+    axes ``x`` is returned as it is (the compiler places it)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
+    if "explicit" not in str(getattr(types.get(axis), "name", types.get(axis))).lower():
+        return x
+    spec = list(jax.typeof(x).sharding.spec) + [None] * x.ndim
+    spec = spec[:x.ndim]
+    if spec[1] == axis:
+        return x
+    spec[1] = axis
+    return jax.sharding.reshard(x, P(*spec))
 
 
 def layer_attention(method: str, axis: str, q: jax.Array, k: jax.Array, v: jax.Array, *,

@@ -139,6 +139,24 @@ def check_export(res, kind, full):
                     "kernel_after_manual": 0 <= start < text.find(marker)}
 
 
+def check_context_parallel(res, methods):
+    """A DecoderLM built with context_parallel= under a mesh with an Explicit ``seq``
+    axis (``jax.make_mesh``'s default) equals the plain model."""
+    from flax import nnx
+
+    from jaxpos.nnx import DecoderLM
+
+    tokens = jnp.asarray(RNG.integers(0, 50, size=(2, 32)), jnp.int32)
+    plain = DecoderLM(50, d_model=32, num_layers=1, num_heads=8, position="alibi",
+                      rngs=nnx.Rngs(0))(tokens)
+    for method in methods:
+        model = DecoderLM(50, d_model=32, num_layers=1, num_heads=8, position="alibi",
+                          context_parallel=method, rngs=nnx.Rngs(0))
+        with jax.set_mesh(jax.make_mesh((8,), ("seq",), axis_types=(AxisType.Explicit,))):
+            out = nnx.jit(lambda m, t: m(t))(model, tokens)
+        res[f"context_parallel/{method}"] = float(jnp.abs(out - plain).max())
+
+
 def main(argv):
     full = "--full" in argv
     res = {"num_devices": jax.device_count()}
@@ -159,6 +177,7 @@ def main(argv):
                     check_engine(res, shape, names, bax, hax, kind, impl, scheme,
                                  grads=full)
     check_sequence_refused(res)
+    check_context_parallel(res, ("ring", "ulysses") if full else ("ring",))
     for kind in ("Explicit", "Auto") if full else ("Explicit",):
         check_export(res, kind, full)
     with open(argv[-1], "w") as fh:

@@ -8,7 +8,8 @@ gradients of q, k, v, the table and the sinks) to 1e-5, the output's sharding eq
 q's batch and head sharding, and no all-gather of a rank-4 array (q, k, v or their
 cotangents) in the compiled module. The default run covers the chunked engine under
 Explicit axes (which failed in ``vmap`` before), the refusal of a sequence-sharded q and
-the Pallas kernel exported for TPU inside a manual region; ``-m slow`` covers every
+the Pallas kernel exported for TPU inside a manual region, and a ``DecoderLM`` with
+``context_parallel="ring"`` under a mesh with an Explicit ``seq`` axis; ``-m slow`` covers every
 engine, ALiBi, T5 and RoPE with a window mask_mod, Auto and Explicit axes, meshes (8,),
 (2, 4) and (2, 2, 2), gradients, and the CUDA export.
 """
@@ -61,6 +62,8 @@ def _check(res):
         assert res[f"kept/{tag}"] is True, f"{tag}: output lost q's batch/head sharding"
         assert res[f"gathers/{tag}"] == 0, f"{tag}: q, k or v all-gathered"
     assert "context_parallel" in res["seq_refused"], res["seq_refused"]
+    cp = {k: v for k, v in res.items() if k.startswith("context_parallel/")}
+    assert cp and all(v <= TOL for v in cp.values()), cp
     exports = [k for k in res if k.startswith("export/")]
     assert exports
     for name in exports:
