@@ -10,6 +10,9 @@ each with a converter from a Hugging Face PyTorch state dict (``from_hf``):
   layers (``tests/parity/test_parity_qwen3_gemma3_llama4.py``).
 * :mod:`examples.models.gemma3`: Gemma 3 text decoder, local sliding-window / global layers
   with per-layer RoPE, QK-norm, ``query_pre_attn_scalar``, final logit soft-capping.
+* :mod:`examples.models.gemma4`: Gemma 4 text decoder (dense, full pass), full layers with
+  their own head width and proportional RoPE, QK-norm and V-norm, ``attention_k_eq_v``
+  (``tests/parity/test_parity_gemma4.py``).
 * :mod:`examples.models.llama4`: Llama 4 text decoder, iRoPE (chunked RoPE layers, NoPE
   layers with attention temperature tuning), QK L2-norm, mixture of experts.
 * :mod:`examples.models.gpt_oss`: GPT-OSS decoder, attention sinks, sliding-window layers
@@ -24,5 +27,5 @@ each with a converter from a Hugging Face PyTorch state dict (``from_hf``):
 ``tests/parity/test_parity_models.py`` compares all four with transformers on CPU PyTorch.
 """
 
-__all__ = ["bloom", "common", "deepseek_v3", "gemma3", "gpt2", "gpt_oss", "llama", "llama4",
-           "qwen3", "t5"]
+__all__ = ["bloom", "common", "deepseek_v3", "gemma3", "gemma4", "gpt2", "gpt_oss", "llama",
+           "llama4", "qwen3", "t5"]
