@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxpos.core.tiles import lse_merge
+from jaxpos.core.tiles import fold_sinks, lse_merge, online_softmax_step, softmax_finish
 from jaxpos.kernels import layout, tiles
 from jaxpos.kernels import plumbing as pb
 from jaxpos.kernels.tiles import loops
@@ -67,7 +67,10 @@ def load_kv(r: dict[str, Any], cfg: KernelConfig, plat: Plat, b: Any, j: Any, kv
 
 def attend_tile(r: dict[str, Any], cfg: KernelConfig, mods: Mods, qt: Any, b: Any, p: Any, i: Any,
                 j: Any, kv_lim: Any, masked: bool, state: Any, kv: Any) -> Any:
-    """The online-softmax update of each query head of the program by key tile ``j``."""
+    """The online-softmax update (the core's step,
+    :func:`jaxpos.core.tiles.online_softmax_step`) of each query head of the program by
+    key tile ``j``; the dropout mask applies to the probabilities that meet ``v``, not to
+    the normaliser."""
     k, v, kv_pos, kv_seg = kv
     new = []
     for hi in range(cfg.heads):
@@ -77,23 +80,25 @@ def attend_tile(r: dict[str, Any], cfg: KernelConfig, mods: Mods, qt: Any, b: An
             vis = tiles.visible(cfg, mods, b, h, qt.pos, kv_pos, qt.seg, kv_seg,
                                 tiles.key_indices(j, cfg.bk), kv_lim, s.shape)
             s = jnp.where(vis, s, -jnp.inf)
-        m_new, l, corr, pr = tiles.softmax_step(state[hi], s)
-        pr = tiles.dropped(cfg, r, b, h, i * cfg.bq, cfg.bq, j * cfg.bk, cfg.bk, pr)
-        acc = state[hi][2] * corr + tiles.dot(pr.astype(v.dtype), v, cfg, ((1,), (0,)))
-        new.append((m_new, l, acc))
+
+        def values(pr, h=h):
+            pr = tiles.dropped(cfg, r, b, h, i * cfg.bq, cfg.bq, j * cfg.bk, cfg.bk, pr)
+            return tiles.dot(pr.astype(v.dtype), v, cfg, ((1,), (0,)))
+
+        new.append(online_softmax_step(state[hi], s, values))
     return new
 
 
 def write_rows(r: dict[str, Any], cfg: KernelConfig, plat: Plat, row: Any, state: Any) -> None:
     """Store each head's output (or split partial) and log-sum-exp."""
     G = cfg.heads
-    for hi, (m, l, acc) in enumerate(state):
-        l_safe, lse = tiles.finish(m, l)
+    for hi, running in enumerate(state):
+        out, lse = softmax_finish(running)
         if cfg.splits == 1:
             layout.store_feats(r["out"], plat, G, hi, cfg.Hv, slice(None), layout.v_segs(cfg),
-                               row, [acc / l_safe])
+                               row, [out])
         else:
-            r["out"][tiles.hd(G, hi, slice(None), slice(None))] = acc / l_safe
+            r["out"][tiles.hd(G, hi, slice(None), slice(None))] = out
         r["lse"][tiles.hd(G, hi, slice(None), slice(None))] = lse
 
 
@@ -197,8 +202,8 @@ def forward(cfg: KernelConfig, ops: Operands) -> Any:
 def combine_splits(cfg: KernelConfig, out_s: Any, lse_s: Any, sinks: Any, dtype: Any) -> Any:
     """Flash decoding's combine (Dao et al. 2023): the splits' partial outputs merged by
     their log-sum-exps one after the other with the core's one merge
-    (:func:`jaxpos.core.tiles.lse_merge`), then the sink as a part of output 0 and
-    log-sum-exp ``sinks[h]``. ``out_s`` ``[S, B, N, Tq_p, Hv]``, ``lse_s``
+    (:func:`jaxpos.core.tiles.lse_merge`), then the sinks by the core's one fold
+    (:func:`jaxpos.core.tiles.fold_sinks`). ``out_s`` ``[S, B, N, Tq_p, Hv]``, ``lse_s``
     ``[S, B, N, Tq_p, 1]``; returns ``out [B, Tq, N, Hv]`` in ``dtype`` and ``lse
     [B, N, Tq_p, 1]``."""
     def merge(acc, part):
@@ -207,7 +212,6 @@ def combine_splits(cfg: KernelConfig, out_s: Any, lse_s: Any, sinks: Any, dtype:
     lse_parts = lse_s[..., 0]
     (out, lse), _ = jax.lax.scan(merge, (out_s[0], lse_parts[0]), (out_s[1:], lse_parts[1:]))
     if sinks is not None:
-        sink = jnp.broadcast_to(sinks[None, :, None], lse.shape)
-        out, lse = lse_merge(out, lse, jnp.zeros_like(out), sink)
+        out, lse = fold_sinks(out, lse, sinks, head_axis=1)
     out = out[:, :, :cfg.Tq]  # [B, N, Tq, Hv]
     return jnp.swapaxes(out, 1, 2).astype(dtype), lse[..., None]

@@ -1,8 +1,9 @@
 """The pieces of a kernel body, shared by the forward, backward and paged kernels: the
 score of a tile (float32 dots, the score_mod), its visibility (causal, key lengths,
 segments, the mask_mod), the two loops over a schedule row (PARTIAL tiles masked, FULL
-tiles not), attention dropout's keep decisions and the online-softmax update
-(FlashAttention-2, Dao 2023, Alg. 1; Milakov & Gimelshein 2018).
+tiles not), attention dropout's keep decisions and the online-softmax state a program
+starts from. The online-softmax step itself (FlashAttention-2, Dao 2023, Alg. 1) is the
+core's one, :func:`jaxpos.core.tiles.online_softmax_step`, traced inside the kernel body.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpos.core.dropout import Dropout, keep_tile
+from jaxpos.core.tiles import Running
 from jaxpos.kernels import modeval
 
 if TYPE_CHECKING:
@@ -165,10 +167,13 @@ def dropped(cfg: KernelConfig, r: dict[str, Any], b: Any, h: Any, q0: Any, rq: i
     return jnp.where(keep, x * jnp.float32(drop.scale), 0.0)
 
 
-def init_state(r: dict[str, Any], cfg: KernelConfig, heads: int, p: Any, width: int) -> Any:
-    """The online-softmax state ``(m, l, acc)`` of each of ``heads`` query heads: the
-    head's sink as a key of value zero (``m = sink, l = 1``) without key splits, else
-    empty (``m = -inf, l = 0``; the sinks join when the splits are combined)."""
+def init_state(r: dict[str, Any], cfg: KernelConfig, heads: int, p: Any,
+               width: int) -> list[Running]:
+    """The online-softmax state (:class:`jaxpos.core.tiles.Running`, ``m`` and ``l`` of
+    shape ``[bq, 1]``) of each of ``heads`` query heads: the head's sink as a key of value
+    zero (``m = sink, l = 1``) without key splits, else empty (``m = -inf, l = 0``; the
+    sinks join when the splits are combined). The sink is read from scalar memory, which
+    is why the kernel does not start from :func:`jaxpos.core.tiles.softmax_start`."""
     bq = cfg.bq
     out = []
     for hi in range(heads):
@@ -178,23 +183,5 @@ def init_state(r: dict[str, Any], cfg: KernelConfig, heads: int, p: Any, width: 
         else:
             m0 = jnp.full((bq, 1), -jnp.inf, jnp.float32)
             l0 = jnp.zeros((bq, 1), jnp.float32)
-        out.append((m0, l0, jnp.zeros((bq, width), jnp.float32)))
+        out.append(Running(m0, l0, jnp.zeros((bq, width), jnp.float32)))
     return out
-
-
-def softmax_step(state: Any, s: Any) -> Any:
-    """One online-softmax update by the scores ``s`` (``-inf`` where hidden): ``(m_new,
-    l_new, corr, p)``, ``p = exp(s - m_new)`` and ``corr = exp(m - m_new)`` the rescaling of
-    the accumulator (a row with nothing visible yet keeps ``m = -inf`` and ``p = 0``)."""
-    m, l, _ = state
-    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp(s - m_safe)
-    corr = jnp.exp(m - m_safe)
-    return m_new, l * corr + jnp.sum(p, axis=1, keepdims=True), corr, p
-
-
-def finish(m: Any, l: Any) -> Any:
-    """``(l_safe, lse)`` of a final state: ``lse = -inf`` for a row with no visible key."""
-    l_safe = jnp.where(l == 0.0, 1.0, l)
-    return l_safe, jnp.where(l == 0.0, -jnp.inf, m + jnp.log(l_safe))

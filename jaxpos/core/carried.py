@@ -10,7 +10,8 @@ is their shared tiled engine:
 * the forward pass visits, for each query block, the key blocks from the last to the
   first, carrying the scheme's state and the online softmax (running maximum, sum and
   weighted values; Rabe & Staats 2021, "Self-attention Does Not Need O(n^2) Memory";
-  Milakov & Gimelshein 2018), so memory is ``O(T)`` (one tile at a time);
+  Milakov & Gimelshein 2018; the step of :mod:`jaxpos.core.tiles`), so memory is
+  ``O(T)`` (one tile at a time);
 * the backward pass (a custom VJP) recomputes one query block at a time: with the saved
   log-sum-exp ``lse_i`` and ``delta_i = do_i . o_i`` (FlashAttention's, Dao et al. 2022,
   Alg. 4), the surrogate ``psi = sum_ij exp(s_ij - lse_i) (do_i . v_j - delta_i)`` has the
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
+from jaxpos.core.tiles import online_softmax_step, softmax_finish, softmax_start
 
 __all__ = ["carried_attention", "to_blocks", "from_blocks"]
 
@@ -56,33 +58,22 @@ def from_blocks(x: jax.Array, axis: int) -> jax.Array:
 
 
 def _forward_block(tile, init, block_q, q_blk, kv_all, v_all, qi):
-    """Online softmax over the key blocks of one query block, last block first.
-    Returns ``(o [B, N, bq, Hv], lse [B, N, bq])``."""
-    state = init(q_blk)
+    """Online softmax (the tile library's step, :mod:`jaxpos.core.tiles`) over the key
+    blocks of one query block, last block first, in v's dtype. Returns ``(o [B, N, bq,
+    Hv], lse [B, N, bq])``."""
 
     def step(carry, xs):
-        st, m, l, acc = carry
+        st, running = carry
         kj, kv_blk, vj = xs
         s, st = tile(q_blk, kv_blk, st, qi, kj)
-        m_new = jnp.maximum(m, jnp.max(s, -1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        corr = jnp.exp(m - m_safe)
-        p = jnp.exp(s - m_safe[..., None])
-        l = l * corr + jnp.sum(p, -1)
-        acc = acc * corr[..., None] + jnp.einsum("bnqk,bnkh->bnqh", p, vj)
-        return (st, m_new, l, acc), None
+        values = lambda p: jnp.einsum("bnqk,bnkh->bnqh", p, vj)
+        return (st, online_softmax_step(running, s, values)), None
 
     nk, B, N, _, Hv = v_all.shape
-    bq = block_q
-    ct = v_all.dtype
-    carry = (state, jnp.full((B, N, bq), -jnp.inf, ct), jnp.zeros((B, N, bq), ct),
-             jnp.zeros((B, N, bq, Hv), ct))
-    (_, m, l, acc), _ = jax.lax.scan(step, carry, (jnp.arange(nk), kv_all, v_all),
-                                     reverse=True)
-    seen = l > 0
-    o = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-    return o, lse
+    start = softmax_start((B, N, block_q), Hv, dtype=v_all.dtype)
+    (_, running), _ = jax.lax.scan(step, (init(q_blk), start),
+                                   (jnp.arange(nk), kv_all, v_all), reverse=True)
+    return softmax_finish(running)
 
 
 def _surrogate(tile, init, q_blk, kv_all, v_all, qi, lse, do, delta):

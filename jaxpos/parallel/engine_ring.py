@@ -39,7 +39,7 @@ from jaxpos._util import match_vma, ring_shift, sink_gradient, zero_cotangent
 from jaxpos.core import engines
 from jaxpos.core.call import AttentionCall
 from jaxpos.core.chunked import tile_kind, varying_zero
-from jaxpos.core.tiles import lse_merge
+from jaxpos.core.tiles import fold_sinks, lse_merge
 from jaxpos.mods import EMPTY, ConvertedMod, convert_mod
 
 __all__ = ["Rebound", "engine_ring", "lse_engines", "lse_runner", "ring_engine"]
@@ -184,11 +184,9 @@ def _forward(cfg: _Cfg, params, sinks, q, loc, kv):
         return (nxt, jnp.swapaxes(merged, 1, 2), lse), None
 
     (_, out, lse), _ = jax.lax.scan(step, (kv,) + empty, None, length=cfg.size)
-    if sinks is not None:
-        s = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], lse.shape)
-        new = jnp.logaddexp(lse, s)
-        scale = jnp.where(jnp.isneginf(new), 0.0, jnp.exp(lse - new))
-        out, lse = out * jnp.swapaxes(scale, 1, 2)[..., None], new
+    if sinks is not None:  # folded in [B, N, Tq, Hv], lse's layout
+        o_bn, lse = fold_sinks(jnp.swapaxes(out, 1, 2), lse, sinks, head_axis=1)
+        out = jnp.swapaxes(o_bn, 1, 2)
     return out, lse
 
 

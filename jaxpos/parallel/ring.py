@@ -72,7 +72,7 @@ from jaxpos.core.chunked import (
     varying_zero,
 )
 from jaxpos.core.reference import heads_major, make_terms
-from jaxpos.core.tiles import lse_merge
+from jaxpos.core.tiles import fold_sinks, lse_merge
 from jaxpos.mods import EMPTY
 from jaxpos.parallel.engine_ring import engine_ring, ring_engine
 from jaxpos.schemes.base import PositionScheme
@@ -325,12 +325,7 @@ def _ring_forward(rc: _RingCfg, fl, il, sinks, qs, loc, kv):
     # P steps, so the block compute is traced once; the P-th hop brings each block home.
     (_, out, lse), _ = jax.lax.scan(step, (kv, out, lse), None, length=rc.size)
     if sinks is not None:  # one more logit per head in every row's normaliser
-        s = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :, None], lse.shape)
-        new = jnp.logaddexp(lse, s)
-        # a row with no visible key and a sink of -inf: lse = new = -inf, out is 0 and
-        # stays 0 (exp(-inf - -inf) would be NaN); the backward is custom (no NaN there)
-        out = out * jnp.where(jnp.isneginf(new), 0.0, jnp.exp(lse - new))[..., None]
-        lse = new
+        out, lse = fold_sinks(out, lse, sinks, head_axis=2)
     return out, lse
 
 
