@@ -4,11 +4,15 @@
   ``jaxpos.core`` (it registers its engine there), so an import of the kernel from the
   core, even one deferred into a function, would close a circle that static tools miss.
 * No source file of ``jaxpos/`` or ``kernels/`` is longer than 600 lines.
+* docs/architecture.md names only files, folders and names that exist, and says each
+  thing once.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +81,10 @@ def test_implementations_is_defined_once():
     files = sorted([*(ROOT / "jaxpos").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")])
     where = []
     for f in files:
-        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+        text = f.read_text()
+        if "IMPLEMENTATIONS" not in text:
+            continue
+        for node in ast.walk(ast.parse(text, str(f))):
             targets = node.targets if isinstance(node, ast.Assign) else \
                 [node.target] if isinstance(node, ast.AnnAssign) else []
             where += [f"{f.relative_to(ROOT)}:{node.lineno}" for t in targets
@@ -91,3 +98,54 @@ def test_source_files_are_at_most_600_lines():
     long = {str(f.relative_to(ROOT)): n for f in files
             if (n := len(f.read_text().splitlines())) > MAX_LINES}
     assert not long, f"files over {MAX_LINES} lines (split them along a seam): {long}"
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+# a repository path (`jaxpos/core/entry.py`, `kernels/`, `docs/kernel.md`), in backticks or
+# in a code block; placeholders (`<scheme>`, `*`) are caught as paths that do not exist
+_PATH = re.compile(r"(?<![\w./])((?:jaxpos|kernels|tests|docs|benchmarks|examples)/[\w./<>*-]*)")
+_BARE_FILE = re.compile(r"`([\w-]+\.py)`")  # a file named in a room's list: `entry.py`
+_DOTTED = re.compile(r"`(jaxpos(?:\.\w+)+)")  # `jaxpos.layers.cores.attention_for(...)`
+
+
+def _resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[i:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+def test_architecture_names_only_files_and_names_that_exist():
+    """Every path docs/architecture.md names exists (folders too), every file it names
+    by its bare name exists somewhere in the source, and every ``jaxpos.x.y`` it names
+    imports."""
+    text = ARCHITECTURE.read_text()
+    paths = {p.rstrip(".,;:)") for p in _PATH.findall(text)}
+    assert len(paths) > 40  # the page is read, not skipped
+    missing = sorted(p for p in paths if "<" in p or "*" in p or not (ROOT / p).exists())
+    names = {f.name for d in ("jaxpos", "kernels") for f in (ROOT / d).rglob("*.py")}
+    missing += sorted(f for f in set(_BARE_FILE.findall(text)) if f not in names)
+    missing += sorted(d for d in set(_DOTTED.findall(text)) if not _resolves(d))
+    assert not missing, f"docs/architecture.md names what does not exist: {missing}"
+
+
+def test_architecture_says_each_thing_once():
+    """No run of 12 words stands twice in docs/architecture.md (the page once carried two
+    copies of its layers paragraph and two entries for core/entry.py)."""
+    words = re.sub(r"[|`#*-]+", " ", ARCHITECTURE.read_text()).split()
+    seen: dict[tuple[str, ...], int] = {}
+    repeats = []
+    for i in range(len(words) - 11):
+        run = tuple(words[i:i + 12])
+        if run in seen and i - seen[run] >= 12:
+            repeats.append(" ".join(run))
+        seen.setdefault(run, i)
+    assert not repeats, f"repeated in docs/architecture.md: {repeats[:5]}"
