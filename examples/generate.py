@@ -12,13 +12,16 @@ trains a tiny one for ``--train-steps`` steps on the source of Python's ``json``
     python examples/generate.py --streaming 4 --max-len 32 --new-tokens 80
 
 Prints each prompt and its continuation, then the decode speed (tokens per second over
-the batch, compile excluded).
+the batch, compile excluded). Settings it cannot run with (an empty prompt, a prompt that
+does not fit ``--max-len``, sampling settings outside their ranges, a position that cannot
+decode from a cache) end with a one-line error and exit status 2, before any training.
 """
 
 from __future__ import annotations
 
 import argparse
 import json as _json_pkg
+import math
 import os
 import sys
 import time
@@ -31,7 +34,7 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxpos.nnx import DecoderLM
+from jaxpos.nnx import POSITIONS, DecoderLM
 
 PROMPTS = ["def ", "import json\n", "    return self.", "class JSONDecoder"]
 
@@ -77,7 +80,8 @@ def train(model: DecoderLM, args) -> None:
 
 def save(model: DecoderLM, path: str) -> None:
     leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
-    np.savez(path, *[np.asarray(x) for x in leaves])
+    with open(path, "wb") as f:  # the name as given (np.savez(path) would append .npz)
+        np.savez(f, *[np.asarray(x) for x in leaves])
 
 
 def load(model: DecoderLM, path: str) -> None:
@@ -127,9 +131,17 @@ def left_pad(prompts: list[bytes]):
 
 
 def generate(model: DecoderLM, prompts: list[bytes], args):
-    """``(tokens [B, new_tokens], tokens_per_second)``."""
+    """``(tokens [B, new_tokens], tokens_per_second or None)``: no decode step is timed
+    when ``new_tokens <= 1`` (the first token comes from the prefill).
+
+    Raises:
+      FloatingPointError: the model gave non-finite logits (NaN under ``jit`` marks an
+        input it could not serve, e.g. a cache too small; they would decode as NUL bytes).
+    """
     toks, mask = left_pad(prompts)
     B, T = toks.shape
+    if args.new_tokens == 0:
+        return np.zeros((B, 0), np.int32), None
     cache = model.init_cache(B, args.max_len, keep_first=args.streaming)
     graph, state = nnx.split(model)
 
@@ -145,27 +157,84 @@ def generate(model: DecoderLM, prompts: list[bytes], args):
 
     pick = jax.jit(lambda lg, k: sample(lg, k, temperature=args.temperature, top_k=args.top_k,
                                          top_p=args.top_p))
+    finite = jax.jit(lambda ok, lg: ok & jnp.all(jnp.isfinite(lg)))
     key = jax.random.key(args.seed)
     logits, cache = prefill(state, toks, mask, cache)
+    ok = finite(jnp.asarray(True), logits)
     key, sub = jax.random.split(key)
     tok = pick(logits, sub)
-    step(state, tok, cache, sub)[0].block_until_ready()  # compile outside the timing
     out = [tok]
-    t0 = time.perf_counter()
-    for _ in tqdm(range(args.new_tokens - 1), desc="decode", unit="tok", file=sys.stderr,
-                  disable=args.no_progress, leave=False):
-        logits, cache = step(state, tok, cache, key)
-        key, sub = jax.random.split(key)
-        tok = pick(logits, sub)
-        out.append(tok)
-    gen = np.asarray(jnp.stack(out, axis=1))
-    dt = time.perf_counter() - t0
-    return gen, B * max(args.new_tokens - 1, 1) / max(dt, 1e-9)
+    tps = None
+    if args.new_tokens > 1:
+        step(state, tok, cache, sub)[0].block_until_ready()  # compile outside the timing
+        t0 = time.perf_counter()
+        for _ in tqdm(range(args.new_tokens - 1), desc="decode", unit="tok", file=sys.stderr,
+                      disable=args.no_progress, leave=False):
+            logits, cache = step(state, tok, cache, key)
+            ok = finite(ok, logits)
+            key, sub = jax.random.split(key)
+            tok = pick(logits, sub)
+            out.append(tok)
+        jax.block_until_ready(out[-1])
+        tps = B * (args.new_tokens - 1) / max(time.perf_counter() - t0, 1e-9)
+    if not bool(ok):
+        raise FloatingPointError("the model gave non-finite logits (NaN: an input it cannot "
+                                 "serve); no tokens printed.")
+    return np.asarray(jnp.stack(out, axis=1)), tps
+
+
+def trace_prefill(model: DecoderLM, prompts: list[bytes], args) -> None:
+    """Trace (no compile, no run) the cache and the prefill :func:`generate` will run, so
+    that what the library refuses (a position that cannot decode from a cache, a cache
+    option it does not take) is refused before any training."""
+    toks, mask = left_pad(prompts)
+    cache = model.init_cache(toks.shape[0], args.max_len, keep_first=args.streaming)
+    graph, state = nnx.split(model)
+    jax.eval_shape(lambda s, c: nnx.merge(graph, s).decode_step(toks, c, attention_mask=mask),
+                   state, cache)
+
+
+def check_args(p: argparse.ArgumentParser, a: argparse.Namespace,
+               prompts: list[bytes]) -> None:
+    """One clear ``parser.error`` (exit 2) for every setting the script cannot run with."""
+    for name, value, least in (("--d-model", a.d_model, 1), ("--layers", a.layers, 1),
+                               ("--train-steps", a.train_steps, 0),
+                               ("--new-tokens", a.new_tokens, 0), ("--max-len", a.max_len, 1),
+                               ("--top-k", a.top_k, 0), ("--seed", a.seed, 0)):
+        if value < least:
+            p.error(f"{name} must be >= {least}; got {value}.")
+    if a.d_model % 4:
+        p.error(f"--d-model must be a multiple of the 4 attention heads; got {a.d_model}.")
+    if a.top_k > 256:
+        p.error(f"--top-k must be at most the 256 byte values (0 keeps all); got {a.top_k}.")
+    if not (math.isfinite(a.temperature) and a.temperature >= 0):
+        p.error(f"--temperature must be a finite number >= 0 (0: greedy); got "
+                f"{a.temperature}.")
+    if not 0 < a.top_p <= 1:
+        p.error(f"--top-p must be in (0, 1] (1 keeps every token); got {a.top_p}.")
+    empty = [i for i, q in enumerate(prompts) if not q]
+    if empty:
+        p.error(f"--prompt must not be empty (prompt {empty[0] + 1} is \"\").")
+    longest = max(map(len, prompts))
+    if a.streaming is None:
+        if longest + a.new_tokens > a.max_len:
+            p.error(f"--max-len {a.max_len} is too small for the longest prompt ({longest} "
+                    f"bytes) and --new-tokens {a.new_tokens}; raise it or use --streaming "
+                    f"KEEP_FIRST.")
+        return
+    if not 0 <= a.streaming < a.max_len:
+        p.error(f"--streaming KEEP_FIRST must be in [0, --max-len={a.max_len}) (the cache "
+                f"needs a slot for recent tokens); got {a.streaming}.")
+    if longest > a.max_len:
+        p.error(f"--max-len {a.max_len} is shorter than the longest prompt ({longest} bytes): "
+                f"a streaming cache generates past its size, but the prompt's prefill must "
+                f"fit in it.")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--position", default="rope")
+    p.add_argument("--position", default="rope", choices=POSITIONS, metavar="NAME",
+                   help="position scheme, one of: " + ", ".join(POSITIONS))
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--checkpoint", default=None, help="an .npz to load, or to save to")
@@ -182,13 +251,18 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
-    prompts = [s.encode() for s in (a.prompt or PROMPTS)]
-    if a.streaming is None and max(map(len, prompts)) + a.new_tokens > a.max_len:
-        p.error(f"--max-len {a.max_len} is too small for the prompts and --new-tokens "
-                f"{a.new_tokens}; raise it or use --streaming KEEP_FIRST.")
-    model = build(a)
+    prompts = [s.encode() for s in (a.prompt if a.prompt is not None else PROMPTS)]
+    check_args(p, a, prompts)
+    try:  # the library's own checks of the model, its cache and the prefill, before training
+        model = build(a)
+        trace_prefill(model, prompts, a)
+    except ValueError as e:
+        p.error(" ".join(str(e).split()))
     if a.checkpoint and os.path.exists(a.checkpoint):
-        load(model, a.checkpoint)
+        try:
+            load(model, a.checkpoint)
+        except (OSError, ValueError, KeyError) as e:
+            p.error(f"--checkpoint {a.checkpoint}: " + " ".join(str(e).split()))
         print(f"loaded {a.checkpoint}", file=sys.stderr)
     else:
         t0 = time.perf_counter()
@@ -197,13 +271,17 @@ def main(argv=None) -> int:
               file=sys.stderr)
         if a.checkpoint:
             save(model, a.checkpoint)
-    gen, tps = generate(model, prompts, a)
+    try:
+        gen, tps = generate(model, prompts, a)
+    except (ValueError, FloatingPointError) as e:  # e.g. a position that cannot decode
+        p.error(" ".join(str(e).split()))
     for prompt, row in zip(prompts, gen):
-        text = bytes(np.clip(row, 0, 255).astype(np.uint8)).decode("utf-8", "replace")
+        text = bytes(row.astype(np.uint8)).decode("utf-8", "replace")  # byte ids 0..255
         print(f"{prompt.decode()!r} -> {text!r}")
     cache = f"streaming keep_first={a.streaming}" if a.streaming is not None else "KV"
+    speed = "no decode step to time" if tps is None else f"{tps:.0f} tokens/s"
     print(f"{len(prompts)} prompts x {a.new_tokens} tokens, {cache} cache of {a.max_len} "
-          f"slots: {tps:.0f} tokens/s")
+          f"slots: {speed}")
     return 0
 
 

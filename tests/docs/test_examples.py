@@ -534,3 +534,86 @@ def test_generate_sampling_keeps_the_top_k_and_the_nucleus():
     p7 = np.asarray(gen.sample(logits, key, temperature=1.0, top_k=0, top_p=0.7))
     assert set(p7.tolist()) == {1, 2}
     assert abs((p7 == 2).mean() - 0.5 / 0.8) < 0.03  # 4000 draws: 4 standard deviations
+
+
+# Each setting examples/generate.py once mishandled (NUL bytes printed for NaN logits or an
+# empty nucleus, random bytes for a negative temperature, a ZeroDivisionError for an empty
+# prompt, a token printed for --new-tokens 0, a traceback for an unknown position, no
+# --max-len check with --streaming): a one-line usage error, or a run that prints no NUL.
+_GENERATE_TINY = ["--no-progress", "--d-model", "16", "--layers", "1", "--train-steps", "0"]
+_GENERATE_ERRORS = {
+    "streaming prompt past max-len": (["--streaming", "4", "--max-len", "8"],
+                                      "--max-len 8 is shorter than the longest prompt"),
+    "top-p 0": (["--top-p", "0", "--temperature", "0.8"], r"--top-p must be in \(0, 1\]"),
+    "top-p -1": (["--top-p", "-1"], r"--top-p must be in \(0, 1\]"),
+    "temperature -1": (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    "temperature nan": (["--temperature", "nan"], "--temperature must be a finite number"),
+    "empty prompt": (["--prompt", ""], "--prompt must not be empty"),
+    "unknown position": (["--position", "bogus"], "invalid choice: 'bogus'"),
+    "negative new tokens": (["--new-tokens", "-1"], "--new-tokens must be >= 0"),
+    "keep_first past the cache": (["--streaming", "40", "--max-len", "32"],
+                                  r"--streaming KEEP_FIRST must be in \[0, --max-len=32\)"),
+    "top-k past the bytes": (["--top-k", "300"], "--top-k must be at most the 256"),
+    "heads do not divide": (["--d-model", "18"], "--d-model must be a multiple of the 4"),
+    "position without a cache": (["--position", "fox"], "FoX cannot decode with a KV cache"),
+}
+
+
+def _one_line_usage_error(err: str, match: str) -> None:
+    """argparse's usage then exactly one ``prog: error: ...`` line; no traceback."""
+    import re
+
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("usage:")
+    assert [ln for ln in lines if ": error: " in ln] == [lines[-1]], err
+    assert re.search(match, lines[-1]), lines[-1]
+
+
+@pytest.mark.parametrize("case", [  # FoX builds and traces its model first: about 10 s
+    pytest.param(c, marks=pytest.mark.slow) if c == "position without a cache" else c
+    for c in _GENERATE_ERRORS])
+def test_generate_refuses_bad_settings_with_a_one_line_error(case, capsys):
+    """main() of examples/generate.py, in this process (the parser runs before any
+    training): exit status 2, a one-line message, nothing on stdout."""
+    gen = _load("generate")
+    argv, match = _GENERATE_ERRORS[case]
+    with pytest.raises(SystemExit) as exit_:
+        gen.main(_GENERATE_TINY + argv)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == ""
+    _one_line_usage_error(err, match)
+
+
+def test_generate_with_no_new_tokens_prints_empty_continuations(capsys):
+    gen = _load("generate")
+    assert gen.main(_GENERATE_TINY + ["--new-tokens", "0", "--prompt", "ab", "--prompt", "c"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[:2] == ["'ab' -> ''", "'c' -> ''"]
+    assert "0 tokens" in out and "no decode step to time" in out
+
+
+@pytest.mark.slow  # five interpreters, two of which compile and decode
+@pytest.mark.parametrize("argv, code", [
+    (["--streaming", "4", "--max-len", "8"], 2),
+    (["--top-p", "0", "--temperature", "0.8"], 2),
+    (["--temperature", "-1"], 2),
+    (["--prompt", ""], 2),
+    (["--position", "bogus"], 2),
+    (["--new-tokens", "1", "--prompt", "def "], 0),
+    (["--streaming", "2", "--max-len", "20", "--new-tokens", "30", "--temperature", "0.7",
+      "--top-p", "0.9", "--top-k", "50"], 0),
+])
+def test_generate_script_exits_cleanly_and_prints_no_nul_byte(argv, code):
+    """The script as a user runs it: exit 0 with no NUL byte (raw or as the escape the
+    repr of the text would print), or exit 2 with a one-line usage error."""
+    cmd = [sys.executable, str(EXAMPLES / "generate.py")] + _GENERATE_TINY[:-1] + ["3"] + argv
+    proc = subprocess.run(cmd, check=False, capture_output=True, timeout=600, cwd=ROOT)
+    out, err = proc.stdout, proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == code, err[-3000:]
+    assert b"\x00" not in out and b"\\x00" not in out, out
+    if code == 2:
+        assert out == b""
+        _one_line_usage_error(err, ".")
+    else:
+        assert b"tokens/s" in out or b"no decode step" in out
