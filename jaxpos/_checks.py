@@ -31,6 +31,20 @@ def dtype_of(x: Any) -> Any:
     return np.asarray(x).dtype
 
 
+def check_one_dtype(**arrays: Any) -> None:
+    """Raise ``TypeError`` unless the arrays (by name, e.g. ``q=q, k=k, v=v``) share one
+    dtype, naming each with its dtype. Attention takes no mixed dtypes, as
+    ``jax.nn.dot_product_attention`` takes none: either promotion would change the
+    precision the caller chose."""
+    dtypes = {name: dtype_of(x) for name, x in arrays.items()}
+    if len(set(dtypes.values())) > 1:
+        names = list(dtypes)
+        got = ", ".join(f"{n} {d}" for n, d in dtypes.items())
+        raise TypeError(f"{', '.join(names[:-1])} and {names[-1]} must share a dtype (as in "
+                        f"jax.nn.dot_product_attention); got {got}. Cast them first, e.g. "
+                        f"{names[1]}.astype({names[0]}.dtype).")
+
+
 def check_rank(name: str, x: Any, ranks: Iterable[int], what: str) -> None:
     """Raise ``ValueError`` unless ``x`` has one of ``ranks`` (``what`` names the layout)."""
     ranks = tuple(ranks)
@@ -198,9 +212,7 @@ def check_qkv(q: Any, k: Any, v: Any) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_rank(name, x, (4,), "[batch, seq, heads, head_dim]")
         check_floating(name, x)
-    dq, dk, dv = (dtype_of(x) for x in (q, k, v))
-    if not (dq == dk == dv):
-        raise TypeError(f"q, k and v must share a dtype; got {dq}, {dk}, {dv}.")
+    check_one_dtype(q=q, k=k, v=v)
     (B, Tq, N, H), (Bk, Tk, Nk, Hk), (Bv, Tv, Nv, _) = (shape_of(x) for x in (q, k, v))
     if Bk != B or Bv != B or Hk != H or (Tv, Nv) != (Tk, Nk):
         raise ValueError(f"expected q [B, Tq, N, H], k [B, Tk, N_kv, H], v [B, Tk, N_kv, H_v]; "

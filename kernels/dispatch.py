@@ -164,13 +164,12 @@ class PallasEngine:
                   page_table: jax.Array) -> jax.Array | None:
         """The paged call on the pages themselves (:mod:`jaxpos.kernels.paged`: key tiles
         of one page read through ``page_table``), or None when the paged entry does not
-        take it: a page size that is not a power of two, pages not in q's dtype, a block
-        mask, dropout, a ``block_k`` other than the page size, a scheme that transforms
-        keys per call (:func:`jaxpos.kernels.paged.paged_refusal`). The caller then runs
-        the kernel on the gathered keys. ``page_table`` holds only valid page indices."""
-        ps = k_pages.shape[1]
-        if (call.block_mask is not None or not k_pages.dtype == v_pages.dtype == call.q.dtype
-                or paged_refusal(call, ps) is not None):
+        take it: a page size that is not a power of two, a block mask, dropout, a
+        ``block_k`` other than the page size, a scheme that transforms keys per call
+        (:func:`jaxpos.kernels.paged.paged_refusal`). The caller then runs the kernel on
+        the gathered keys. ``page_table`` holds only valid page indices; the pages are in
+        q's dtype (the call's validation refuses mixed dtypes)."""
+        if call.block_mask is not None or paged_refusal(call, k_pages.shape[1]) is not None:
             return None
         return paged_attention_kernel(call.replace(block_k=None), k_pages, v_pages,
                                       page_table)

@@ -116,15 +116,22 @@ class AttentionCall:
 
 # ------------------------------------------------------------------------ the checks
 def check_attention_inputs(q: Any, k: Any, v: Any) -> None:
-    """q ``[B, Tq, N, H]``, k ``[B, Tk, N_kv, H]``, v ``[B, Tk, N_kv, H_v]`` float arrays
-    (dtypes may differ), ``N`` a multiple of ``N_kv``.
+    """q ``[B, Tq, N, H]``, k ``[B, Tk, N_kv, H]``, v ``[B, Tk, N_kv, H_v]`` float arrays of
+    one dtype, ``N`` a multiple of ``N_kv``.
+
+    Mixed dtypes (a bfloat16 q with float32 k and v) are refused for every engine, as
+    ``jax.nn.dot_product_attention`` refuses them: promoting would change the caller's
+    precision behind its back (a float32 cache read by bfloat16 queries is either cast
+    down or makes the whole call float32).
 
     Raises:
-      ValueError: a wrong rank or mismatched shapes. TypeError: a non-floating dtype.
+      ValueError: a wrong rank or mismatched shapes.
+      TypeError: a non-floating dtype; q, k and v of different dtypes (naming each).
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         _checks.check_rank(name, x, (4,), "[batch, seq, heads, head_dim]")
         _checks.check_floating(name, x)
+    _checks.check_one_dtype(q=q, k=k, v=v)
     (B, _Tq, N, H), (Bk, Tk, Nk, Hk), vs = q.shape, k.shape, v.shape
     if Bk != B or vs[0] != B:
         raise ValueError(f"q, k and v must share the batch size; got q {q.shape}, k {k.shape}, "

@@ -55,7 +55,7 @@ from jaxpos._util import poison_rows
 if TYPE_CHECKING:
     from jaxpos.core.call import AttentionCall
 
-__all__ = ["PREFERENCE", "Engine", "engine_names", "get_engine", "mixed_dtypes", "preference",
+__all__ = ["PREFERENCE", "Engine", "engine_names", "get_engine", "preference",
            "register_engine", "register_engine_module", "run", "run_with_lse",
            "select_engine", "takes_kv_lengths", "traced_scale", "unfusable_scheme",
            "fused_refusal"]
@@ -302,16 +302,6 @@ def traced_scale(name: str, call: AttentionCall) -> TypeError | None:
                      f"scale.")
 
 
-def mixed_dtypes(name: str, call: AttentionCall) -> str | None:
-    """The refusal of an engine that needs q, k and v in one dtype, else None."""
-    dts = (call.q.dtype, call.k.dtype, call.v.dtype)
-    if dts[0] == dts[1] == dts[2]:
-        return None
-    got = ", ".join(str(d) for d in dts)
-    return (f"implementation={name!r} needs q, k and v in one dtype; got {got}. Cast them, "
-            f"or use implementation='chunked' or 'reference'.")
-
-
 def unfusable_scheme(what: str, call: AttentionCall) -> str | None:
     """The refusal of an engine that takes a scheme only as a transform and a score_mod
     (the scheme protocol's ``fusable``), else None."""
@@ -325,5 +315,6 @@ def unfusable_scheme(what: str, call: AttentionCall) -> str | None:
 def fused_refusal(name: str, what: str, call: AttentionCall) -> str | TypeError | None:
     """What every engine that fuses the call into one compiled attention refuses: a traced
     scale (:func:`traced_scale`), a scheme that is not fusable (:func:`unfusable_scheme`;
-    ``what`` names the engine there), mixed dtypes (:func:`mixed_dtypes`)."""
-    return traced_scale(name, call) or unfusable_scheme(what, call) or mixed_dtypes(name, call)
+    ``what`` names the engine there). (Mixed dtypes never reach an engine:
+    :func:`jaxpos.core.call.validate_call` refuses them for all.)"""
+    return traced_scale(name, call) or unfusable_scheme(what, call)

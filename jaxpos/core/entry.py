@@ -119,7 +119,7 @@ def default_implementation(position: PositionScheme | None = None, *,
     (Shaw); on an NVIDIA GPU ``"xla"`` (``jax.nn.dot_product_attention``, cuDNN) when
     there is no score term, or for a mask_mod alone while its dense mask fits the
     budget; else ``"pallas"`` (a score term never goes to cuDNN: it would round the
-    bias); ``"pallas"`` on TPU. A call with a boolean mask array, mixed dtypes or a traced
+    bias); ``"pallas"`` on TPU. A call with a boolean mask array or a traced
     scale, kv_lengths or dropout is then handed on as
     :func:`jaxpos.core.engines.select_engine` says.
 
@@ -181,8 +181,9 @@ def attention(
     scheme's, the ``mask_mod`` and the other masks decide which pairs are visible.
 
     Args:
-      q: ``[B, Tq, N, H]``; k: ``[B, Tk, N_kv, H]``; v: ``[B, Tk, N_kv, H_v]`` (float).
-        ``N`` must be a multiple of ``N_kv`` (grouped-query / multi-query attention).
+      q: ``[B, Tq, N, H]``; k: ``[B, Tk, N_kv, H]``; v: ``[B, Tk, N_kv, H_v]``, of one
+        float dtype (float32, bfloat16, float16; float64 under x64). ``N`` must be a
+        multiple of ``N_kv`` (grouped-query / multi-query attention).
       position: a scheme (:class:`NoPE`, :class:`RoPE`, :class:`ALiBi`,
         :class:`T5Bias`, :class:`Shaw`, ... see ``jaxpos.schemes.base.REGISTRY``) or
         ``None``/``"none"``.
@@ -219,8 +220,9 @@ def attention(
         are invisible to row ``b`` (a KV cache's fill counts; a traced length outside
         ``[0, Tk]`` makes its row NaN, the cache-overflow rule); the chunked and Pallas
         paths never visit them, so a decode step costs the filled length (``docs/decoding.md``); the
-        reference path masks them on its full grid, so a NaN left there can reach the
-        rows (the NaN rule, ``docs/attention.md``). Not taken by ``"xla"``.
+        reference path masks them on its full grid. What they hold (NaN included) never
+        reaches the output or the gradients on any path: they are not inputs (the NaN
+        rule, ``docs/attention.md``, covers the filled keys). Not taken by ``"xla"``.
       rope_tables: a :class:`jaxpos.schemes.rope.tables.RopeTables` or None: q and k are passed
         unrotated and rotated with these cos/sin tables of their positions, by the Pallas
         kernel and the chunked decode path as they are loaded (``docs/decoding.md``); use
@@ -247,12 +249,14 @@ def attention(
 
     Raises:
       ValueError / TypeError: bad ranks, mismatched shapes (naming a likely
-        ``[B, N, T, H]`` layout), float positions, a scheme that does not fit the heads or
-        contradicts ``causal``, unknown implementation, bad masks, a score_mod returning
-        the wrong shape or dtype, a mask_mod not returning bool, a block mask built for
-        other lengths or blocks, sinks of the wrong shape, a dropout_rate outside
-        ``[0, 1)`` or without dropout_rng, dropout with ``"xla"``, concrete kv_lengths
-        outside ``[0, Tk]``, an engine that refuses the call (its reason).
+        ``[B, N, T, H]`` layout), q, k and v of different dtypes (a ``TypeError``, as
+        ``jax.nn.dot_product_attention`` refuses them; cast first), float positions, a
+        scheme that does not fit the heads or contradicts ``causal``, unknown
+        implementation, bad masks, a score_mod returning the wrong shape or dtype, a
+        mask_mod not returning bool, a block mask built for other lengths or blocks,
+        sinks of the wrong shape, a dropout_rate outside ``[0, 1)`` or without
+        dropout_rng, dropout with ``"xla"``, concrete kv_lengths outside ``[0, Tk]``, an
+        engine that refuses the call (its reason).
     """
     if implementation is not None:
         engines.get_engine(implementation)  # an unknown name fails before anything else
