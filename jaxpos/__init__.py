@@ -11,6 +11,8 @@ The package is built in rooms by role:
 * :mod:`jaxpos.nnx` and :mod:`jaxpos.linen`: the Flax modules (shared code in
   :mod:`jaxpos.layers`);
 * :mod:`jaxpos.parallel`: context parallelism (ring attention);
+* :mod:`jaxpos.sharding`: the modules' logical axis names and the rules table that maps
+  them to mesh axes;
 * :mod:`jaxpos.interop`: Flax's ``attention_fn`` adapter and Hugging Face config readers.
 
 Importing :mod:`jaxpos` registers every scheme.
@@ -234,7 +236,8 @@ __all__ = [
 # Pallas) while ``jaxpos.nnx.DecoderLM``, ``jaxpos.linen.params_from_nnx`` and
 # ``jaxpos.serving.ServingEngine`` work after a plain ``import jaxpos`` (PEP 562, module
 # ``__getattr__``). Every public subpackage is either imported above or listed here.
-_LAZY_SUBMODULES = ("hf", "kernels", "layers", "linen", "nnx", "parallel", "serving", "testing")
+_LAZY_SUBMODULES = ("hf", "kernels", "layers", "linen", "nnx", "parallel", "serving",
+                    "sharding", "testing")
 
 
 def __getattr__(name: str):

@@ -87,6 +87,7 @@ from jaxpos.layers.spec import (
     check_stack_context,
 )
 from jaxpos.layers.stack import build_stack, stack_spec
+from jaxpos.sharding import linen_init, retype
 
 __all__ = [
     "ABSOLUTE_POSITIONS",
@@ -176,11 +177,14 @@ class _Params(nn.Module):
     init is None is the attribute None (a projection without bias)."""
     table: tuple
     param_dtype: Dtype = jnp.float32
+    #: the logical axis names of each entry's parameter (:mod:`jaxpos.sharding`)
+    axes: tuple = ()
 
     def setup(self) -> None:
-        for name, init, shape in self.table:
+        axes = self.axes or tuple((None,) * len(shape) for _, _, shape in self.table)
+        for (name, init, shape), names in zip(self.table, axes, strict=True):
             setattr(self, name, None if init is None else self.param(
-                name, init, shape, self.param_dtype))
+                name, linen_init(init, names), shape, self.param_dtype))
 
 
 # ================================================================== attention
@@ -248,7 +252,7 @@ class MultiHeadAttention(_LinenDropout, AttentionCore, AttentionOptions, nn.Modu
         return module_scheme(self.position)
 
     def _sinks(self):
-        return self._sink_logits
+        return retype(self._sink_logits)
 
     def setup(self) -> None:
         parts = attention_parts(self, check_attention(self), _LinenMaker(self))
@@ -291,15 +295,16 @@ class _LinenMaker:
         self.module = module
         self.dtype, self.param_dtype = module.dtype, module.param_dtype  # type: ignore[attr-defined]
 
-    def linear(self, in_features, out_features, use_bias, name):
+    def linear(self, in_features, out_features, use_bias, name, axes=(None, None)):
         return _Params(linear_params(in_features, out_features, use_bias), self.param_dtype,
-                       name=name)
+                       (tuple(axes), tuple(axes[1:])), name=name)
 
-    def norm(self, features, name, offset=False):
-        return _Params(norm_params(features, offset), self.param_dtype, name=name)
+    def norm(self, features, name, offset=False, axis="norm"):
+        return _Params(norm_params(features, offset), self.param_dtype, ((axis,),), name=name)
 
-    def zeros(self, name, shape):
-        return self.module.param(name, nn.initializers.zeros, shape, self.param_dtype)
+    def zeros(self, name, shape, axes):
+        return self.module.param(name, linen_init(nn.initializers.zeros, axes), shape,
+                                 self.param_dtype)
 
     def position_module(self, position, name, **kwargs):
         return make_position_module(position, param_dtype=self.param_dtype, name=name,
@@ -310,8 +315,9 @@ class _LinenMaker:
             self.module, "deterministic", None), name=name)
 
     def embed(self, vocab_size, d_model):
-        return nn.Embed(vocab_size, d_model, embedding_init=token_embedding_init(d_model),
-                        param_dtype=self.param_dtype, name="embed")
+        return nn.Embed(vocab_size, d_model, embedding_init=linen_init(
+            token_embedding_init(d_model), ("vocab", "embed")),
+            param_dtype=self.param_dtype, name="embed")
 
     def sinusoidal(self, d_model):
         return SinusoidalEmbedding(d_model, dtype=self.dtype, name="abs_position")

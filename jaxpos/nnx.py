@@ -120,6 +120,7 @@ from jaxpos.layers.spec import (
     options_signature,
 )
 from jaxpos.layers.stack import build_stack, stack_spec
+from jaxpos.sharding import nnx_init, nnx_param, retype
 
 __all__ = [
     "ABSOLUTE_POSITIONS",
@@ -305,7 +306,7 @@ class MultiHeadAttention(_NnxDropout, AttentionCore, nnx.Module):
         return module_scheme(self.position_module)
 
     def _sinks(self):
-        return None if self.sinks is None else self.sinks[...]
+        return None if self.sinks is None else retype(self.sinks[...])
 
 # ================================================================== blocks and stacks
 
@@ -340,20 +341,21 @@ class _NnxMaker:
     def __init__(self, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
         self.dtype, self.param_dtype, self.rngs = dtype, param_dtype, rngs
 
-    def linear(self, in_features, out_features, use_bias, name):
+    def linear(self, in_features, out_features, use_bias, name, axes=(None, None)):
         (_, kernel_init, _), (_, bias_init, _) = linear_params(in_features, out_features,
                                                                use_bias)
         return nnx.Linear(in_features, out_features, use_bias=use_bias,
-                          kernel_init=kernel_init, bias_init=bias_init or BIAS_INIT,
+                          kernel_init=nnx_init(kernel_init, axes),
+                          bias_init=nnx_init(bias_init or BIAS_INIT, axes[1:]),
                           param_dtype=self.param_dtype, rngs=self.rngs)
 
-    def norm(self, features, name, offset=False):
+    def norm(self, features, name, offset=False, axis="norm"):
         ((_, init, _),) = norm_params(features, offset)
-        return nnx.RMSNorm(features, scale_init=init, param_dtype=self.param_dtype,
-                           rngs=self.rngs)
+        return nnx.RMSNorm(features, scale_init=nnx_init(init, (axis,)),
+                           param_dtype=self.param_dtype, rngs=self.rngs)
 
-    def zeros(self, name, shape):
-        return nnx.Param(jnp.zeros(shape, self.param_dtype))
+    def zeros(self, name, shape, axes):
+        return nnx_param(jnp.zeros(shape, self.param_dtype), axes)
 
     def position_module(self, position, name, **kwargs):
         return make_position_module(position, param_dtype=self.param_dtype, rngs=self.rngs,
@@ -364,7 +366,8 @@ class _NnxMaker:
 
     def embed(self, vocab_size, d_model):
         return nnx.Embed(vocab_size, d_model, param_dtype=self.param_dtype,
-                         embedding_init=token_embedding_init(d_model), rngs=self.rngs)
+                         embedding_init=nnx_init(token_embedding_init(d_model),
+                                                 ("vocab", "embed")), rngs=self.rngs)
 
     def sinusoidal(self, d_model):
         return SinusoidalEmbedding(d_model, dtype=self.dtype)
@@ -389,6 +392,7 @@ class _Stack(nnx.Module):
     def __init__(self, vocab_size: int, *, rngs: nnx.Rngs, **options: Any):
         o = from_keywords(StackOptions, type(self).__name__, vocab_size, **options)
         self.context_zigzag, self.context_axis = check_stack_context(o), o.context_axis
+        self.context_parallel = o.context_parallel
         spec = stack_spec(o, causal=self._causal)
         self.vocab_size, self.position_name = spec.vocab_size, spec.plan.name
         self.d_model, self.num_layers, self.max_len = spec.d_model, spec.num_layers, o.max_len

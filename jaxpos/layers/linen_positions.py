@@ -40,6 +40,7 @@ from jaxpos.schemes.alibi import alibi_bias
 from jaxpos.schemes.base import REGISTRY, PositionScheme
 from jaxpos.schemes.rope import apply_rope, check_rotary_dim
 from jaxpos.schemes.t5 import check_bucket_args, t5_bias
+from jaxpos.sharding import linen_init, retype, scheme_param_axes
 
 if TYPE_CHECKING:
     from jaxpos.schemes.alibi import ALiBi as ALiBiScheme
@@ -81,8 +82,9 @@ class LearnedPositionalEmbedding(LearnedCore, nn.Module):
         _checks.check_positive_int("max_len", self.max_len)
         _checks.check_positive_int("d_model", self.d_model)
         _checks.check_choice("out_of_range", self.out_of_range, ("error", "wrap", "clip"))
-        self.table = self.param("table", self.embedding_init or learned_table_init(),
-                                (self.max_len, self.d_model), self.param_dtype)
+        self.table = self.param("table", linen_init(
+            self.embedding_init or learned_table_init(), ("position_rows", "embed")),
+            (self.max_len, self.d_model), self.param_dtype)
 
     __call__ = LearnedCore.__call__
 
@@ -108,12 +110,13 @@ class _PositionBase(PositionCore, nn.Module):
                     fn = lambda key, n=n: init(key)[n]
                 else:
                     fn = lambda key, sd=sd: param_init(key, sd.shape, sd.dtype)
-                setattr(self, n, self.param(n, fn))
+                axes = scheme_param_axes(REGISTRY[position], n, len(sd.shape))
+                setattr(self, n, self.param(n, linen_init(fn, axes)))
             names = tuple(shapes)
         self._param_names = names
 
     def _scheme_params(self):
-        return {n: getattr(self, n) for n in self._param_names}
+        return {n: retype(getattr(self, n)) for n in self._param_names}
 
     scheme = PositionCore.scheme
 

@@ -32,6 +32,7 @@ from jaxpos.schemes.alibi import alibi_bias
 from jaxpos.schemes.base import REGISTRY, PositionScheme
 from jaxpos.schemes.rope import apply_rope, check_rotary_dim
 from jaxpos.schemes.t5 import check_bucket_args, t5_bias
+from jaxpos.sharding import nnx_param, retype, scheme_param_axes
 
 if TYPE_CHECKING:
     from jaxpos.schemes.alibi import ALiBi as ALiBiScheme
@@ -95,7 +96,8 @@ class LearnedPositionalEmbedding(LearnedCore, nnx.Module):
         d_model = _checks.check_positive_int("d_model", d_model)
         _checks.check_choice("out_of_range", out_of_range, ("error", "wrap", "clip"))
         init = embedding_init or learned_table_init()
-        self.table = nnx.Param(init(rngs.params(), (max_len, d_model), param_dtype))
+        self.table = nnx_param(init(rngs.params(), (max_len, d_model), param_dtype),
+                               ("position_rows", "embed"))
         self.max_len, self.d_model, self.out_of_range = max_len, d_model, out_of_range
 
 class PositionModule(PositionCore, nnx.Module):
@@ -152,7 +154,7 @@ class PositionModule(PositionCore, nnx.Module):
             if hasattr(self, n):
                 raise ValueError(f"{cls.__name__}.init_params returned a parameter named "
                                  f"{n!r}, which is an attribute of PositionModule; rename it.")
-            setattr(self, n, nnx.Param(v))
+            setattr(self, n, nnx_param(v, scheme_param_axes(cls, n, v.ndim)))
         self.param_names = tuple(params)
         self._validate(param_dtype)
 
@@ -160,7 +162,7 @@ class PositionModule(PositionCore, nnx.Module):
         return (self.position_name, self.num_heads, self.head_dim, self.causal, self.options)
 
     def _scheme_params(self):
-        return {n: getattr(self, n)[...] for n in self.param_names}
+        return {n: retype(getattr(self, n)[...]) for n in self.param_names}
 
     def _validate(self, dtype: DTypeLike):
         x = None if self.d_model is None else jnp.zeros((1, 1, self.d_model), dtype)

@@ -226,11 +226,15 @@ def check_block(o: BlockOptions) -> BlockPlan:
 class Maker(Protocol):
     """The constructors of one twin (NNX or Linen) that :func:`attention_parts`,
     :func:`block_parts` and :func:`jaxpos.layers.stack.build_stack` call. NNX draws
-    parameter keys in the order of the calls."""
+    parameter keys in the order of the calls. ``axes`` are the logical names of a
+    parameter's axes (:mod:`jaxpos.sharding`): ``linear``'s are the kernel's ``(in,
+    out)``, its bias takes ``out``'s."""
 
-    def linear(self, in_features: int, out_features: int, use_bias: bool, name: str) -> Any: ...
-    def norm(self, features: int, name: str, offset: bool = False) -> Any: ...
-    def zeros(self, name: str, shape: tuple) -> Any: ...
+    def linear(self, in_features: int, out_features: int, use_bias: bool, name: str,
+               axes: tuple = (None, None)) -> Any: ...
+    def norm(self, features: int, name: str, offset: bool = False,
+             axis: str = "norm") -> Any: ...
+    def zeros(self, name: str, shape: tuple, axes: tuple) -> Any: ...
     def position_module(self, position: Any, name: str, **kwargs: Any) -> Any: ...
     def attention(self, name: str, **options: Any) -> Any: ...
     def embed(self, vocab_size: int, d_model: int) -> Any: ...
@@ -248,19 +252,23 @@ def attention_parts(o: AttentionOptions, plan: AttentionPlan, make: Maker) -> di
     ``N_kv*H`` for ``qk_norm="projection"``; None without)."""
     D, N, Nk, H = plan.dims
     parts: dict[str, Any] = {
-        name: make.linear(i, out, o.use_bias, name) for name, i, out in (
-            ("q_proj", D, N * H), ("k_proj", D, Nk * H), ("v_proj", D, Nk * H),
-            ("o_proj", N * H, D))}
-    parts["sinks"] = make.zeros("sinks", (N,)) if plan.sinks else None
+        name: make.linear(i, out, o.use_bias, name, axes) for name, i, out, axes in (
+            ("q_proj", D, N * H, ("embed", "heads")),
+            ("k_proj", D, Nk * H, ("embed", "kv_heads")),
+            ("v_proj", D, Nk * H, ("embed", "kv_heads")),
+            ("o_proj", N * H, D, ("heads", "embed")))}
+    parts["sinks"] = make.zeros("sinks", (N,), ("heads",)) if plan.sinks else None
     parts["gate_proj"] = None if plan.gate is None else make.linear(
-        D, N * H if plan.gate == "elementwise" else N, bool(o.output_gate_bias), "gate_proj")
+        D, N * H if plan.gate == "elementwise" else N, bool(o.output_gate_bias), "gate_proj",
+        ("embed", "heads"))
     parts["position_module"] = make.position_module(
         o.position, "position_module", num_heads=N, head_dim=H, d_model=D,
         causal=bool(o.causal), options=plan.scheme_options)
     per_head = plan.qk_norm == "head"
-    for name, heads in (("q_norm", N), ("k_norm", Nk)):
+    for name, heads, axis in (("q_norm", N, "heads"), ("k_norm", Nk, "kv_heads")):
         parts[name] = None if plan.qk_norm is None else make.norm(
-            H if per_head else heads * H, name, bool(o.qk_norm_offset))
+            H if per_head else heads * H, name, bool(o.qk_norm_offset),
+            "head_dim" if per_head else axis)
     return parts
 
 
@@ -271,5 +279,5 @@ def block_parts(plan: BlockPlan, make: Maker) -> dict[str, Any]:
     return {"attn_norm": make.norm(D, "attn_norm"),
             "attn": make.attention("attn", **plan.attention),
             "mlp_norm": make.norm(D, "mlp_norm"),
-            "mlp_in": make.linear(D, F, False, "mlp_in"),
-            "mlp_out": make.linear(F, D, False, "mlp_out")}
+            "mlp_in": make.linear(D, F, False, "mlp_in", ("embed", "mlp")),
+            "mlp_out": make.linear(F, D, False, "mlp_out", ("mlp", "embed"))}

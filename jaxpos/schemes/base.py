@@ -275,6 +275,11 @@ class PositionScheme:
     #: set is shared by every layer of a stack (T5's table, Raffel et al. 2020, §2.1).
     params_per_layer: bool = False
 
+    #: The logical axis names (:mod:`jaxpos.sharding`) of :meth:`init_params`'s arrays, by
+    #: parameter name, e.g. T5's ``{"table": ("position_rows", "heads")}``; a parameter
+    #: missing here has unnamed (replicated) axes.
+    param_axes: dict[str, tuple[str | None, ...]] = {}
+
     @classmethod
     def init_params(cls, key: jax.Array, *, num_heads: int, head_dim: int, d_model: int,
                     causal: bool, param_dtype: Any, options: dict) -> dict:

@@ -54,6 +54,9 @@ class CoPE(PositionScheme):
         _checks.check_rank("pos_emb", pos_emb, (2, 3), "[H, npos] or [N, H, npos]")
         self._set(pos_emb=pos_emb)
 
+    #: Logical axis names of the parameters (:mod:`jaxpos.sharding`).
+    param_axes = {"pos_emb": ("head_dim", "position_rows")}
+
     @classmethod
     def init_params(cls, key: jax.Array, *, head_dim: int, param_dtype=jnp.float32,
                     options: dict, **_) -> dict:

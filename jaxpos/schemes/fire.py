@@ -213,6 +213,10 @@ class FIRE(PositionScheme):
 
     # ---- for the Flax modules: one FIRE for the stack (as T5's table), options
     # ``mlp_width``, ``init_c``, ``init_L``, ``eps``.
+    #: Logical axis names of the parameters (:mod:`jaxpos.sharding`).
+    param_axes = {"w1": ("rank",), "b1": ("rank",), "w2": ("rank", "heads"), "b2": ("heads",),
+                  "c": (), "L_multiplier": ()}
+
     @classmethod
     def init_params(cls, key: jax.Array, *, num_heads: int, options: dict,
                     param_dtype: Any = jnp.float32, **_: Any) -> dict:

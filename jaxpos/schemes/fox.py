@@ -188,6 +188,9 @@ class FoX(PositionScheme):
     # the layer's input at every call.
     params_per_layer = True
 
+    #: Logical axis names of the parameters (:mod:`jaxpos.sharding`).
+    param_axes = {"w": ("embed", "heads"), "b": ("heads",)}
+
     @classmethod
     def init_params(cls, key: jax.Array, *, num_heads: int, d_model: int,
                     param_dtype: Any = jnp.float32, **_: Any) -> dict:

@@ -180,6 +180,9 @@ class KERPLE(PositionScheme):
 
     # ---- for the Flax modules: one (r1, r2) pair per head, shared by the layers of a
     # stack, as the authors' GPT-NeoX model passes one KERPLE module to every layer.
+    #: Logical axis names of the parameters (:mod:`jaxpos.sharding`).
+    param_axes = {"r1": ("heads",), "r2": ("heads",)}
+
     @classmethod
     def init_params(cls, key: jax.Array, *, num_heads: int, options: dict,
                     param_dtype: Any = jnp.float32, **_: Any) -> dict:

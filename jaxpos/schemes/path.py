@@ -135,6 +135,12 @@ class PaTH(PositionScheme):
         K = 3 if K is None else _checks.check_positive_int("path_conv_size", K)
         return nk, rank, K
 
+    #: Logical axis names of the parameters (:mod:`jaxpos.sharding`).
+    param_axes = {"w_down": ("embed", "rank"), "w_up": ("rank", "kv_heads"),
+                  "conv": ("taps", "kv_heads"), "beta_w": ("embed", "kv_heads"),
+                  "beta_b": ("kv_heads",), "forget_w": ("embed", "heads"),
+                  "forget_b": ("heads",)}
+
     @classmethod
     def init_params(cls, key: jax.Array, *, num_heads: int, head_dim: int, d_model: int,
                     param_dtype=jnp.float32, options: dict, **_) -> dict:

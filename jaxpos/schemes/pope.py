@@ -159,6 +159,9 @@ class PoPE(PositionScheme):
         self._set(inv_freq=jnp.asarray(inv_freq, jnp.float32), phase_bias=phase_bias)
 
     # ---- for the Flax modules: delta per layer, head and frequency, initialised at 0.
+    #: Logical axis names of the parameters (:mod:`jaxpos.sharding`).
+    param_axes = {"phase_bias": ("heads", "head_dim")}
+
     @classmethod
     def init_params(cls, key: jax.Array, *, num_heads: int, head_dim: int, options: dict,
                     param_dtype: Any = jnp.float32, **_: Any) -> dict:

@@ -161,6 +161,9 @@ class Shaw(PositionScheme):
 
     params_per_layer = True  # Shaw et al. 2018, §3.1: shared across heads, not layers
 
+    #: Logical axis names of the parameters (:mod:`jaxpos.sharding`).
+    param_axes = {"rel_k": ("position_rows", "head_dim"), "rel_v": ("position_rows", "head_dim")}
+
     @classmethod
     def init_params(cls, key: jax.Array, *, head_dim: int, param_dtype: Any, options: dict,
                     **_: Any) -> dict:

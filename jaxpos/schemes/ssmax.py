@@ -121,6 +121,9 @@ class SSMax(PositionScheme):
                   visible=None)
 
     # ---- for the Flax modules: one s per head and layer.
+    #: Logical axis names of the parameters (:mod:`jaxpos.sharding`).
+    param_axes = {"s": ("heads",)}
+
     @classmethod
     def init_params(cls, key: jax.Array, *, num_heads: int, options: dict,
                     param_dtype: Any = jnp.float32, **_: Any) -> dict:

@@ -244,6 +244,9 @@ class T5Bias(PositionScheme):
                              f"{num_heads}] (one column per query head); got {shape}."
                              f"{transposed_hint(shape, num_heads=num_heads)}")
 
+    #: Logical axis names of the parameters (:mod:`jaxpos.sharding`).
+    param_axes = {"table": ("position_rows", "heads")}
+
     @classmethod
     def init_params(cls, key: jax.Array, *, num_heads: int, d_model: int, causal: bool,
                     param_dtype: Any, options: dict, **_: Any) -> dict:

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 from flax import nnx
 
 from jaxpos import linen as jl
@@ -108,7 +109,8 @@ def test_linen_twin_is_identical_for_cross_attention_with_biases(position):
     nnx_mha = _ours(True, position=position)
     linen_mha = jl.MultiHeadAttention(d_model=D, num_heads=N, position=position, use_bias=True,
                                       implementation="reference")
-    own = jax.eval_shape(linen_mha.init, jax.random.key(0), x, context=context)["params"]
+    own = nn.unbox(jax.eval_shape(linen_mha.init, jax.random.key(0), x,
+                                  context=context)["params"])
     params = jl.params_from_nnx(nnx_mha)
     assert jax.tree_util.tree_map(jnp.shape, own) == jax.tree_util.tree_map(jnp.shape, params)
     kw = dict(context=context, kv_positions=np.arange(TK) + 2, mask=mask)

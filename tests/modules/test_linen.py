@@ -30,7 +30,7 @@ def test_nnx_and_linen_decoders_give_identical_logits_with_the_same_weights(posi
     nnx_model, linen_model = twins(position)
     tokens = jax.random.randint(jax.random.key(0), (2, 6), 0, V)
     positions = np.array([[0, 1, 2, 3, 4, 5], [3, 4, 5, 6, 7, 8]])
-    own = jax.eval_shape(linen_model.init, jax.random.key(1), tokens)["params"]
+    own = nn.unbox(jax.eval_shape(linen_model.init, jax.random.key(1), tokens)["params"])
     params = jl.params_from_nnx(nnx_model)
     # Same tree (names and shapes) as Linen's own initialisation...
     assert jax.tree_util.tree_structure(own) == jax.tree_util.tree_structure(params)
@@ -52,14 +52,14 @@ def test_nnx_and_linen_encoders_agree(position):
 def test_linen_t5_table_is_one_parameter_and_sinusoidal_has_none():
     _, t5 = twins("t5", num_layers=3)
     tokens = jnp.zeros((1, 4), jnp.int32)
-    params = jax.eval_shape(t5.init, jax.random.key(0), tokens)["params"]
+    params = nn.unbox(jax.eval_shape(t5.init, jax.random.key(0), tokens)["params"])
     tables = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(params)
               if x.shape == (32, N)]
     assert tables == ["['rel_position']['table']"]
     _, sin = twins("sinusoidal")
     _, nope = twins("nope")
     count = lambda m: sum(x.size for x in jax.tree_util.tree_leaves(
-        jax.eval_shape(m.init, jax.random.key(0), tokens)["params"]))
+        nn.unbox(jax.eval_shape(m.init, jax.random.key(0), tokens)["params"])))
     assert count(sin) == count(nope)
 
 
@@ -110,7 +110,7 @@ def test_linen_multi_head_attention_matches_nnx_with_grouped_query_heads():
     x = jax.random.normal(jax.random.key(6), (2, 5, D))
     params = jl.params_from_nnx(nnx_mha)
     assert jax.tree_util.tree_map(jnp.shape, params) == jax.tree_util.tree_map(
-        jnp.shape, jax.eval_shape(linen_mha.init, jax.random.key(0), x)["params"])
+        jnp.shape, nn.unbox(jax.eval_shape(linen_mha.init, jax.random.key(0), x)["params"]))
     np.testing.assert_array_equal(linen_mha.apply({"params": params}, x), nnx_mha(x))
 
 
@@ -124,6 +124,6 @@ def test_linen_position_module_defined_in_a_parent_is_shared():
         def __call__(self, x):
             return self.layers[1](self.layers[0](x))
 
-    params = TwoLayers().init(jax.random.key(0), jnp.ones((1, 4, D)))["params"]
+    params = nn.unbox(TwoLayers().init(jax.random.key(0), jnp.ones((1, 4, D)))["params"])
     assert params["t5"]["table"].shape == (32, N)
     assert sum(x.size for x in jax.tree_util.tree_leaves(params)) == 2 * 4 * D * D + 32 * N

@@ -10,6 +10,7 @@ import inspect
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import linen as nn
 from flax import nnx
 
 from jaxpos import linen as jl
@@ -55,7 +56,8 @@ def test_stacks_pass_the_gate_and_qk_norm_to_every_layer():
         assert attn.q_norm.scale[...].shape == (16,) and attn.k_norm.scale[...].shape == (8,)
         assert not attn.q_norm.scale[...].any()  # the (1 + w) form starts at w = 0
     tokens = jnp.zeros((1, 3), jnp.int32)
-    linen = jax.eval_shape(jl.DecoderLM(32, **kw).init, jax.random.key(0), tokens)["params"]
+    linen = nn.unbox(jax.eval_shape(jl.DecoderLM(32, **kw).init, jax.random.key(0),
+                                    tokens)["params"])
     nnx_tree = jl.params_from_nnx(model)
     assert jax.tree_util.tree_map(jnp.shape, linen) == jax.tree_util.tree_map(jnp.shape,
                                                                               nnx_tree)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 from flax import nnx
 
 from jaxpos import linen as jl
@@ -214,7 +215,7 @@ def test_scheme_options_reach_init_params_in_nnx_and_linen():
     np.testing.assert_array_equal(model.rel_position.r2[...], [0.25, 0.25])
     tokens = jnp.zeros((1, 4), jnp.int32)
     linen = _linen_decoder("test_kerple_per_layer", scheme_options={"r1_init": 1.5})
-    params = linen.init(jax.random.key(0), tokens)["params"]
+    params = nn.unbox(linen.init(jax.random.key(0), tokens)["params"])
     np.testing.assert_array_equal(params["blocks_0"]["attn"]["position_module"]["r1"],
                                   [1.5, 1.5])
     with pytest.raises(TypeError, match="scheme_options"):

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 from flax import nnx
 
 import jaxpos
@@ -207,7 +208,7 @@ def test_linen_twin_equals_nnx_with_sinks_and_window():
                                            mask_mod=jaxpos.SlidingWindowMask(WINDOW))
     set_sinks(nnx_mha, SINK_VALUES)
     x = inputs(6)
-    own = linen_mha.init(jax.random.key(1), x)["params"]
+    own = nn.unbox(linen_mha.init(jax.random.key(1), x)["params"])
     assert own["sinks"].shape == (N,) and not np.any(np.asarray(own["sinks"]))  # zeros
     params = jl.params_from_nnx(nnx_mha)
     assert jax.tree_util.tree_map(jnp.shape, own) == jax.tree_util.tree_map(jnp.shape, params)

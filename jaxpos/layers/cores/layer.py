@@ -44,6 +44,7 @@ from jaxpos.layers.options import build_scheme, check_mask_mod, no_rope_scaling
 from jaxpos.parallel.context import layer_attention
 from jaxpos.schemes.base import NoPE, PositionScheme
 from jaxpos.schemes.learned import learned_positions
+from jaxpos.sharding import constrain, retype, run_auto
 
 __all__ = ["AttentionCore", "BlockCore", "LearnedCore", "PositionCore", "SinusoidalCore",
            "attention_for", "param_value", "position_scheme"]
@@ -56,8 +57,10 @@ def attention_for(scheme: PositionScheme) -> Callable[..., jax.Array]:
 
 
 def param_value(v: Any) -> jax.Array:
-    """The array of an :class:`flax.nnx.Variable` (NNX) or the array itself (Linen)."""
-    return v[...] if isinstance(v, nnx.Variable) else v
+    """The array of an :class:`flax.nnx.Variable` (NNX) or the array itself (Linen),
+    re-typed for a full pass that runs Explicit mesh axes as Auto
+    (:func:`jaxpos.sharding.retype`)."""
+    return retype(v[...] if isinstance(v, nnx.Variable) else v)
 
 
 class SinusoidalCore:
@@ -213,12 +216,26 @@ class AttentionCore:
                  mask_mod: Callable[..., Any] | None = None,
                  attention_mask: ArrayLike | None = None, deterministic: bool | None = None,
                  rngs: Any = None) -> jax.Array:
+        # Under a mesh with Explicit axes the pass runs with them Auto (jaxpos.sharding)
+        arrays = dict(x=x, context=context, positions=positions, kv_positions=kv_positions,
+                      mask=mask, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                      scheme=scheme, attention_mask=attention_mask)
+        check_attention_input("x", x, self._dims()[0])
+        return run_auto(lambda a: self._full_pass(
+            **a, rope_scaling=rope_scaling, implementation=implementation, mask_mod=mask_mod,
+            deterministic=deterministic, rngs=rngs), arrays, ("batch", None, None), x.shape)
+
+    def _full_pass(self, x, *, context, positions, kv_positions, mask, segment_ids,
+                   kv_segment_ids, scheme, rope_scaling, implementation, mask_mod,
+                   attention_mask, deterministic, rngs):
         pad = self._padding(x, context, attention_mask)
         if pad is not None and positions is None:
             positions = positions_from_mask(pad)
         pos, kv_pos = attention_inputs(x, context, positions, kv_positions, kv_segment_ids,
                                        self._dims()[0])
         q, k, v = self._qkv(x, context)
+        q = constrain(q, ("batch", None, "heads", None))
+        k, v = (constrain(t, ("batch", None, "kv_heads", None)) for t in (k, v))
         scheme = self._scheme(scheme, rope_scaling, x, pos)
         if pad is not None:  # tokens never see padding; padding's positions stay in range
             segment_ids = padding_segment_ids(pad, segment_ids)
@@ -236,6 +253,7 @@ class AttentionCore:
         else:  # sequence-parallel over the mesh axis context_axis (jaxpos.parallel.context)
             o = layer_attention(method, self.context_axis, q, k, v,
                                 softmax=attend_fn is attention, **kw)
+        o = constrain(o, ("batch", None, "heads", None))
         return self._out(self._gated(o, x))
 
     def _padding(self, x, context, attention_mask):

@@ -27,6 +27,7 @@ from jaxpos.layers.functional import (
 from jaxpos.layers.options import ABSOLUTE_POSITIONS, check_learned_length
 from jaxpos.parallel.context import zigzag_order
 from jaxpos.schemes.base import REGISTRY
+from jaxpos.sharding import constrain, run_auto
 
 __all__ = ["DecoderCore", "EncoderCore", "StackCore"]
 
@@ -67,14 +68,31 @@ class StackCore:
             positions = positions_from_mask(pad)
         check_learned_length(self._position_name(), self.max_len, T, positions)
         pos = default_positions((B, T), positions)
-        x = self._embed(tokens, pos)
+        hidden = self._activation_axes()
+        x = constrain(self._embed(tokens, pos), hidden)
         scheme, layer_scaling = self._scheme(rope_scaling, x, pos)
         impl = implementation or self.implementation
         for block in self.blocks:
             x = block(x, positions=pos, mask=mask, segment_ids=segment_ids, scheme=scheme,
                       rope_scaling=layer_scaling, implementation=impl, attention_mask=pad,
                       deterministic=deterministic, rngs=rngs)
+            x = constrain(x, hidden)
         return rms_norm(x, param_value(self.final_norm.scale))
+
+    def _activation_axes(self, last: str | None = None) -> tuple:
+        """The logical axes of the stack's ``[B, T, ...]`` activations
+        (:mod:`jaxpos.sharding`): ``batch``, ``seq`` when the layers are context-parallel,
+        then ``last``."""
+        seq = "seq" if getattr(self, "context_parallel", None) else None
+        return ("batch", seq, last)
+
+    def _run(self, body, inputs, tokens, width, last=None):
+        """``body(inputs)``; under a mesh with Explicit axes run with them Auto and its
+        output ``[B, T, width]`` resharded by the logical rules
+        (:func:`jaxpos.sharding.run_auto`)."""
+        _checks.check_rank("tokens", tokens, (2,), "[batch, seq] token ids")
+        shape = (*_checks.shape_of(tokens), width)
+        return run_auto(body, inputs, self._activation_axes(last), shape)
 
 
 class DecoderCore(StackCore):
@@ -119,13 +137,20 @@ class DecoderCore(StackCore):
             table (never clamped), bad shapes, ``attention_mask`` values other than 0/1;
             TypeError: float tokens/positions/attention_mask.
         """
-        if getattr(self, "context_zigzag", False):
-            return self._zigzag_call(tokens, positions, rope_scaling, implementation,
-                                     segment_ids, attention_mask, deterministic, rngs)
-        h = self._hidden(tokens, positions, rope_scaling, implementation,
-                         segment_ids=segment_ids, attention_mask=attention_mask,
-                         deterministic=deterministic, rngs=rngs)
-        return tied_logits(h, param_value(self.embed.embedding))
+        def body(a):
+            if getattr(self, "context_zigzag", False):
+                return self._zigzag_call(a["tokens"], a["positions"], rope_scaling,
+                                         implementation, a["segment_ids"],
+                                         a["attention_mask"], deterministic, rngs)
+            h = self._hidden(a["tokens"], a["positions"], rope_scaling, implementation,
+                             segment_ids=a["segment_ids"], attention_mask=a["attention_mask"],
+                             deterministic=deterministic, rngs=rngs)
+            return constrain(tied_logits(h, param_value(self.embed.embedding)),
+                             self._activation_axes("vocab"))
+
+        inputs = dict(tokens=tokens, positions=positions, segment_ids=segment_ids,
+                      attention_mask=attention_mask)
+        return self._run(body, inputs, tokens, self.vocab_size)
 
     def _zigzag_call(self, tokens, positions, rope_scaling, implementation, segment_ids,
                      attention_mask, deterministic, rngs):
@@ -255,6 +280,9 @@ class EncoderCore(StackCore):
         """Bidirectional forward pass: final-normalised hidden states ``[B, T, d_model]``
         (``dtype``); keywords as :meth:`jaxpos.nnx.DecoderLM.__call__` (``attention_mask``,
         ``deterministic`` and ``rngs`` included: no token sees padding) plus ``mask``."""
-        return self._hidden(tokens, positions, rope_scaling, implementation, mask=mask,
-                            segment_ids=segment_ids, attention_mask=attention_mask,
-                            deterministic=deterministic, rngs=rngs)
+        inputs = dict(tokens=tokens, positions=positions, mask=mask, segment_ids=segment_ids,
+                      attention_mask=attention_mask)
+        return self._run(lambda a: self._hidden(
+            a["tokens"], a["positions"], rope_scaling, implementation, mask=a["mask"],
+            segment_ids=a["segment_ids"], attention_mask=a["attention_mask"],
+            deterministic=deterministic, rngs=rngs), inputs, tokens, self.d_model)

@@ -1,0 +1,57 @@
+"""The modules' logical axes on 8 CPU devices: a ``DecoderLM`` (NNX and Linen) whose
+parameters :func:`jaxpos.sharding.place` puts on a ``(2, 4)`` ``(data, tensor)`` or
+``(2, 2, 2)`` ``(data, fsdp, tensor)`` mesh by the default rules, with Auto and Explicit
+axes, gives the loss and gradients of one device (1e-5), and its parameters and their
+gradients keep the rules' placement (``q_proj.kernel``: ``embed`` over ``fsdp``,
+``heads`` over ``tensor``).
+
+The checks run in a subprocess (``_logical_axes_worker.py``, which sets
+``--xla_force_host_platform_device_count=8``); the default run covers two cases, ``-m
+slow`` every scheme (RoPE, ALiBi, T5, FoX), twin, mesh and axis type.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("_logical_axes_worker.py")
+TOL = 1e-5
+
+
+def _run(tmp_path, *flags):
+    out = tmp_path / "axes.json"
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, str(WORKER), *flags, str(out)], env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def _check(res, expected_cases):
+    assert res.pop("num_devices") == 8.0
+    cases = {k.rsplit("/", 1)[0] for k in res}
+    assert len(cases) == expected_cases, sorted(cases)
+    for case in cases:
+        assert res[f"{case}/loss"] <= TOL, (case, res[f"{case}/loss"])
+        assert res[f"{case}/grad"] <= TOL, (case, res[f"{case}/grad"])
+        mesh = case.split("/")[2]
+        want = "P('fsdp', 'tensor')" if mesh == "2x2x2" else "P(None, 'tensor')"
+        assert res[f"{case}/spec"] == f"{want} {want}", (case, res[f"{case}/spec"])
+
+
+def test_decoder_placed_by_the_rules_trains_as_on_one_device(tmp_path):
+    """NNX with RoPE on (2, 2, 2) Explicit axes, Linen with ALiBi on (2, 4) Auto axes."""
+    _check(_run(tmp_path, "--quick"), 2)
+
+
+@pytest.mark.slow  # 32 compilations on 8 CPU devices (several minutes on 2 cores)
+def test_every_scheme_twin_and_mesh_trains_as_on_one_device(tmp_path):
+    _check(_run(tmp_path), 4 * 2 * 2 * 2)
