@@ -415,8 +415,16 @@ def _check_rope_tables(tabs, scheme: PositionScheme, B: int, Tq: int, Tk: int, H
 def transform_call(call: AttentionCall) -> AttentionCall:
     """The call with the scheme's per-token transform applied to q and k (RoPE rotation,
     xPos scaling; once per call, before any implementation). Nothing reads or rewrites
-    the values: the NaN rule (docs/attention.md) costs nothing on the hot path."""
-    q, k = call.scheme.transform_qk(call.q, call.k, call.q_positions, call.kv_positions)
+    the values: the NaN rule (docs/attention.md) costs nothing on the hot path. Keys past
+    ``kv_lengths`` are zeroed first (fused into the transform's own pass over k): they
+    are not inputs, and a NaN there would reach the gradients of the scheme's parameters
+    (``d inv_freq`` multiplies each key by its zero cotangent)."""
+    k = call.k
+    if call.kv_lengths is not None and type(call.scheme).transform_qk is not \
+            PositionScheme.transform_qk:
+        filled = jnp.arange(call.kv_len)[None, :] < call.kv_lengths[:, None]
+        k = jnp.where(filled[:, :, None, None], k, jnp.zeros((), k.dtype))
+    q, k = call.scheme.transform_qk(call.q, k, call.q_positions, call.kv_positions)
     return call.replace(q=q, k=k)
 
 

@@ -109,8 +109,9 @@ def run_chunked_decode(call: AttentionCall, load_kv: Callable | None = None,
     a block start is ``min(j * block_k, Tk - block_k)``, so a page-aligned size gives
     page-aligned starts. A block none of whose pairs is visible (past every row's fill,
     outside a sliding window, another segment, ...) is decided from positions alone and
-    never loaded; in a loaded block, the values of slots no query of a row sees are
-    zeroed for that row, so they never reach its result (not even as ``0 * NaN``)."""
+    never loaded; in a loaded block, the keys and values of slots no query of a row sees
+    are zeroed for that row, so they never reach its result or its gradients (not even
+    as ``0 * NaN``)."""
     B, Tq, N, H = call.q.shape
     Tk, Nk = call.k.shape[1], call.k.shape[2]
     g, Hv = N // Nk, call.v.shape[3]
@@ -135,6 +136,8 @@ def run_chunked_decode(call: AttentionCall, load_kv: Callable | None = None,
             k_j = rotate(k_j, _slice(tabs.k_cos, start, bk, 1), _slice(tabs.k_sin, start, bk, 1),
                          layout="half")
         seen = jnp.any(vis, axis=(1, 2))  # [B|1, bk]: slots some query of the row sees
+        # keys too: dq = ds @ k meets a zero ds there (0 * NaN = NaN in the gradient)
+        k_j = jnp.where(seen[:, :, None, None], k_j, jnp.zeros((), k_j.dtype))
         v_j = jnp.where(seen[:, :, None, None], v_j, jnp.zeros((), v_j.dtype))
         vg = jnp.swapaxes(v_j.astype(jnp.float32), 1, 2)  # [B, Nk, bk, H_v]
         s = _block_scores(call, terms, qs, qg, k_j, kp_j, vis)

@@ -161,6 +161,11 @@ def heads_major(call: AttentionCall, *,
     kv_valid = None
     if call.kv_lengths is not None:  # a KV cache's fill counts
         kv_valid = jnp.arange(call.kv_len)[None, :] < call.kv_lengths[:, None]
+        # Slots past the fill are not inputs: whatever they hold (a freed page's NaN) must
+        # never meet a zero probability (0 * NaN = NaN), forward or backward. Fused into
+        # the cast above: no extra pass over k and v.
+        filled = kv_valid[:, None, :, None]
+        kk, vv = jnp.where(filled, kk, 0.0), jnp.where(filled, vv, 0.0)
     m = Masking(call.q_positions, call.kv_positions, kv_valid, call.mask, call.segment_ids,
                 call.kv_segment_ids)
     return qs, kk, vv, m

@@ -413,7 +413,7 @@ def run_module_decode(case: Case):
     from the input (0/1 kernels: exact in every dtype) and whose output projection
     selects the attention output; the first ``Tk - Tq`` tokens are written by one
     ``decode`` call (the prefill), the queries' own tokens by a second, into a cache with
-    three empty slots. Forward only (decoding takes no gradients)."""
+    three empty slots holding NaN. Forward only (decoding takes no gradients)."""
     from flax import nnx
 
     from jaxpos import nnx as jnnx
@@ -443,6 +443,9 @@ def run_module_decode(case: Case):
     kvp = np.broadcast_to(np.arange(Tk) if case.kv_positions is None
                           else case.np_("kv_positions"), (B, Tk))
     cache = mha.init_cache(B, Tk + 3)
+    if hasattr(cache, "_replace"):  # the empty slots hold NaN (never read into the result)
+        cache = cache._replace(k=jnp.full_like(cache.k, jnp.nan),
+                               v=jnp.full_like(cache.v, jnp.nan))
     xx = jnp.asarray(x, dt)
     if Tk > Tq:
         _, cache = mha.decode(xx[:, :Tk - Tq], cache, positions=kvp[:, :Tk - Tq],
@@ -454,9 +457,9 @@ def run_module_decode(case: Case):
 
 def _with_unfilled_slots(impl, extra=13, **opts):
     """``attend`` through ``impl`` against a cache with ``extra`` unfilled slots after the
-    case's keys: k there is 1e4 and v NaN, ``kv_lengths`` = the case's ``Tk``, so any read
-    of an unfilled slot into the result (even as ``0 * NaN``) shows; key positions and
-    segment ids continue past the filled ones."""
+    case's keys: k and v NaN there, ``kv_lengths`` = the case's ``Tk``, so any read of an
+    unfilled slot into the result or the gradients (even as ``0 * NaN``) shows; key
+    positions and segment ids continue past the filled ones."""
     def attend(q, k, v, scheme, sinks, *, q_positions=None, kv_positions=None,
                segment_ids=None, kv_segment_ids=None, **kw):
         B, Tq = q.shape[:2]
@@ -467,7 +470,7 @@ def _with_unfilled_slots(impl, extra=13, **opts):
         kvp = np.broadcast_to(np.asarray(kv_positions), (B, Tk))
         kvp = np.concatenate([kvp, kvp[:, -1:] + 1 + np.arange(extra)[None].repeat(B, 0)], 1)
         pad = (B, extra) + k.shape[2:]
-        k = jnp.concatenate([k, jnp.full(pad, 1e4, k.dtype)], axis=1)
+        k = jnp.concatenate([k, jnp.full(pad, jnp.nan, k.dtype)], axis=1)
         v = jnp.concatenate([v, jnp.full(pad[:3] + v.shape[3:], jnp.nan, v.dtype)], axis=1)
         if kv_segment_ids is not None:
             seg = np.asarray(kv_segment_ids)
@@ -479,15 +482,16 @@ def _with_unfilled_slots(impl, extra=13, **opts):
     return attend
 
 
-def _paged(impl, page_size=3, spare=2, unfilled_v=np.nan, **opts):
+def _paged(impl, page_size=3, spare=2, **opts):
     """``attend`` through ``impl`` with k and v stored in pages of ``page_size`` slots
     (FlashAttention's paged layout), ``jaxpos.attention(q, k_pages, v_pages, page_table=,
     kv_lengths=)``: each row's pages are scattered over a pool in a shuffled order, the
     pool holds ``spare`` pages nobody owns, each row's table has one more entry (-1) than
     its keys need, and the last page is only partly filled. Unowned pages and unfilled
-    slots hold k 1e4 and v ``unfilled_v`` (NaN: any read of them into the result shows,
-    even as ``0 * NaN``). Key positions and segment ids continue past the filled keys;
-    the default positions are the paged call's own (queries at the end of each row)."""
+    slots hold NaN keys and values (what a freed page holds: any read of them into the
+    result or the gradients shows, even as ``0 * NaN``). Key positions and segment ids
+    continue past the filled keys; the default positions are the paged call's own
+    (queries at the end of each row)."""
     def attend(q, k, v, scheme, sinks, *, q_positions=None, kv_positions=None,
                segment_ids=None, kv_segment_ids=None, **kw):
         B, Tk, Nk, H = k.shape
@@ -515,7 +519,7 @@ def _paged(impl, page_size=3, spare=2, unfilled_v=np.nan, **opts):
             kv_positions = extend(kv_positions, 1)
         if kv_segment_ids is not None:
             kv_segment_ids = extend(kv_segment_ids, 0)
-        return jaxpos.attention(q, pool(k, 1e4), pool(v, unfilled_v), page_table=table,
+        return jaxpos.attention(q, pool(k, jnp.nan), pool(v, jnp.nan), page_table=table,
                                 kv_lengths=np.full((B,), Tk, np.int32), position=scheme,
                                 sinks=sinks, implementation=impl, q_positions=q_positions,
                                 kv_positions=kv_positions, segment_ids=segment_ids,
@@ -611,23 +615,29 @@ IMPLEMENTATIONS: dict[str, Path] = {
     "xla": Path(_via("xla"), jit=False),
     # an engine registered by a test (tests/conformance/_dense_float32_engine.py)
     "dense_float32": Path(_via("dense_float32"), takes=lambda case: case.dtype == "float32"),
-    # kv_lengths: a cache with unfilled slots (k 1e4, v NaN) past the case's keys; the
-    # chunked decode path (Tq <= 16) and the tiled path (longer Tq) skip them
+    # kv_lengths: a cache with unfilled slots (NaN keys and values) past the case's keys;
+    # the chunked decode path (Tq <= 16) and the tiled path (longer Tq) skip them, the
+    # reference and the kernel never let them enter the product (forward and backward)
     "chunked_kv_lengths": Path(_with_unfilled_slots("chunked", block_k=4),
                                default=lambda cid: cid in KV_LENGTHS_DEFAULT),
+    "reference_kv_lengths": Path(_with_unfilled_slots("reference"),
+                                 default=lambda cid: cid in ("decode-none", "training-none",
+                                                             "prefill_chunk-none")),
+    "pallas_kv_lengths": Path(_with_unfilled_slots("pallas", block_q=4, block_k=4),
+                              default=lambda cid: cid == "prefill_chunk-none"),
     "module_cached_decode": Path(None, run=run_module_decode, takes=_module_takes,
                                  default=lambda cid: False),
     # Flax's attention_fn hook with dropout_rate=0 (jaxpos.flax_attention_fn)
     "flax_adapter": Path(_flax_adapter, takes=_flax_adapter_takes,
                          default=lambda cid: cid in FLAX_ADAPTER_DEFAULT),
-    # k and v in pages (jaxpos.core.paged): the chunked path walks the page table (decode
-    # shapes) or gathers the pages (longer Tq); the reference and the kernel on the
-    # gathered keys, with finite garbage in the unfilled slots (they mask them on their
-    # grid, the NaN rule)
+    # k and v in pages (jaxpos.core.paged), NaN in every slot past the fill: the chunked
+    # path walks the page table (decode shapes) or gathers the pages (longer Tq); the
+    # reference and the kernel on the gathered keys
     "paged_chunked": Path(_paged("chunked", block_k=6),
                           default=lambda cid: cid in PAGED_DEFAULT),
-    "paged_reference": Path(_paged("reference", unfilled_v=1e3),
-                            default=lambda cid: cid in ("decode-none", "gqa-none")),
+    "paged_reference": Path(_paged("reference"),
+                            default=lambda cid: cid in ("decode-none", "gqa-none",
+                                                        "prefill_chunk-none")),
     # the kernel's paged entry (key tiles of one page, forward only: serving)
     "paged_pallas": Path(None, run=_forward_only(_paged("pallas", page_size=4, block_q=4,
                                                         block_k=4)),
