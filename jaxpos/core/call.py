@@ -23,7 +23,7 @@ from jaxpos.mods import BlockMask, ConvertedMod, compose_score_mods, convert_mod
 from jaxpos.schemes.base import PositionScheme, as_scheme
 
 __all__ = ["AttentionCall", "apply_rope_tables", "check_attention_inputs", "converted_mods",
-           "decode_positions", "transform_call", "validate_call"]
+           "decode_positions", "fill_positions", "transform_call", "validate_call"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,13 +199,31 @@ def _check_scheme(position, q, v, causal: bool) -> PositionScheme:
     return scheme
 
 
-def _positions(q, q_positions, kv_positions, Tk: int):
-    """int32 ``[B|1, Tq]``, ``[B|1, Tk]``: the given positions or :func:`decode_positions`;
-    a length mismatch that looks like a ``[B, N, T, H]`` layout says so."""
+def fill_positions(kv_lengths: Any, Tq: int) -> Any:
+    """int32 ``[B, Tq]``: ``kv_lengths[b] - Tq + arange(Tq)``, each row's new queries as the
+    last ``Tq`` tokens of its fill (``flash_attn_with_kvcache``'s convention for a call on a
+    cache; a row filled to fewer than ``Tq`` slots has its first queries before position
+    0). NumPy for concrete non-JAX lengths (positions stay known under ``jit``), else a
+    ``jax.Array``."""
+    if isinstance(kv_lengths, jax.Array):
+        return (jnp.asarray(kv_lengths, jnp.int32)[:, None] - Tq
+                + jnp.arange(Tq, dtype=jnp.int32)[None, :])
+    return (np.asarray(kv_lengths).astype(np.int32)[:, None] - Tq
+            + np.arange(Tq, dtype=np.int32)[None, :])
+
+
+def _positions(q, q_positions, kv_positions, Tk: int, kv_lengths=None):
+    """int32 ``[B|1, Tq]``, ``[B|1, Tk]``: the given positions or the defaults: ``arange``
+    keys and :func:`decode_positions`'s queries, or with ``kv_lengths`` and ``Tq < Tk``
+    (a call on a cache) each row's queries at the end of its fill
+    (:func:`fill_positions`); a length mismatch that looks like a ``[B, N, T, H]``
+    layout says so."""
     B, Tq = q.shape[:2]
     # the defaults only when needed (a decode step's given positions make no arange of Tk)
     dq_pos, dkv_pos = decode_positions(Tq, Tk) if q_positions is None or \
         kv_positions is None else (None, None)
+    if q_positions is None and kv_lengths is not None and Tq < Tk:
+        dq_pos = fill_positions(kv_lengths, Tq)
     try:
         q_pos = _checks.positions_2d("q_positions", dq_pos if q_positions is None else q_positions,
                                      B, Tq)
@@ -370,7 +388,13 @@ def validate_call(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
         q_pos = _shard_positions("q_positions", q_positions, B, Tq, "q")
         kv_pos = _shard_positions("kv_positions", kv_positions, B, Tk, "k/v")
     else:
-        q_pos, kv_pos = _positions(q, q_positions, kv_positions, Tk)
+        lengths = None
+        if kv_lengths is not None and q_positions is None:  # the default follows the fill
+            _checks.check_kv_lengths(kv_lengths, B, Tk)
+            _checks.check_kv_lengths_range(kv_lengths, Tk)
+            lengths = (jnp.clip(kv_lengths, 0, Tk) if isinstance(kv_lengths, jax.Array)
+                       else np.clip(np.asarray(kv_lengths), 0, Tk))
+        q_pos, kv_pos = _positions(q, q_positions, kv_positions, Tk, lengths)
     seg_q, seg_kv = _segment_pair(segment_ids, kv_segment_ids, B, Tq, Tk)
     mask4 = _normalize_mask(mask, B, N, Tq, Tk)
     for name, blk in (("block_q", block_q), ("block_k", block_k)):

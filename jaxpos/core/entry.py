@@ -199,8 +199,12 @@ def attention(
         (attention sinks, as in GPT-OSS): weights ``exp(s_ij) / (exp(sink_h) + sum_j
         exp(s_ij))``. Differentiable.
       q_positions, kv_positions: integer ``[T]`` or ``[B, T]``. Default ``arange``, with
-        queries aligned to the end of the keys when ``Tq < Tk`` (decoding). KV-cache
-        offsets, left padding and packed sequences are all position arrays.
+        queries aligned to the end of the keys when ``Tq < Tk`` (decoding); with
+        ``kv_lengths`` and ``Tq < Tk`` (a call on a cache, dense or paged) to the end of
+        each row's fill: query ``i`` at ``kv_lengths[b] - Tq + i``, as in
+        ``flash_attn_with_kvcache`` (a right-padded call with ``Tq == Tk`` keeps
+        ``arange``). KV-cache offsets, left padding and packed sequences are all position
+        arrays.
       causal: a query at position ``p`` sees keys at positions ``<= p``.
       mask: boolean, broadcastable to ``[B, N, Tq, Tk]``; True means "may attend".
       segment_ids, kv_segment_ids: integer ``[B, Tq]`` / ``[B, Tk]``; only equal ids

@@ -12,8 +12,9 @@ a ``block_table``):
   the page table past ``ceil(kv_lengths[b] / page_size)`` are never read (they may hold
   anything, e.g. ``-1``);
 * positions are per slot: ``kv_positions [B|1, pages_per_seq * page_size]`` (default
-  ``arange``), and the queries sit at the end of each row: ``q_positions`` defaults to
-  ``kv_lengths[b] - Tq + arange(Tq)``.
+  ``arange``), and the queries sit at the end of each row's fill: ``q_positions``
+  defaults to ``kv_lengths[b] - Tq + arange(Tq)`` (``flash_attn_with_kvcache``), the
+  dense call's default with ``kv_lengths`` (:func:`jaxpos.attention`).
 
 The call means exactly the dense call on the keys gathered from the pages
 (:func:`gather_pages`, ``[B, pages_per_seq * page_size, N_kv, H]``) with ``kv_lengths``:
@@ -255,7 +256,8 @@ def paged_attention(attention: Callable[..., jax.Array], q: ArrayLike, k_pages: 
       page_table: integer ``[B, pages_per_seq]``.
       kv_lengths: integer ``[B]``, required: the filled slots of each row.
       q_positions: integer ``[Tq]`` or ``[B, Tq]``; default ``kv_lengths[b] - Tq +
-        arange(Tq)`` (the queries are the last ``Tq`` tokens of each row).
+        arange(Tq)`` (the queries are the last ``Tq`` tokens of each row's fill) when
+        ``Tq < pages_per_seq * page_size``, as in the dense call.
       kv_positions: integer ``[S]`` or ``[B, S]`` with ``S = pages_per_seq * page_size``
         (slot order, not page order); default ``arange(S)``.
       implementation, block_q, block_k: as :func:`jaxpos.attention`; the chunked path's
@@ -283,8 +285,8 @@ def paged_attention(attention: Callable[..., jax.Array], q: ArrayLike, k_pages: 
     concrete = _checks.is_concrete(kv_lengths) and _checks.is_concrete(page_table)
     bad = None if concrete else paged_bad_rows(page_table, kv_lengths, layout)
     lens = jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, S)
-    if q_positions is None:
-        q_positions = lens[:, None] - Tq + jnp.arange(Tq, dtype=jnp.int32)[None, :]
+    # q_positions None: the dense call's default on the gathered keys (validate_call), the
+    # queries at the end of each row's fill when Tq < S
     # the logical [B, S] keys and values, shapes only: validate_call reads shapes and dtypes
     k_shape: Any = jax.ShapeDtypeStruct((B, S) + k_pages.shape[2:], k_pages.dtype)
     v_shape: Any = jax.ShapeDtypeStruct((B, S) + v_pages.shape[2:], v_pages.dtype)

@@ -459,14 +459,14 @@ def _with_unfilled_slots(impl, extra=13, **opts):
     """``attend`` through ``impl`` against a cache with ``extra`` unfilled slots after the
     case's keys: k and v NaN there, ``kv_lengths`` = the case's ``Tk``, so any read of an
     unfilled slot into the result or the gradients (even as ``0 * NaN``) shows; key
-    positions and segment ids continue past the filled ones."""
+    positions and segment ids continue past the filled ones. Default query positions
+    stay default: with ``kv_lengths`` the queries are the last tokens of the fill."""
     def attend(q, k, v, scheme, sinks, *, q_positions=None, kv_positions=None,
                segment_ids=None, kv_segment_ids=None, **kw):
         B, Tq = q.shape[:2]
         Tk = k.shape[1]
-        if q_positions is None:  # the decode convention of the filled length, not the cache's
-            q_positions = np.arange(Tq) + max(Tk - Tq, 0)
-            kv_positions = np.arange(Tk)
+        if kv_positions is None:  # arange; the default q_positions (None) then put the
+            kv_positions = np.arange(Tk)  # queries at the end of the fill, not the buffer
         kvp = np.broadcast_to(np.asarray(kv_positions), (B, Tk))
         kvp = np.concatenate([kvp, kvp[:, -1:] + 1 + np.arange(extra)[None].repeat(B, 0)], 1)
         pad = (B, extra) + k.shape[2:]
