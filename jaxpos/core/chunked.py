@@ -455,7 +455,10 @@ class ChunkedEngine:
     decode path for a few queries against a filled cache. The default on CPU."""
 
     name = "chunked"
-    compiler_partitioned = True  # XLA operations: the compiler splits them under Auto axes
+    # Not left to the compiler under Auto axes: its tile loop folds batch and heads into
+    # scanned slices, and XLA's partitioner all-gathered q, k and v on a (8,) data mesh
+    # (ALiBi); per shard it keeps them local.
+    compiler_partitioned = False
     rotates_on_load = True  # the decode path rotates each key block as it slices it
 
     def refuses(self, call: AttentionCall) -> None:

@@ -15,13 +15,13 @@ communication. This module makes every engine do that (:func:`run_sharded`, call
   a sharded sequence is context parallelism (:mod:`jaxpos.parallel`), which the caller
   asks for.
 * **Auto axes** (``jax.sharding.Mesh``, or ``AxisType.Auto``): the shardings are decided
-  by the compiler after tracing. An engine made of XLA operations (reference, chunked,
-  xla: ``compiler_partitioned = True``) is left to the compiler, which keeps the batch and
+  by the compiler after tracing. An engine of plain XLA operations (reference and xla:
+  ``compiler_partitioned = True``) is left to the compiler, which keeps the batch and
   head sharding of its inputs. An opaque kernel (Mosaic on TPU, Triton on GPU; the Pallas
   engine, and any registered engine that does not declare ``compiler_partitioned``)
-  cannot be split by XLA, so it runs inside ``jax.shard_map`` over every axis of the mesh
-  (the one set with ``jax.set_mesh``, else the mesh of q's sharding), with the batch and
-  the heads assigned to mesh axes by :func:`auto_axes`: axes named like a data axis
+  cannot be split by XLA, and the chunked engine's tile loop would be gathered, so they
+  run inside ``jax.shard_map`` over every axis of the mesh (the one set with
+  ``jax.set_mesh``, else the mesh of q's sharding), with the batch and the heads assigned to mesh axes by :func:`auto_axes`: axes named like a data axis
   (:data:`BATCH_AXIS_NAMES`) take the batch, axes named like a model axis
   (:data:`HEAD_AXIS_NAMES`) the heads, others by divisibility (batch first); axes named
   like a sequence axis (:data:`SEQUENCE_AXIS_NAMES`) take neither (q, k and v are
