@@ -1,4 +1,4 @@
-"""The 8-device checks of the modules' logical axes (tests/parallel/test_logical_axes.py).
+"""The 8-device checks of the modules' logical axes (tests/parallel/test_sharded_modules.py).
 
 Usage::
 
