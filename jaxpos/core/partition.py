@@ -21,7 +21,8 @@ communication. This module makes every engine do that (:func:`run_sharded`, call
   engine, and any registered engine that does not declare ``compiler_partitioned``)
   cannot be split by XLA, and the chunked engine's tile loop would be gathered, so they
   run inside ``jax.shard_map`` over every axis of the mesh (the one set with
-  ``jax.set_mesh``, else the mesh of q's sharding), with the batch and the heads assigned to mesh axes by :func:`auto_axes`: axes named like a data axis
+  ``jax.set_mesh``, else the mesh of q's sharding), with the batch and the heads
+  assigned to mesh axes by :func:`auto_axes`: axes named like a data axis
   (:data:`BATCH_AXIS_NAMES`) take the batch, axes named like a model axis
   (:data:`HEAD_AXIS_NAMES`) the heads, others by divisibility (batch first); axes named
   like a sequence axis (:data:`SEQUENCE_AXIS_NAMES`) take neither (q, k and v are
