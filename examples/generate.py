@@ -47,7 +47,7 @@ def corpus() -> np.ndarray:
 
 def build(args) -> DecoderLM:
     return DecoderLM(256, d_model=args.d_model, num_layers=args.layers, num_heads=4,
-                     position=args.position, rngs=nnx.Rngs(args.seed))
+                     position=args.position, max_len=args.max_len, rngs=nnx.Rngs(args.seed))
 
 
 def train(model: DecoderLM, args) -> None:
@@ -103,7 +103,10 @@ def sample(logits, key, *, temperature: float, top_k: int, top_p: float):
     2020, §3.1; 1.0: all)."""
     if temperature == 0.0:
         return jnp.argmax(logits, axis=-1)
-    logits = logits.astype(jnp.float32) / temperature
+    # Shifted by the row's maximum before the division: a tiny temperature then sends every
+    # other token to -inf and keeps the best at 0 (logits / 1e-45 alone gave inf - inf).
+    logits = logits.astype(jnp.float32)
+    logits = (logits - logits.max(axis=-1, keepdims=True)) / temperature
     if top_k > 0:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
@@ -111,7 +114,7 @@ def sample(logits, key, *, temperature: float, top_k: int, top_p: float):
         order = jnp.argsort(-logits, axis=-1)
         probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
-        drop_sorted = before >= top_p
+        drop_sorted = (before >= top_p).at[:, 0].set(False)  # the best token always stays
         drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None],
                                                order].set(drop_sorted)
         logits = jnp.where(drop, -jnp.inf, logits)

@@ -66,7 +66,10 @@ def check_tokens(tokens: ArrayLike, vocab_size: int) -> jax.Array:
         if t.size and (t.min() < 0 or t.max() >= vocab_size):
             raise ValueError(f"tokens must lie in [0, vocab_size={vocab_size}); got values from "
                              f"{t.min()} to {t.max()}.")
-    return jnp.asarray(tokens, jnp.int32)
+    tokens = jnp.asarray(tokens)
+    if tokens.dtype.itemsize > 4:  # 64-bit ids (x64 mode): out of range before the int32 cast
+        tokens = jnp.clip(tokens, -1, vocab_size)  # would wrap; -1 and vocab_size give NaN rows
+    return tokens.astype(jnp.int32)
 
 
 def embed_tokens(embedding: ArrayLike, tokens: jax.Array, d_model: int,

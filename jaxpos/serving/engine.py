@@ -186,7 +186,8 @@ class ServingEngine:
             self.params, self.pool, jnp.asarray(tokens, jnp.int32), jnp.asarray(table),
             jnp.asarray(lengths, jnp.int32), jnp.asarray(mask),
             jnp.asarray(samp(lambda r: r.temperature, 0.0, np.float32)),
-            jnp.asarray(samp(lambda r: r.top_k, 0, np.int32)),
+            # top_k past the vocabulary keeps every token (and must fit int32)
+            jnp.asarray(samp(lambda r: min(int(r.top_k), self.model.vocab_size), 0, np.int32)),
             jnp.asarray(samp(lambda r: r.top_p, 1.0, np.float32)),
             jnp.asarray(samp(lambda r: r.seed, 0, np.int64).astype(np.uint32)),
             jnp.asarray(np.asarray(counters, np.int32)))
@@ -230,8 +231,10 @@ class ServingEngine:
                              f"num_pages={self.allocator.num_pages}.")
         temperature = _checks.check_real(f"{who}: temperature", r.temperature)
         top_p = _checks.check_real(f"{who}: top_p", r.top_p)
-        if not (0 <= temperature < np.inf and 0 < top_p <= 1 and r.top_k >= 0):
-            raise ValueError(f"{who}: need a finite temperature >= 0, top_k >= 0 and top_p "
+        f32_max = float(np.finfo(np.float32).max)  # sampled in float32
+        if not (0 <= temperature <= f32_max and 0 < top_p <= 1 and r.top_k >= 0):
+            raise ValueError(f"{who}: need a finite temperature >= 0 (at most {f32_max:.4g}: "
+                             f"sampled in float32), top_k >= 0 and top_p "
                              f"in (0, 1]; got {r.temperature}, {r.top_k}, {r.top_p}.")
         if not 0 <= r.seed < 2 ** 32:
             raise ValueError(f"{who}: seed must lie in [0, 2**32); got {r.seed}.")

@@ -534,6 +534,11 @@ def test_generate_sampling_keeps_the_top_k_and_the_nucleus():
     p7 = np.asarray(gen.sample(logits, key, temperature=1.0, top_k=0, top_p=0.7))
     assert set(p7.tolist()) == {1, 2}
     assert abs((p7 == 2).mean() - 0.5 / 0.8) < 0.03  # 4000 draws: 4 standard deviations
+    # tiny but legal settings are the argmax (logits / 1e-45 overflowed; a nucleus of
+    # 1e-46 kept no token at all): token 0 was drawn for every row
+    for t, p in ((1e-45, 1.0), (1.0, 1e-46), (1e-30, 1e-30)):
+        tiny = np.asarray(gen.sample(logits[:8], key, temperature=t, top_k=0, top_p=p))
+        assert (tiny == 2).all(), (t, p, tiny)
 
 
 # Each setting examples/generate.py once mishandled (NUL bytes printed for NaN logits or an
@@ -617,3 +622,14 @@ def test_generate_script_exits_cleanly_and_prints_no_nul_byte(argv, code):
         _one_line_usage_error(err, ".")
     else:
         assert b"tokens/s" in out or b"no decode step" in out
+
+
+def test_generate_builds_a_learned_position_model_with_its_max_len():
+    """``--position learned`` (offered by --help) needs the table's rows: the script passes
+    ``--max-len`` (it refused every run before)."""
+    import argparse
+
+    gen = _load("generate")
+    args = argparse.Namespace(d_model=16, layers=1, position="learned", max_len=24, seed=0)
+    model = gen.build(args)
+    assert model.max_len == 24

@@ -70,3 +70,20 @@ def test_linen_decoder_negative_id_is_nan_under_jit_and_an_error_eagerly(bad):
     assert np.isnan(np.asarray(apply(params, jnp.asarray([[3, bad]])))[0, 1]).all()
     with pytest.raises(ValueError, match=rf"tokens must lie in \[0, vocab_size={V}\)"):
         model.apply({"params": params}, jnp.asarray([[3, bad]]))
+
+
+def test_64_bit_ids_out_of_int32_range_give_nan_rows_under_jit():
+    """In x64 mode an int64 id of 2**32 + 3 must not wrap to row 3 in the int32 cast."""
+    from jaxpos.layers.functional import check_tokens
+
+    old = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        table = np.arange(16.0, dtype=np.float32).reshape(4, 4)
+        ids = jnp.asarray([[2 ** 32 + 3, 3, -(2 ** 32) + 1]], jnp.int64)
+        look = jax.jit(lambda t, i: embed_tokens(t, check_tokens(i, 4), 4, jnp.float32))
+        rows = np.asarray(look(table, ids))[0]
+    finally:
+        jax.config.update("jax_enable_x64", old)
+    np.testing.assert_array_equal(rows[1], 2.0 * table[3])
+    assert np.isnan(rows[[0, 2]]).all()

@@ -214,6 +214,7 @@ def test_prompt_token_ids_outside_the_vocabulary_are_refused_naming_the_request(
     ("temperature", -1.0, ValueError, "finite temperature >= 0"),
     ("temperature", float("nan"), ValueError, "finite temperature >= 0"),
     ("temperature", float("inf"), ValueError, "finite temperature >= 0"),
+    ("temperature", 1e39, ValueError, "finite temperature >= 0"),  # inf in float32
     ("top_k", -1, ValueError, "top_k >= 0"),
     ("top_k", 2.5, TypeError, "top_k must be an int"),
     ("top_p", float("nan"), ValueError, r"top_p in \(0, 1\]"),
@@ -256,3 +257,15 @@ def test_module_decoder_refuses_a_model_whose_decoding_keeps_state():
                       rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="owns only the key and value pages.*PaTH"):
         ModuleDecoder(model)
+
+
+def test_top_k_past_the_vocabulary_samples_as_top_k_zero():
+    """top_k >= vocab_size keeps every token, as top_k=0 does (same seed, same tokens), even
+    where it does not fit the int32 the loop samples with (2**31, 2**40)."""
+    model = PagedDecoder(vocab_size=64, d_model=16, num_layers=1, num_heads=2)
+    eng = ServingEngine(model, num_slots=1, num_pages=4, page_size=4, max_len=12,
+                        prefill_chunk=4)
+    runs = [eng.run([Request([1, 2, 3], 6, temperature=1.0, top_k=k, seed=5, id="r")])
+            for k in (0, 64, 2 ** 31, 2 ** 40)]
+    tokens = [done[0].tokens for done, _ in runs]
+    assert len(tokens[0]) == 6 and all(t == tokens[0] for t in tokens[1:]), tokens
