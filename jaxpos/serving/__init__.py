@@ -8,7 +8,9 @@
   :class:`ModuleDecoder` (a :class:`jaxpos.nnx.DecoderLM` with its paged cache) and
   :class:`PagedDecoder`, a small functional decoder over pages;
 * :mod:`jaxpos.serving.engine`: :class:`ServingEngine`, continuous batching over a fixed
-  number of batch slots.
+  number of batch slots;
+* :mod:`jaxpos.serving.stream`: :class:`StreamEvent` and :class:`TokenStream`, the
+  streamed output of :meth:`ServingEngine.stream`, and the stop conditions.
 
 The paged attention call itself is :func:`jaxpos.attention` with ``page_table=``
 (:mod:`jaxpos.core.paged`).
@@ -19,7 +21,8 @@ from jaxpos.serving.engine import Completion, Request, ServingEngine, ServingSta
 from jaxpos.serving.model import ModuleDecoder, PagedDecoder, PagedModel
 from jaxpos.serving.pages import PageAllocator, pages_for, write_pages
 from jaxpos.serving.sampling import sample_tokens
+from jaxpos.serving.stream import StreamEvent, TokenStream
 
 __all__ = ["Completion", "ModuleDecoder", "PageAllocator", "PagedDecoder", "PagedModel", "Request",
-           "ServingEngine", "ServingStats", "gather_pages", "pages_for", "sample_tokens",
-           "write_pages"]
+           "ServingEngine", "ServingStats", "StreamEvent", "TokenStream", "gather_pages",
+           "pages_for", "sample_tokens", "write_pages"]

@@ -6,18 +6,24 @@ al. 2023, vLLM, §4.2: paged memory).
 waiting requests into free slots while the page pool can book their worst case (prompt
 plus token budget), prefills each admitted prompt in fixed-size chunks, then runs one
 jitted decode step over every slot (idle slots masked), samples each running request's
-next token with its own settings, and ends requests on EOS or their token budget,
-returning their pages. Pages are handed out as a request grows, so the pages in use follow
-the tokens held. ``schedule="static"`` is the baseline it replaces: a batch of requests is
-admitted only when every slot is idle, and it runs until its longest request ends.
+next token with its own settings, and ends requests on EOS, a stop token or stop string,
+or their token budget, returning their pages. Pages are handed out as a request grows, so
+the pages in use follow the tokens held. ``schedule="static"`` is the baseline it
+replaces: a batch of requests is admitted only when every slot is idle, and it runs until
+its longest request ends.
+
+:meth:`ServingEngine.stream` yields each token as it is produced
+(:class:`jaxpos.serving.stream.StreamEvent`), :meth:`ServingEngine.cancel` ends a request
+between events, and :meth:`ServingEngine.run` collects the stream.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -28,6 +34,13 @@ from jaxpos import _checks
 from jaxpos.serving.model import PagedModel
 from jaxpos.serving.pages import PageAllocator, pages_for
 from jaxpos.serving.sampling import sample_tokens
+from jaxpos.serving.stream import (
+    StreamEvent,
+    TokenStream,
+    check_stop_fields,
+    find_stop,
+    stop_strings_of,
+)
 
 __all__ = ["Completion", "Request", "ServingEngine", "ServingStats"]
 
@@ -45,8 +58,16 @@ class Request:
       eos_id: the request ends when it samples this token (kept in the output).
       seed: the request's random stream (the same tokens whatever batch it runs in), an
         int in ``[0, 2**32)``.
-      arrival: seconds after the start of :meth:`ServingEngine.run` when it arrives.
-      id: anything identifying it (default: its index in ``run``'s list).
+      arrival: seconds after the start of :meth:`ServingEngine.run` (or
+        :meth:`~ServingEngine.stream`) when it arrives.
+      id: anything hashable identifying it, unique among the requests of one call
+        (default: its index in the list).
+      stop_token_ids: the request also ends when it samples one of these token ids (kept
+        in the output, as ``eos_id``; vLLM's ``stop_token_ids``).
+      stop_strings: a str or a sequence of str: the request ends at the token whose
+        detokenized output text (the engine's ``detokenize`` of its generated tokens)
+        first contains one of them; the token output ends with that token and
+        :attr:`Completion.text` is cut before the stop string (vLLM's ``stop``).
     """
 
     prompt: Sequence[int]
@@ -58,13 +79,22 @@ class Request:
     seed: int = 0
     arrival: float = 0.0
     id: Any = None
+    stop_token_ids: Sequence[int] = ()
+    stop_strings: str | Sequence[str] = ()
 
 
 @dataclasses.dataclass
 class Completion:
-    """A finished request: its generated ``tokens``, ``finish_reason`` (``"eos"`` or
-    ``"length"``) and times in seconds since the start (``arrival``, ``first_token``,
-    ``finish``)."""
+    """A finished request: its generated ``tokens``, ``finish_reason`` and times in
+    seconds since the start (``arrival``, ``first_token``, ``finish``; ``first_token`` is
+    NaN for a request cancelled before its first token).
+
+    ``finish_reason`` is ``"eos"`` (it sampled its ``eos_id``), ``"stop"`` (one of its
+    ``stop_token_ids``), ``"stop_string"``, ``"length"`` or ``"cancelled"``; a stream
+    event says ``"stop"`` for both of the first two (as vLLM does) and tells them apart by
+    its ``stop_reason``. ``stop_reason``: the stop token id or stop string matched, else
+    None. ``text``: the engine's ``detokenize`` of ``tokens``, cut before the stop string
+    for ``"stop_string"``; None when the engine has no ``detokenize``."""
 
     request: Request
     tokens: list[int]
@@ -72,6 +102,8 @@ class Completion:
     arrival: float
     first_token: float
     finish: float
+    stop_reason: int | str | None = None
+    text: str | None = None
 
     @property
     def time_to_first_token(self) -> float:
@@ -114,26 +146,25 @@ class _Running:
     tokens: list[int]
     arrival: float
     first_token: float = float("nan")
+    stop_ids: frozenset = frozenset()
+    stop_strings: tuple[str, ...] = ()
 
 
 class _Loop:
-    """The state of one :meth:`ServingEngine.run`."""
+    """The state of one :meth:`ServingEngine.stream`."""
 
-    def __init__(self, waiting: deque, slots: list, stats: ServingStats,
-                 progress: Callable[[int], Any] | None):
-        self.waiting, self.slots, self.stats, self.progress = waiting, slots, stats, progress
+    def __init__(self, waiting: deque, slots: list, stats: ServingStats):
+        self.waiting, self.slots, self.stats = waiting, slots, stats
+        self.ids = {r.id for r in waiting}
         self.done: list[Completion] = []
+        self.pending: deque[StreamEvent] = deque()  # the ends of cancelled requests
+        self.closed = False
         self.page_ratios: list[float] = []
         self.dense_ratios: list[float] = []
         self._t0 = time.perf_counter()
 
     def now(self) -> float:
         return time.perf_counter() - self._t0
-
-    def generated(self, n: int) -> None:
-        self.stats.generated += n
-        if self.progress is not None:
-            self.progress(n)
 
 
 class ServingEngine:
@@ -148,17 +179,29 @@ class ServingEngine:
       prefill_chunk: tokens per prefill call (a prompt runs in ``ceil(len / chunk)``
         calls of one compiled shape); default 16 (the chunked decode path's query count).
       schedule: ``"continuous"`` (default) or ``"static"`` (see the module docstring).
+      detokenize: ``fn(token_ids: list[int]) -> str``, the text of a request's generated
+        tokens; needed by requests with ``stop_strings`` (and fills
+        :attr:`Completion.text`). Called once per produced token of such a request, on
+        all its tokens so far.
 
     Raises:
-      ValueError / TypeError: sizes that are not positive ints, an unknown schedule.
+      ValueError / TypeError: sizes that are not positive ints, an unknown schedule, a
+        ``detokenize`` that is not callable.
     """
 
     def __init__(self, model: PagedModel, *, num_slots: int, num_pages: int, page_size: int,
-                 max_len: int, prefill_chunk: int = 16, schedule: str = "continuous"):
+                 max_len: int, prefill_chunk: int = 16, schedule: str = "continuous",
+                 detokenize: Callable[[list[int]], str] | None = None):
         for name, val in (("num_slots", num_slots), ("page_size", page_size),
                           ("max_len", max_len), ("prefill_chunk", prefill_chunk)):
             _checks.check_positive_int(name, val)
         _checks.check_choice("schedule", schedule, ("continuous", "static"))
+        if detokenize is not None and not callable(detokenize):
+            raise TypeError(f"detokenize must be None or a callable (list of token ids -> "
+                            f"str); got {type(detokenize).__name__} {detokenize!r:.80}.")
+        self.detokenize = detokenize
+        self._loop: _Loop | None = None  # the latest stream's state (for cancel)
+        self._stream: weakref.ref[TokenStream] | None = None
         self.model, self.params = model, model.params
         self.num_slots, self.page_size, self.max_len = num_slots, page_size, max_len
         self.prefill_chunk, self.schedule = prefill_chunk, schedule
@@ -249,6 +292,7 @@ class ServingEngine:
         if not np.isfinite(arrival):
             raise ValueError(f"{who}: arrival must be a finite number of seconds; got "
                              f"{r.arrival!r}.")
+        check_stop_fields(who, r.stop_token_ids, r.stop_strings, V, self.detokenize)
 
     def _pages_needed(self, r: Request) -> int:
         """Pages a request may hold: its prompt and budget, or its prompt padded to whole
@@ -284,15 +328,60 @@ class ServingEngine:
         run.tokens.append(int(tok))
         run.first_token = now()
 
-    def _finished(self, run: _Running) -> str | None:
-        r = run.request
-        if r.eos_id is not None and run.tokens and run.tokens[-1] == r.eos_id:
-            return "eos"
+    def _text(self, tokens: list[int]) -> str:
+        assert self.detokenize is not None
+        text = self.detokenize(list(tokens))
+        if not isinstance(text, str):
+            raise TypeError(f"detokenize must return a str; got {type(text).__name__} "
+                            f"{text!r:.80} for tokens {tokens!r:.80}.")
+        return text
+
+    def _finished(self, run: _Running) -> tuple[str, Any, str | None] | None:
+        """``(finish reason, stop reason, text cut before a stop string)`` once ``run``'s
+        last token ends it, else None. Checked in vLLM's order: EOS and stop tokens, stop
+        strings, the token budget."""
+        r, tok = run.request, run.tokens[-1]
+        if r.eos_id is not None and tok == r.eos_id:
+            return "stop", None, None
+        if tok in run.stop_ids:
+            return "stop", tok, None
+        if run.stop_strings:
+            text = self._text(run.tokens)
+            hit = find_stop(text, run.stop_strings)
+            if hit is not None:
+                return "stop_string", hit[1], text[:hit[0]]
         if len(run.tokens) >= r.max_new_tokens:
-            return "length"
+            return "length", None, None
         return None
 
-    def _admit(self, loop: _Loop) -> None:
+    def _end(self, loop: _Loop, b: int, reason: str, stop_reason: Any = None,
+             text: str | None = None) -> None:
+        """Record slot ``b``'s request as finished and return its pages."""
+        run = loop.slots[b]
+        assert run is not None
+        if reason == "stop" and stop_reason is None:
+            reason = "eos"  # Completion keeps "eos" for eos_id (events say "stop")
+        if text is None and self.detokenize is not None:
+            text = self._text(run.tokens)
+        loop.done.append(Completion(run.request, run.tokens, reason, run.arrival,
+                                    run.first_token, loop.now(), stop_reason, text))
+        self.allocator.free(run.pages, run.booked)
+        loop.slots[b] = None
+
+    def _emit(self, loop: _Loop, b: int) -> Iterator[StreamEvent]:
+        """The event of slot ``b``'s newest token; ends its request first if it is done
+        (its pages are back in the pool when the consumer sees its last event)."""
+        run = loop.slots[b]
+        assert run is not None
+        loop.stats.generated += 1
+        ended = self._finished(run)
+        if ended is not None:
+            self._end(loop, b, *ended)
+        reason, stop_reason = (ended[0], ended[1]) if ended is not None else (None, None)
+        yield StreamEvent(run.request.id, run.tokens[-1], len(run.tokens) - 1, reason,
+                          stop_reason)
+
+    def _admit(self, loop: _Loop) -> Iterator[StreamEvent]:
         """Admit waiting requests into free slots while the pool can book them (all slots
         must be idle for ``schedule="static"``), prefill each and sample its first token."""
         if self.schedule == "static" and any(s is not None for s in loop.slots):
@@ -304,23 +393,14 @@ class ServingEngine:
                 return
             loop.waiting.popleft()
             b = loop.slots.index(None)
-            run = _Running(r, [], need, 0, [], max(r.arrival, 0.0))
+            run = _Running(r, [], need, 0, [], max(r.arrival, 0.0),
+                           stop_ids=frozenset(int(t) for t in r.stop_token_ids),
+                           stop_strings=stop_strings_of(r))
             loop.slots[b] = run
             self._prefill(run, loop.now)
-            loop.generated(1)
-            self._maybe_finish(loop, b)
+            yield from self._emit(loop, b)
 
-    def _maybe_finish(self, loop: _Loop, b: int) -> None:
-        run = loop.slots[b]
-        assert run is not None
-        reason = self._finished(run)
-        if reason:
-            loop.done.append(Completion(run.request, run.tokens, reason, run.arrival,
-                                        run.first_token, loop.now()))
-            self.allocator.free(run.pages, run.booked)
-            loop.slots[b] = None
-
-    def _decode(self, loop: _Loop, active: list[int]) -> None:
+    def _decode(self, loop: _Loop, active: list[int]) -> Iterator[StreamEvent]:
         """One jitted decode step over every slot (idle ones masked)."""
         S = self.num_slots
         tokens, mask = np.zeros((S, 1), np.int32), np.zeros((S, 1), bool)
@@ -338,20 +418,140 @@ class ServingEngine:
                              [None if s is None else s.request for s in loop.slots], counters)
         loop.stats.decode_steps += 1
         for b, run in runs.items():
+            if loop.slots[b] is not run:  # cancelled while an earlier token was consumed
+                continue
             assert run is not None
             run.length += 1
             run.tokens.append(int(out[b]))
-            self._maybe_finish(loop, b)
-        loop.generated(len(active))
+            yield from self._emit(loop, b)
+
+    def _events(self, loop: _Loop) -> Generator[StreamEvent, None, None]:
+        """The loop itself; whatever ends it (exhaustion, close, an error) returns every
+        page it holds."""
+        try:
+            while loop.waiting or any(s is not None for s in loop.slots):
+                yield from self._admit(loop)
+                active = [b for b, s in enumerate(loop.slots) if s is not None]
+                if active:
+                    yield from self._decode(loop, active)
+                elif loop.waiting:  # the next request has not arrived yet
+                    time.sleep(max(0.0, min(loop.waiting[0].arrival - loop.now(), 0.01)))
+            stats = loop.stats
+            stats.wall = loop.now()
+            stats.peak_pages = self.allocator.peak_in_use
+            if loop.page_ratios:
+                stats.page_ratio = float(np.mean(loop.page_ratios))
+                stats.dense_ratio = float(np.mean(loop.dense_ratios))
+        finally:
+            loop.closed = True
+            loop.waiting.clear()
+            for b, run in enumerate(loop.slots):
+                if run is not None:
+                    self.allocator.free(run.pages, run.booked)
+                    loop.slots[b] = None
+
+    def _streaming(self) -> bool:
+        """A stream of this engine is open (not exhausted, closed or dropped)."""
+        stream = self._stream() if self._stream is not None else None
+        return stream is not None and self._loop is not None and not self._loop.closed
+
+    def stream(self, requests: Iterable[Request]) -> TokenStream:
+        """Serve ``requests`` (in arrival order), yielding each token as it is produced.
+
+        Every request is checked (as :meth:`run` documents) when this is called, before any
+        device work; the loop runs as the stream is iterated. Requests may be cancelled
+        between events (:meth:`cancel`); closing the stream ends the rest.
+
+        Args:
+          requests: :class:`Request` s; ``id`` s must be hashable and unique (a request
+            without one gets its index in the list).
+
+        Returns:
+          a :class:`~jaxpos.serving.stream.TokenStream` of
+          :class:`~jaxpos.serving.stream.StreamEvent` s (``.id``, ``.token``, ``.index``;
+          ``.finish_reason`` on each request's last event), also holding the
+          ``completions`` so far and the ``stats``.
+
+        Raises:
+          ValueError / TypeError: a bad request (see :meth:`run`), an ``id`` that is not
+            hashable or is given to two requests.
+          RuntimeError: another stream (or run) of this engine is still open: they share
+            the page pool and the batch slots.
+        """
+        if self._streaming():
+            raise RuntimeError("a stream of this ServingEngine is still open (not "
+                               "exhausted or closed); close it before starting another: "
+                               "they would share its pages and batch slots.")
+        reqs = [r if r.id is not None else dataclasses.replace(r, id=i)
+                for i, r in enumerate(requests)]
+        seen: set = set()
+        for r in reqs:
+            try:
+                dup = r.id in seen
+            except TypeError:
+                raise TypeError(f"request id must be hashable (cancel finds a request by "
+                                f"it); got {type(r.id).__name__} {r.id!r:.80}.") from None
+            if dup:
+                raise ValueError(f"request id {r.id!r} is given to two requests; ids must "
+                                 f"be unique (events and cancel name a request by it).")
+            seen.add(r.id)
+            self._check(r)
+        loop = _Loop(deque(sorted(reqs, key=lambda r: r.arrival)), [None] * self.num_slots,
+                     ServingStats(page_size=self.page_size, num_slots=self.num_slots,
+                                  max_len=self.max_len))
+        stream = TokenStream(self._events(loop), loop)
+        self._loop, self._stream = loop, weakref.ref(stream)
+        return stream
+
+    def cancel(self, id: Any) -> bool:
+        """End request ``id`` of the open stream now, between two of its events: its pages
+        go back to the pool at once, and the stream's next event is its last, with
+        ``token=None`` and ``finish_reason="cancelled"`` (a token computed for it and not
+        yet yielded is dropped). Its :class:`Completion` holds the tokens yielded so far.
+
+        Returns:
+          True if the request was waiting or running; False if it had already ended (or
+          the stream did).
+
+        Raises:
+          ValueError: ``id`` is not a request of the latest stream.
+        """
+        loop = self._loop
+        try:
+            known = loop is not None and id in loop.ids
+        except TypeError:  # unhashable: no request has it
+            known = False
+        if not known:
+            raise ValueError(f"cancel: id {id!r:.80} is not a request of this engine's latest "
+                             f"stream (or run).")
+        assert loop is not None
+        if not self._streaming():
+            return False
+        for r in loop.waiting:
+            if r.id == id:
+                loop.waiting.remove(r)
+                loop.done.append(Completion(r, [], "cancelled", max(r.arrival, 0.0),
+                                            float("nan"), loop.now(),
+                                            text="" if self.detokenize else None))
+                loop.pending.append(StreamEvent(id, None, 0, "cancelled"))
+                return True
+        for b, run in enumerate(loop.slots):
+            if run is not None and run.request.id == id:
+                n = len(run.tokens)
+                self._end(loop, b, "cancelled")
+                loop.pending.append(StreamEvent(id, None, n, "cancelled"))
+                return True
+        return False
 
     def run(self, requests: Iterable[Request], *,
             progress: Callable[[int], Any] | None = None) -> tuple[list[Completion],
                                                                   ServingStats]:
-        """Serve ``requests`` (in arrival order) to completion.
+        """Serve ``requests`` (in arrival order) to completion: :meth:`stream`, collected.
 
         Args:
           requests: :class:`Request` s.
-          progress: called with the number of tokens generated since its last call.
+          progress: called with the number of tokens generated since its last call (1,
+            once per token).
 
         Returns:
           ``(completions in finishing order, stats)``.
@@ -363,29 +563,17 @@ class ServingEngine:
             give NaN logits, or wrap a negative id, instead of failing), longer than
             ``max_len``, more pages than the pool, bad sampling settings (``temperature``
             not finite or < 0, ``top_k < 0``, ``top_p`` outside ``(0, 1]``), ``seed``
-            outside ``[0, 2**32)``, ``eos_id`` outside the vocabulary, an ``arrival``
-            that is not finite.
+            outside ``[0, 2**32)``, ``eos_id`` or a ``stop_token_ids`` entry outside the
+            vocabulary, an empty stop string, ``stop_strings`` on an engine without
+            ``detokenize``, an ``arrival`` that is not finite, an ``id`` given twice.
           TypeError: a prompt that is not a 1-D sequence of ints, or a non-int
-            ``max_new_tokens``, ``top_k``, ``seed`` or ``eos_id``.
+            ``max_new_tokens``, ``top_k``, ``seed`` or ``eos_id``, ``stop_token_ids`` not
+            a sequence of ints, ``stop_strings`` not a str or sequence of str, an
+            unhashable ``id``.
+          RuntimeError: a stream of this engine is still open.
         """
-        reqs = [r if r.id is not None else dataclasses.replace(r, id=i)
-                for i, r in enumerate(requests)]
-        for r in reqs:
-            self._check(r)
-        loop = _Loop(deque(sorted(reqs, key=lambda r: r.arrival)), [None] * self.num_slots,
-                     ServingStats(page_size=self.page_size, num_slots=self.num_slots,
-                                  max_len=self.max_len), progress)
-        while loop.waiting or any(s is not None for s in loop.slots):
-            self._admit(loop)
-            active = [b for b, s in enumerate(loop.slots) if s is not None]
-            if active:
-                self._decode(loop, active)
-            elif loop.waiting:  # the next request has not arrived yet
-                time.sleep(max(0.0, min(loop.waiting[0].arrival - loop.now(), 0.01)))
-        stats = loop.stats
-        stats.wall = loop.now()
-        stats.peak_pages = self.allocator.peak_in_use
-        if loop.page_ratios:
-            stats.page_ratio = float(np.mean(loop.page_ratios))
-            stats.dense_ratio = float(np.mean(loop.dense_ratios))
-        return loop.done, stats
+        with self.stream(requests) as stream:
+            for event in stream:
+                if progress is not None and event.token is not None:
+                    progress(1)
+        return stream.completions, stream.stats

@@ -1,0 +1,160 @@
+"""Streamed output of the serving loop: the event per produced token, the iterator
+:meth:`jaxpos.serving.ServingEngine.stream` returns, and the stop conditions (stop tokens,
+stop strings) a request may carry.
+
+The meanings follow vLLM's sampling parameters and streaming outputs (Kwon et al. 2023,
+vLLM, ``SamplingParams.stop_token_ids`` / ``stop``, ``CompletionOutput.finish_reason`` /
+``stop_reason``): a stop token is kept in the output, like ``eos_id``; a stop string is
+matched on the detokenized output text, which is cut before it, while the token output
+ends with the token that completed it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["FINISH_REASONS", "StreamEvent", "TokenStream", "check_stop_fields", "find_stop"]
+
+#: The values of :attr:`StreamEvent.finish_reason` on a request's last event.
+FINISH_REASONS = ("stop", "length", "stop_string", "cancelled")
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamEvent:
+    """One produced token of one request (or the end of a cancelled one).
+
+    Attributes:
+      id: the request's ``id``.
+      token: the token id (an int); ``None`` only on the event that ends a cancelled
+        request (cancelling produces no token).
+      index: the token's position in the request's output (0 for its first token); on a
+        ``"cancelled"`` event, the number of tokens the request produced.
+      finish_reason: ``None`` while the request runs; on its last event ``"stop"`` (it
+        sampled its ``eos_id`` or one of its ``stop_token_ids``: the token is kept),
+        ``"stop_string"`` (this token completed one of its ``stop_strings``),
+        ``"length"`` (its ``max_new_tokens``-th token) or ``"cancelled"``
+        (:meth:`jaxpos.serving.ServingEngine.cancel`).
+      stop_reason: on a ``"stop"`` event, the stop token id, or ``None`` for ``eos_id``;
+        on a ``"stop_string"`` event, the stop string matched; else ``None`` (vLLM's
+        ``stop_reason``).
+    """
+
+    id: Any
+    token: int | None
+    index: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class TokenStream:
+    """The iterator :meth:`jaxpos.serving.ServingEngine.stream` returns: the
+    :class:`StreamEvent` s of its requests in the order their tokens are produced.
+
+    Requests may be cancelled between events (:meth:`ServingEngine.cancel`); closing the
+    stream (:meth:`close`, leaving a ``with`` block, or dropping it unfinished) ends every
+    request still waiting or running and returns their pages to the pool.
+
+    Attributes:
+      completions: the :class:`jaxpos.serving.Completion` of every request ended so far,
+        in finishing order.
+      stats: the :class:`jaxpos.serving.ServingStats` of the stream (``wall``,
+        ``peak_pages`` and the page ratios are set when it is exhausted; ``wall``
+        includes the time the consumer spends between events).
+    """
+
+    def __init__(self, events: Generator[StreamEvent, None, None], loop: Any):
+        self._events, self._loop = events, loop
+
+    @property
+    def completions(self) -> list:
+        return self._loop.done
+
+    @property
+    def stats(self) -> Any:
+        return self._loop.stats
+
+    def __iter__(self) -> TokenStream:
+        return self
+
+    def __next__(self) -> StreamEvent:
+        pending: deque = self._loop.pending  # the ends of requests cancelled meanwhile
+        if pending:
+            return pending.popleft()
+        return next(self._events)
+
+    def close(self) -> None:
+        """End the stream: requests still waiting or running are dropped and their pages
+        returned to the pool (no more events)."""
+        self._events.close()  # runs the loop's cleanup if it started
+        self._loop.closed = True
+        self._loop.waiting.clear()
+        self._loop.pending.clear()
+
+    def __enter__(self) -> TokenStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _is_int(x: Any) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, np.integer))
+
+
+def check_stop_fields(who: str, stop_token_ids: Any, stop_strings: Any, vocab_size: int,
+                      detokenize: Callable | None) -> None:
+    """Validate a request's stop conditions.
+
+    Args:
+      who: how errors name the request (``"request 'r'"``).
+      stop_token_ids: a sequence of int token ids, each in ``[0, vocab_size)``.
+      stop_strings: a str or a sequence of non-empty str; needs ``detokenize``.
+
+    Raises:
+      TypeError: ``stop_token_ids`` not a sequence of ints, ``stop_strings`` not a str or
+        a sequence of str.
+      ValueError: a stop token id outside the vocabulary (it could never be sampled), an
+        empty stop string, stop strings with no ``detokenize`` callable on the engine.
+    """
+    if (isinstance(stop_token_ids, (str, bytes)) or not isinstance(
+            stop_token_ids, (Sequence, np.ndarray))
+            or not all(_is_int(t) for t in stop_token_ids)):
+        raise TypeError(f"{who}: stop_token_ids must be a sequence of int token ids; got "
+                        f"{type(stop_token_ids).__name__} {stop_token_ids!r:.80}.")
+    bad = [int(t) for t in stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{who}: stop_token_ids must lie in [0, vocab_size={vocab_size}) "
+                         f"(they could never be sampled); got {bad[0]}.")
+    strings = [stop_strings] if isinstance(stop_strings, str) else stop_strings
+    if not isinstance(strings, Sequence) or not all(isinstance(s, str) for s in strings):
+        raise TypeError(f"{who}: stop_strings must be a str or a sequence of str; got "
+                        f"{type(stop_strings).__name__} {stop_strings!r:.80}.")
+    if any(s == "" for s in strings):
+        raise ValueError(f"{who}: stop_strings must not hold an empty string (it would "
+                         f"match before any token); got {list(strings)!r:.80}.")
+    if strings and detokenize is None:
+        raise ValueError(f"{who}: stop_strings {list(strings)!r:.80} are matched on the "
+                         f"output text; pass ServingEngine(..., detokenize=fn) (fn: a list "
+                         f"of token ids -> str).")
+
+
+def stop_strings_of(request: Any) -> tuple[str, ...]:
+    """A request's stop strings as a tuple (a bare str is one stop string)."""
+    s = request.stop_strings
+    return (s,) if isinstance(s, str) else tuple(s)
+
+
+def find_stop(text: str, stop_strings: Sequence[str]) -> tuple[int, str] | None:
+    """``(where, stop string)`` of the earliest stop string in ``text`` (on a tie the
+    longest), or None."""
+    best = None
+    for s in stop_strings:
+        at = text.find(s)
+        if at >= 0 and (best is None or (at, -len(s)) < (best[0], -len(best[1]))):
+            best = (at, s)
+    return best
