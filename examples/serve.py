@@ -8,14 +8,22 @@ budget, greedy or sampled (temperature / top-k / top-p) per request. The model i
 random-weight :class:`jaxpos.serving.PagedDecoder` with the chosen position scheme (the
 point is the serving loop, not the text).
 
+The tokens are streamed (:meth:`ServingEngine.stream`): the progress bar advances as each
+token is produced, and its total shrinks when a request ends before its budget: on one of
+``--stop-token-ids`` (kept in its output), or cancelled by the consumer after
+``--cancel-after`` tokens (:meth:`ServingEngine.cancel`, its pages back in the pool at
+once; here every fifth request, a client that stops reading).
+
     python examples/serve.py                                # RoPE, 64 requests
     python examples/serve.py --position alibi --slots 16 --page-size 8
     python examples/serve.py --compare-static               # also the static padded batch
+    python examples/serve.py --stop-token-ids 7,11 --cancel-after 8
 
 Prints a summary: generated tokens per second, time to first token (median and p90),
-pages in use (peak, and pages * page_size / tokens held beside a dense
-``[slots, max_len]`` cache), the KV memory that represents, and the process's peak memory.
-Compilation runs before the clock starts (one warm-up request).
+how requests ended (budget, stop token, cancelled), pages in use (peak, and pages *
+page_size / tokens held beside a dense ``[slots, max_len]`` cache), the KV memory that
+represents, and the process's peak memory. Compilation runs before the clock starts (one
+warm-up request).
 """
 
 from __future__ import annotations
@@ -35,11 +43,12 @@ from jaxpos.serving import PagedDecoder, Request, ServingEngine
 
 def long_tail_requests(n: int, *, vocab_size: int, seed: int = 0, prompt_median: float = 64,
                        output_median: float = 32, sigma: float = 0.9, max_prompt: int = 256,
-                       max_output: int = 256) -> list[Request]:
+                       max_output: int = 256, stop_token_ids=()) -> list[Request]:
     """``n`` requests with log-normal prompt and output lengths (median ``prompt_median``
     / ``output_median``, log-space standard deviation ``sigma``, clipped to ``[1,
     max_prompt]`` / ``[1, max_output]``); every third request is greedy, the others
-    sample with temperature 0.8 and top-k 40 or top-p 0.9; all arrive at time 0."""
+    sample with temperature 0.8 and top-k 40 or top-p 0.9; all arrive at time 0 and end
+    on any of ``stop_token_ids``."""
     rng = np.random.default_rng(seed)
     plen = np.clip(np.round(rng.lognormal(np.log(prompt_median), sigma, n)), 1, max_prompt)
     olen = np.clip(np.round(rng.lognormal(np.log(output_median), sigma, n)), 1, max_output)
@@ -49,7 +58,7 @@ def long_tail_requests(n: int, *, vocab_size: int, seed: int = 0, prompt_median:
         reqs.append(Request(prompt=rng.integers(0, vocab_size, p).tolist(), max_new_tokens=int(o),
                             temperature=0.0 if style == 0 else 0.8,
                             top_k=40 if style == 1 else 0, top_p=0.9 if style == 2 else 1.0,
-                            seed=i, id=i))
+                            seed=i, id=i, stop_token_ids=list(stop_token_ids)))
     return reqs
 
 
@@ -89,21 +98,44 @@ def parse(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compare-static", action="store_true",
                     help="also serve the workload in static padded batches")
+    ap.add_argument("--stop-token-ids", default="",
+                    help="comma-separated token ids that end a request (kept in its output)")
+    ap.add_argument("--cancel-after", type=int, default=None,
+                    help="cancel every fifth request once it has streamed this many tokens")
     ap.add_argument("--json", default=None, help="write the summary here")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    try:
+        args.stop_token_ids = [int(t) for t in args.stop_token_ids.split(",") if t.strip()]
+    except ValueError:
+        ap.error(f"--stop-token-ids must be comma-separated ints; got {args.stop_token_ids!r}")
+    if args.cancel_after is not None and args.cancel_after < 1:
+        ap.error(f"--cancel-after must be >= 1; got {args.cancel_after}")
     if args.max_prompt + args.max_output > args.max_len:
         ap.error(f"--max-prompt + --max-output ({args.max_prompt + args.max_output}) must be "
                  f"<= --max-len ({args.max_len})")
     return args
 
 
-def serve(engine: ServingEngine, requests, *, progress: bool, label: str):
-    """Run ``requests`` after a one-request warm-up (compilation); ``(completions, stats)``."""
+def serve(engine: ServingEngine, requests, *, progress: bool, label: str,
+          cancel_after: int | None = None):
+    """Stream ``requests`` after a one-request warm-up (compilation), cancelling every
+    fifth one after ``cancel_after`` tokens; ``(completions, stats)``."""
     engine.run([Request(prompt=[1] * (engine.prefill_chunk + 1), max_new_tokens=2)])
-    total = sum(r.max_new_tokens for r in requests)
-    with tqdm(total=total, desc=label, unit="tok", disable=not progress) as bar:
-        return engine.run(requests, progress=bar.update)
+    budget = {r.id: r.max_new_tokens for r in requests}
+    to_cancel = set() if cancel_after is None else set(list(budget)[::5])
+    with tqdm(total=sum(budget.values()), desc=label, unit="tok", disable=not progress) as bar, \
+            engine.stream(requests) as stream:
+        for event in stream:
+            if event.token is not None:
+                bar.update(1)
+                if event.id in to_cancel and event.index + 1 == cancel_after:
+                    engine.cancel(event.id)
+            if event.finish_reason is not None:  # ended early: its unused budget leaves
+                produced = event.index + (event.token is not None)
+                bar.total -= budget[event.id] - produced
+                bar.set_postfix(done=len(stream.completions), refresh=False)
+        return stream.completions, stream.stats
 
 
 def summarize(done, stats, engine: ServingEngine, model: PagedDecoder) -> dict:
@@ -116,6 +148,9 @@ def summarize(done, stats, engine: ServingEngine, model: PagedDecoder) -> dict:
         "ttft_median_s": round(float(np.median(ttft)), 4),
         "ttft_p90_s": round(float(np.percentile(ttft, 90)), 4),
         "decode_steps": stats.decode_steps,
+        "ended_on_budget": sum(c.finish_reason == "length" for c in done),
+        "ended_on_stop_token": sum(c.finish_reason in ("stop", "eos") for c in done),
+        "cancelled": sum(c.finish_reason == "cancelled" for c in done),
         "peak_pages": stats.peak_pages, "num_pages": engine.allocator.num_pages,
         "page_size": engine.page_size,
         "pages_per_token_held": round(stats.page_ratio, 3),
@@ -135,7 +170,8 @@ def main(argv=None) -> dict:
     requests = long_tail_requests(args.requests, vocab_size=args.vocab, seed=args.seed,
                                   prompt_median=args.prompt_median,
                                   output_median=args.output_median, max_prompt=args.max_prompt,
-                                  max_output=args.max_output)
+                                  max_output=args.max_output,
+                                  stop_token_ids=args.stop_token_ids)
     per_seq = -(-args.max_len // args.page_size)
     num_pages = args.num_pages or max(per_seq, args.slots * per_seq // 2)
     out = {}
@@ -143,7 +179,8 @@ def main(argv=None) -> dict:
         engine = ServingEngine(model, num_slots=args.slots, num_pages=num_pages,
                                page_size=args.page_size, max_len=args.max_len,
                                prefill_chunk=args.prefill_chunk, schedule=schedule)
-        done, stats = serve(engine, requests, progress=not args.no_progress, label=schedule)
+        done, stats = serve(engine, requests, progress=not args.no_progress, label=schedule,
+                            cancel_after=args.cancel_after)
         out[schedule] = summarize(done, stats, engine, model)
     width = max(len(k) for k in out["continuous"])
     for schedule, s in out.items():

@@ -61,3 +61,41 @@ def test_serve_example_serves_every_request_its_budget(tmp_path):
         assert s["peak_kv_mib_paged"] < s["kv_mib_dense"]  # a pool of 18 pages of 4 < 3 x 48
         assert s["ttft_median_s"] <= s["ttft_p90_s"]
     assert res["continuous"]["decode_steps"] <= res["static"]["decode_steps"]
+
+
+def test_serve_example_streams_stops_and_cancels():
+    """The example's streaming consumer with stop tokens and ``cancel_after=2``: each
+    request gets the tokens it gets from ``engine.run`` without stop tokens, cut after its
+    first stop token (kept), and every fifth request still running after 2 tokens ends
+    cancelled with exactly those 2; every page is back in the pool."""
+    from jaxpos.serving import PagedDecoder, ServingEngine
+
+    serve = _load()
+    model = PagedDecoder(vocab_size=32, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                         seed=0)
+    sizes = dict(prompt_median=6, output_median=5, max_prompt=24, max_output=24)
+    eng = ServingEngine(model, num_slots=3, num_pages=18, page_size=4, max_len=48,
+                        prefill_chunk=8)
+    free = {c.request.id: c.tokens
+            for c in eng.run(serve.long_tail_requests(10, vocab_size=32, **sizes))[0]}
+    stops = sorted({free[i][2] for i in (1, 2, 3) if len(free[i]) > 3})  # some end early
+    reqs = serve.long_tail_requests(10, vocab_size=32, stop_token_ids=stops, **sizes)
+    done, stats = serve.serve(eng, reqs, progress=False, label="t", cancel_after=2)
+    got = {c.request.id: c for c in done}
+    assert sorted(got) == list(range(10))
+    for i, c in got.items():
+        first = next((j for j, t in enumerate(free[i]) if t in stops), None)
+        want = free[i] if first is None else free[i][:first + 1]
+        if i % 5 == 0 and len(want) > 2:  # still running after 2 tokens: cancelled
+            assert (c.tokens, c.finish_reason) == (want[:2], "cancelled")
+        elif first is None:
+            assert (c.tokens, c.finish_reason) == (want, "length")
+        else:
+            assert (c.tokens, c.finish_reason, c.stop_reason) == (want, "stop", want[-1])
+    assert stats.generated == sum(len(c.tokens) for c in done)
+    reasons = [c.finish_reason for c in done]
+    assert min(reasons.count(r) for r in ("stop", "length", "cancelled")) >= 1  # exercised
+    summary = serve.summarize(done, stats, eng, model)
+    assert [summary[k] for k in ("ended_on_budget", "ended_on_stop_token", "cancelled")] == [
+        reasons.count(r) for r in ("length", "stop", "cancelled")]
+    assert eng.allocator.in_use == 0 and eng.allocator.reserved == 0
