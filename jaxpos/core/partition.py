@@ -39,6 +39,14 @@ key/value head its query heads share. Gradients come back through ``shard_map``'
 transpose (those of replicated inputs, such as a captured table, are summed over the
 shards).
 
+Paged calls (:mod:`jaxpos.core.paged`) and decode steps split the same way: each shard
+runs the engine's paged path (the chunked page walk, the Pallas paged kernel, or the
+engine on the pages it gathers) on the page table and ``kv_lengths`` of its rows and the
+pool's key/value heads of its query heads. The pool ``[num_pages, page_size, N_kv, H]``
+is sharded over its key/value heads only: any row may read any page, so its pages are
+replicated over the batch axes (a pool sharded over its pages is gathered first, by
+``jax.sharding.reshard`` under Explicit axes, by XLA under Auto axes).
+
 Refused (``ValueError`` naming what to do): a sequence- or head_dim-sharded q, k or v
 under Explicit axes; head shards that split a grouped-query group in a way no kv head
 layout fits; attention dropout with a mask per batch row and head when the batch or the
@@ -324,20 +332,28 @@ def _index(axes: tuple[str, ...]) -> Any:
     return jnp.int32(0) if not axes else jax.lax.axis_index(_entry(axes))
 
 
-def run_sharded(engine: Any, call: AttentionCall, run: Callable[[AttentionCall], Any],
-                *, with_lse: bool = False) -> Any:
+def run_sharded(engine: Any, call: AttentionCall, run: Callable[..., Any],
+                *, with_lse: bool = False, pages: tuple[Any, Any, Any] | None = None) -> Any:
     """``run(call)`` split over the current mesh as :func:`plan_shards` says (``run(call)``
     itself when it says None).
 
     ``run`` returns ``out [B, Tq, N, H_v]`` (or ``(out, lse [B, N, Tq])`` with
     ``with_lse``); the result keeps the batch and head sharding of the plan.
 
+    A paged call (:mod:`jaxpos.core.paged`, whose ``k`` and ``v`` are the logical shapes
+    only) passes ``pages=(k_pages, v_pages, page_table)`` and is run as ``run(call,
+    k_pages, v_pages, page_table)``: each shard gets the page table and ``kv_lengths``
+    of its rows and the pool's key/value heads of its query heads (``[num_pages,
+    page_size, N_kv / shards, H]``, or the one key/value head its query heads share);
+    the pool's pages are replicated over the batch axes (any row may read any page: a
+    pool sharded over its pages is gathered first).
+
     Raises:
       ValueError: see :func:`plan_shards`.
     """
     plan = plan_shards(engine, call)
     if plan is None:
-        return run(call)
+        return run(call) if pages is None else run(call, *pages)
     B, N = call.batch, call.num_heads
     b, h = _entry(plan.batch), _entry(plan.heads)
     nb, nh = plan.size(plan.batch), plan.size(plan.heads)
@@ -345,13 +361,16 @@ def run_sharded(engine: Any, call: AttentionCall, run: Callable[[AttentionCall],
     group = N // call.num_kv_heads
 
     # the call's arrays: (name, value, spec)
-    arrays: dict[str, tuple[Any, P]] = {
-        "q": (call.q, P(b, None, h, None)),
-        "k": (call.k, P(b, None, kvh, None)),
-        "v": (call.v, P(b, None, kvh, None)),
-        "q_positions": (call.q_positions, _lead_spec(call.q_positions, B, b)),
-        "kv_positions": (call.kv_positions, _lead_spec(call.kv_positions, B, b)),
-    }
+    arrays: dict[str, tuple[Any, P]] = {"q": (call.q, P(b, None, h, None))}
+    if pages is None:
+        arrays["k"] = (call.k, P(b, None, kvh, None))
+        arrays["v"] = (call.v, P(b, None, kvh, None))
+    else:  # the pool over the kv heads only; the table with the batch
+        arrays["k"] = (pages[0], P(None, None, kvh, None))
+        arrays["v"] = (pages[1], P(None, None, kvh, None))
+        arrays["page_table"] = (pages[2], _lead_spec(pages[2], B, b))
+    arrays["q_positions"] = (call.q_positions, _lead_spec(call.q_positions, B, b))
+    arrays["kv_positions"] = (call.kv_positions, _lead_spec(call.kv_positions, B, b))
     for name in ("segment_ids", "kv_segment_ids", "kv_lengths"):
         x = getattr(call, name)
         if x is not None:
@@ -401,6 +420,11 @@ def run_sharded(engine: Any, call: AttentionCall, run: Callable[[AttentionCall],
             k = jax.lax.dynamic_slice_in_dim(k, kv, 1, axis=2)
             v = jax.lax.dynamic_slice_in_dim(v, kv, 1, axis=2)
         swap = {id(c): got[f"captured{i}"] for i, c in enumerate(captured)}
+        if pages is not None:  # the shard's logical keys: shapes only, as the call's
+            k_pool, v_pool = k, v
+            rows = (B // nb, call.kv_len)
+            k = jax.ShapeDtypeStruct(rows + k_pool.shape[2:], k_pool.dtype)
+            v = jax.ShapeDtypeStruct(rows + v_pool.shape[2:], v_pool.dtype)
         changes: dict[str, Any] = dict(
             q=got["q"], k=k, v=v, q_positions=got["q_positions"],
             kv_positions=got["kv_positions"], kv_overflow=None,
@@ -423,6 +447,8 @@ def run_sharded(engine: Any, call: AttentionCall, run: Callable[[AttentionCall],
             fields.update({n: getattr(bm, n) for n in bm._static})
             fields["mask_mod"] = changes["mask_mod"]
             changes["block_mask"] = type(bm)(**fields)
+        if pages is not None:
+            return run(call.replace(**changes), k_pool, v_pool, got["page_table"])
         return run(call.replace(**changes))
 
     out_spec = P(b, None, h, None)

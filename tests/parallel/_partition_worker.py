@@ -12,7 +12,8 @@ v or their gradients) the compiled forward+backward holds; the error text of a
 sequence-sharded call; the exported kernel's manual regions. The default runs one mesh
 (data=2, model=4) with the chunked engine under Explicit axes and the Pallas forward
 TPU export;
-``--full`` every engine on meshes (8,), (2, 4) and (2, 2, 2).
+``--full`` every engine on meshes (8,), (2, 4) and (2, 2, 2). Both run the paged, decode,
+export and DecoderLM checks of ``_partition_paged_checks.py`` (:func:`check_paged_and_decode`).
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json
-import re
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _partition_paged_checks import gathers_of_rank4, kernels_inside_manual
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -68,12 +69,6 @@ def _grad(f):
     return jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2, 3, 4))
 
 
-def _gathers_of_rank4(hlo: str) -> int:
-    """All-gathers whose result has four dimensions (q, k, v or their cotangents)."""
-    return sum(1 for line in hlo.splitlines()
-               if re.search(r"= f\w+\[\d+,\d+,\d+,\d+\]\{[^}]*\} all-gather\(", line))
-
-
 def check_engine(res, mesh_shape, names, batch_axes, head_axes, kind, impl, scheme,
                  grads=True):
     f = _call(impl, scheme)
@@ -99,7 +94,7 @@ def check_engine(res, mesh_shape, names, batch_axes, head_axes, kind, impl, sche
         res[f"grad/{tag}"] = max(float(np.abs(np.asarray(x) - y).max()) for x, y in
                                  zip(got_g, want_g)) / scale
     res[f"kept/{tag}"] = out.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
-    res[f"gathers/{tag}"] = _gathers_of_rank4(hlo)
+    res[f"gathers/{tag}"] = gathers_of_rank4(hlo)
 
 
 def check_sequence_refused(res):
@@ -132,11 +127,7 @@ def check_export(res, kind, full):
                 text = jax.export.export(jax.jit(fn), platforms=[platform],
                                          disabled_checks=checks)(*(sds(spec),) * 3
                                                                  ).mlir_module()
-                start = text.find("sdy.manual_computation")
-                res[f"export/{kind}/{platform}/{what}"] = {
-                    "manual": text.count("sdy.manual_computation"),
-                    "kernels": text.count(marker),
-                    "kernel_after_manual": 0 <= start < text.find(marker)}
+                res[f"export/{kind}/{platform}/{what}"] = kernels_inside_manual(text, marker)
 
 
 def check_context_parallel(res, methods):
@@ -155,6 +146,31 @@ def check_context_parallel(res, methods):
         with jax.set_mesh(jax.make_mesh((8,), ("seq",), axis_types=(AxisType.Explicit,))):
             out = nnx.jit(lambda m, t: m(t))(model, tokens)
         res[f"context_parallel/{method}"] = float(jnp.abs(out - plain).max())
+
+
+def check_paged_and_decode(res, full):
+    """Paged and decode calls, the kernel's per-head parameters and a Pallas DecoderLM
+    under a mesh (``_partition_paged_checks.py``): the default run takes the chunked
+    engine on Explicit axes (the pool's one key/value head per shard), the exports for
+    TPU and CUDA and the DecoderLM's TPU export; ``--full`` adds the Pallas kernel
+    (interpreted), Auto axes, meshes (8,) and (2, 2, 2), and one training step."""
+    import _partition_paged_checks as pc
+
+    dm = ((2, 4), ("data", "model"), ("data",), ("model",))
+    pc.check_paged(res, *dm, "Explicit", "chunked", nkv=2)
+    pc.check_decode(res, *dm, "Explicit", "chunked")
+    kinds = ("Explicit", "Auto") if full else ("Explicit",)
+    pc.check_kernel_exports(res, kinds, ("tpu", "cuda"), grads=full)
+    pc.check_decoder(res, ("Explicit",), train=full)
+    if not full:
+        return
+    for kind in ("Explicit", "Auto"):
+        for impl in ("chunked", "pallas"):
+            pc.check_paged(res, *dm, kind, impl, nkv=4)
+            pc.check_decode(res, *dm, kind, impl)
+    pc.check_paged(res, (8,), ("data",), ("data",), (), "Explicit", "chunked", nkv=4)
+    pc.check_paged(res, (2, 2, 2), ("data", "fsdp", "model"), ("data", "fsdp"), ("model",),
+                   "Auto", "chunked", nkv=2)
 
 
 def main(argv):
@@ -180,6 +196,7 @@ def main(argv):
     check_context_parallel(res, ("ring", "ulysses") if full else ("ring",))
     for kind in ("Explicit", "Auto") if full else ("Explicit",):
         check_export(res, kind, full)
+    check_paged_and_decode(res, full)
     with open(argv[-1], "w") as fh:
         json.dump(res, fh, indent=1)
 

@@ -12,6 +12,15 @@ the Pallas kernel exported for TPU inside a manual region, and a ``DecoderLM`` w
 ``context_parallel="ring"`` under a mesh with an Explicit ``seq`` axis; ``-m slow`` covers every
 engine, ALiBi, T5 and RoPE with a window mask_mod, Auto and Explicit axes, meshes (8,),
 (2, 4) and (2, 2, 2), gradients, and the CUDA export.
+
+The same subprocess runs ``_partition_paged_checks.py``: paged calls (the pool sharded
+over its key/value heads, the page table and ``kv_lengths`` over the batch) and
+dense-cache decode steps against one device; the kernel with per-head parameters (ALiBi
+slopes, a T5 table, sinks) and the paged kernel exported for TPU and CUDA, and a Pallas
+``DecoderLM``'s training step (parameters placed by :mod:`jaxpos.sharding`'s rules)
+exported for TPU, each kernel inside a ``sdy.manual_computation`` region; with ``-m
+slow`` the Pallas kernel on paged and decode calls under both axis types and one
+training step of that ``DecoderLM`` against one device.
 """
 
 from __future__ import annotations
@@ -68,11 +77,47 @@ def _check(res):
     assert exports
     for name in exports:
         e = res[name]
-        assert e["manual"] >= 1 and e["kernels"] >= 1 and e["kernel_after_manual"], (name, e)
+        assert e["manual"] >= 1 and e["kernels"] >= 1 and e["inside"], (name, e)
 
 
 def test_sharded_attention_equals_one_device_and_keeps_its_shards(quick):
     _check(quick)
+
+
+def test_paged_and_decode_calls_run_per_shard(quick):
+    """A paged call (the pool sharded over its key/value heads, here one per shard of
+    two query heads; the page table and kv_lengths over the batch) and a dense-cache
+    decode step on a (data=2, model=4) mesh with Explicit axes equal one device."""
+    for tag in ("paged/2x4/Explicit/chunked/kv2", "decode/2x4/Explicit/chunked/kv4"):
+        assert quick[f"out/{tag}"] <= TOL, (tag, quick[f"out/{tag}"])
+        assert quick[f"kept/{tag}"] is True and quick[f"gathers/{tag}"] == 0, tag
+
+
+def test_kernel_with_per_head_parameters_exports_per_shard(quick):
+    """ALiBi slopes, a traced T5 table and sinks, the paged kernel, and a Pallas DecoderLM's
+    training step with parameters placed by jaxpos.sharding's rules: exported for TPU
+    (and the calls for CUDA), every kernel lies inside a manual region."""
+    for name in ("tpu/dense", "cuda/dense", "tpu/paged", "cuda/paged", "tpu/decoder_step"):
+        e = quick[f"export/Explicit/{name}"]
+        assert e["kernels"] >= 1 and e["inside"], (name, e)
+
+
+@pytest.mark.slow
+def test_paged_decode_and_pallas_decoder_step_on_every_axis_type(full):
+    """The Pallas kernel (interpreted) on paged and decode calls, Auto and Explicit axes,
+    meshes (8,) and (2, 2, 2); the exports with gradients under both axis types; one SGD
+    step of a Pallas DecoderLM placed by the rules equals the step on one device."""
+    for kind in ("Explicit", "Auto"):
+        for impl in ("chunked", "pallas"):
+            for what in ("paged", "decode"):
+                tag = f"{what}/2x4/{kind}/{impl}/kv4"
+                assert full[f"out/{tag}"] <= TOL and full[f"kept/{tag}"], tag
+        for name in ("tpu/dense_grad", "cuda/dense_grad", "tpu/paged"):
+            assert full[f"export/{kind}/{name}"]["inside"], (kind, name)
+    assert full["out/paged/8/Explicit/chunked/kv4"] <= TOL
+    assert full["out/paged/2x2x2/Auto/chunked/kv2"] <= TOL
+    assert full["step/Explicit/loss"] <= TOL, full["step/Explicit/loss"]
+    assert full["step/Explicit/params"] <= TOL, full["step/Explicit/params"]
 
 
 @pytest.mark.slow
