@@ -13,7 +13,7 @@ Face's key-padding masks do. Positions of real tokens are ``cumsum(attention_mas
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,13 +22,18 @@ from flax import nnx
 
 import jaxpos
 from jaxpos import _checks
+from jaxpos.core.engines import takes_kv_lengths
+from jaxpos.layers.cache import check_cache, new_cache, poison_rows
 from jaxpos.mods import ChunkedAttentionMask, SlidingWindowMask
 
 __all__ = [
+    "CachedDecoderMixin",
     "ChunkedAttentionMask",
+    "DecoderCall",
     "KVCache",
     "SlidingWindowMask",
     "embed_tokens",
+    "init_layer_caches",
     "key_segments",
     "linear_kernel",
     "load_params",
@@ -180,6 +185,184 @@ class KVCache(NamedTuple):
         seg = jax.lax.dynamic_update_slice(self.segments, segments, (0, self.index))
         return KVCache(jnp.stack(new_k), jnp.stack(new_v), pos, seg, self.index + T,
                        self.next_position + jnp.sum(attention_mask, axis=-1).astype(jnp.int32))
+
+
+# -------------------------------------------------------- decoding on the library caches
+def init_layer_caches(batch: int, max_len: int, layers, dtype=jnp.float32, *,
+                      keep_first: int | None = None, **cache_options) -> tuple:
+    """One empty library cache per attention layer (:func:`jaxpos.layers.cache.new_cache`):
+    the dense :class:`jaxpos.layers.cache.KVCache` by default, the StreamingLLM cache with
+    ``keep_first``, the paged cache with ``page_size=`` / ``num_pages=`` (what
+    :class:`jaxpos.serving.ModuleDecoder` asks for).
+
+    Args:
+      batch, max_len: rows and slots per row (prompt, padding and generated tokens).
+      layers: ``(num_kv_heads, head_dim)`` per layer (layers may differ).
+      dtype: of the stored keys and values.
+
+    Raises:
+      ValueError / TypeError: bad sizes, or options that select no cache type or two.
+    """
+    return tuple(new_cache(batch, max_len, nk, h, dtype, keep_first=keep_first,
+                           **cache_options) for nk, h in layers)
+
+
+def check_layer_caches(cache, num_layers: int, batch: int) -> tuple:
+    """``cache`` must be a tuple of ``num_layers`` library caches of ``batch`` rows
+    (from ``init_cache``).
+
+    Raises:
+      TypeError: not a tuple or list of :class:`jaxpos.layers.cache.Cache`.
+      ValueError: the wrong number of layers or rows.
+    """
+    if not isinstance(cache, (tuple, list)) or len(cache) != num_layers:
+        raise ValueError(f"cache must be a tuple of {num_layers} layer caches (from "
+                         f"init_cache); got {type(cache).__name__}"
+                         f"{f' of {len(cache)}' if isinstance(cache, (tuple, list)) else ''}.")
+    return tuple(check_cache(c, batch) for c in cache)
+
+
+class DecoderCall:
+    """The plumbing every decoder port shares for one call: checked ids and padding mask,
+    Hugging Face positions (``cumsum(attention_mask) - 1`` after the tokens each row's
+    cache holds), segment ids, and one attention call per layer, with or without a library
+    cache (:mod:`jaxpos.layers.cache`: dense, StreamingLLM or paged, through the
+    :class:`~jaxpos.layers.cache.Cache` protocol only).
+
+    A port computes its layer's raw (unrotated) ``q``, ``k``, ``v`` and calls
+    :meth:`attend`; then :meth:`finish` with the logits. Without a cache the call is one
+    :func:`jaxpos.attention` over the new tokens (queries in segment 1, padding keys in
+    segment 0). With a cache, the layer's cache stores the scheme's
+    :meth:`~jaxpos.PositionScheme.cache_write` (RoPE keys rotated once, with the call's
+    frequencies, as Hugging Face's decoding does) and attention reads what it hands back
+    (:class:`jaxpos.layers.cache.CacheRead`), bounded by the fill counts.
+
+    Args:
+      input_ids: int ``[B, T]``; attention_mask: 0/1 ``[B, T]`` or None (all tokens);
+      positions: int ``[B, T]`` or None (the default above); cache: a tuple of
+      ``num_layers`` caches or None; implementation, block_q, block_k: passed to
+      :func:`jaxpos.attention` (with both block sizes and a tiled implementation a
+      ``mask_mod`` becomes a :class:`jaxpos.BlockMask`, built once per call and mask).
+
+    Attributes:
+      B, T, mask (int32 ``[B, T]``), positions (int32 ``[B, T]``), cache.
+
+    Raises:
+      ValueError / TypeError: a bad mask shape, positions, or cache.
+    """
+
+    def __init__(self, input_ids, *, attention_mask=None, positions=None, cache=None,
+                 num_layers: int, implementation=None, block_q=None, block_k=None):
+        _checks.check_rank("input_ids", input_ids, (2,), "[batch, seq]")
+        self.B, self.T = B, T = _checks.shape_of(input_ids)
+        mask = check_attention_mask(attention_mask, B, T)
+        self.mask = jnp.ones((B, T), jnp.int32) if mask is None else mask
+        caches = None if cache is None else check_layer_caches(cache, num_layers, B)
+        self.cache = caches
+        if positions is None:
+            positions = padding_positions(
+                self.mask, None if caches is None else caches[0].token_count()[:, 0])
+        self.positions = jnp.broadcast_to(
+            jnp.asarray(_checks.positions_2d("positions", positions, B, T), jnp.int32), (B, T))
+        self.implementation, self.block_q, self.block_k = implementation, block_q, block_k
+        self._new: list = []
+        self._poison = jnp.zeros((B,), bool)
+        self._masks: dict = {}
+
+    def _mask_kw(self, mask_mod, q_positions, kv_positions, paged: bool) -> dict:
+        if paged:  # a block mask of gathered rows would not index the pages
+            blocks = {"block_q": self.block_q, "block_k": self.block_k}
+            return blocks if mask_mod is None else {"mask_mod": mask_mod, **blocks}
+        if mask_mod not in self._masks:  # layers of one call share positions
+            self._masks[mask_mod] = mask_kwargs(
+                mask_mod, q_positions=q_positions, kv_positions=kv_positions,
+                implementation=self.implementation, block_q=self.block_q, block_k=self.block_k)
+        return self._masks[mask_mod]
+
+    def attend(self, layer: int, q, k, v, *, scheme, mask_mod=None, sinks=None,
+               scale=None) -> jax.Array:
+        """Causal attention of layer ``layer``: ``q`` ``[B, T, N, H]``, ``k``, ``v``
+        ``[B, T, N_kv, H]`` raw projections of the new tokens, ``scheme`` the layer's
+        :class:`jaxpos.PositionScheme`; ``mask_mod``, ``sinks`` ``[N]`` and ``scale`` as in
+        :func:`jaxpos.attention`. Returns ``[B, T, N, H]`` (layers must be attended in
+        order, once each, when there is a cache)."""
+        if self.cache is None:
+            kw = self._mask_kw(mask_mod, self.positions, self.positions, False)
+            return jaxpos.attention(
+                q, k, v, position=scheme, q_positions=self.positions,
+                kv_positions=self.positions, causal=True,
+                segment_ids=query_segments(self.B, self.T),
+                kv_segment_ids=key_segments(self.mask, self.B, self.T), sinks=sinks,
+                scale=scale, implementation=self.implementation, **kw)
+        if layer != len(self._new):
+            raise ValueError(f"layer {layer} attended out of order (expected layer "
+                             f"{len(self._new)}).")
+        cache, read = self.cache[layer].write(scheme, q, k, v, self.positions, self.mask > 0)
+        self._new.append(cache)
+        self._poison = self._poison | read.poison
+        extra = read.keywords()
+        if takes_kv_lengths(self.implementation):  # a step costs the filled length
+            extra["kv_lengths"] = read.kv_lengths
+        extra.update(self._mask_kw(mask_mod, read.q_positions, read.kv_positions,
+                                   read.page_table is not None))
+        rq = read.q
+        return jaxpos.attention(
+            rq, read.k.astype(rq.dtype), read.v.astype(rq.dtype), position=read.scheme,
+            q_positions=read.q_positions, kv_positions=read.kv_positions, causal=True,
+            segment_ids=read.segment_ids, kv_segment_ids=read.kv_segment_ids, sinks=sinks,
+            scale=scale, implementation=self.implementation, **extra)
+
+    def finish(self, logits) -> tuple[jax.Array, tuple | None]:
+        """``(logits float32, caches)``: with a cache, the rows whose write overflowed (a
+        traced call; a concrete one raised) are NaN and ``caches`` is the new tuple."""
+        logits = jnp.asarray(logits).astype(jnp.float32)
+        if self.cache is None:
+            return logits, None
+        if len(self._new) != len(self.cache):
+            raise ValueError(f"{len(self._new)} of {len(self.cache)} layers attended.")
+        return poison_rows(logits, self._poison), tuple(self._new)
+
+
+class CachedDecoderMixin:
+    """``init_cache``, ``decode_step`` and ``vocab_size`` for a port whose ``__call__(ids,
+    *, attention_mask, positions, cache, implementation)`` runs a :class:`DecoderCall`, so
+    :class:`jaxpos.serving.ModuleDecoder` serves it. A port sets :meth:`cache_layers`
+    (default: ``num_hidden_layers`` layers of ``(num_key_value_heads, head_dim)`` from
+    ``self.config``)."""
+
+    config: Any
+
+    if TYPE_CHECKING:  # the port's own __call__
+        def __call__(self, input_ids, **kw: Any) -> tuple[jax.Array, Any]: ...
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model takes (the width of the logits)."""
+        return int(self.config.vocab_size)
+
+    def cache_layers(self) -> list[tuple[int, int]]:
+        """``(num_kv_heads, head_dim)`` of each attention layer's cache."""
+        c = self.config
+        return [(c.num_key_value_heads, c.head_dim)] * c.num_hidden_layers
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32, *,
+                   keep_first: int | None = None, **cache_options) -> tuple:
+        """One empty library cache per layer (:func:`init_layer_caches`): dense by default,
+        StreamingLLM with ``keep_first``, paged with ``page_size=`` / ``num_pages=``.
+
+        Raises:
+          ValueError / TypeError: bad sizes or options.
+        """
+        return init_layer_caches(batch, max_len, self.cache_layers(), dtype,
+                                 keep_first=keep_first, **cache_options)
+
+    def decode_step(self, tokens, cache, *, positions=None, attention_mask=None,
+                    implementation=None) -> tuple[jax.Array, tuple]:
+        """``tokens [B, T]`` against ``cache`` (from :meth:`init_cache`): ``(logits
+        float32 [B, T, vocab_size], cache)``; the protocol of
+        :class:`jaxpos.serving.ModuleDecoder`."""
+        return self(tokens, attention_mask=attention_mask, positions=positions, cache=cache,
+                    implementation=implementation)
 
 
 def check_head_groups(config) -> None:

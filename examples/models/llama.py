@@ -11,11 +11,16 @@ decoding are just positions.
 
 One exception, for HF parity: a length-dependent scaling (dynamic NTK, LongRoPE) changes the
 frequencies from one call to the next. HF rotates each key once, with the frequencies of the
-call that wrote it into the cache, so with a cache and such a scaling this model does the
-same through :func:`jaxpos.nnx.rotate_at_write` (q and k rotated with this call's
-``max(position) + 1``, rotated keys cached, attention called with ``NoPE``), as
-``jaxpos.nnx``'s own KV cache does. Without a
-cache, or with a fixed scaling, jaxpos rotates inside attention (and inside the fused kernel).
+call that wrote it into the cache, and so do the library caches this model decodes with
+(:mod:`jaxpos.layers.cache`: each stores the scheme's ``cache_write``, q and k rotated with
+the call's ``max(position) + 1``, and attention reads them with ``NoPE``). Without a cache
+jaxpos rotates inside attention (and inside the fused kernel).
+
+Decoding uses the library's caches through their protocol (one per layer from
+:meth:`LlamaForCausalLM.init_cache`: dense, StreamingLLM with ``keep_first=``, paged with
+``page_size=``/``num_pages=``), so :class:`jaxpos.serving.ModuleDecoder` serves the model
+in the continuous-batching loop (:func:`examples.models.from_pretrained` loads a checkpoint
+folder).
 
 Example::
 
@@ -132,22 +137,13 @@ class LlamaAttention(nnx.Module):
         self.v_proj = lin(c.hidden_size, c.num_key_value_heads * c.head_dim)
         self.o_proj = lin(c.num_attention_heads * c.head_dim, c.hidden_size)
 
-    def __call__(self, x, *, rope, positions, segments, kv_segments, cache, layer, attn_kw):
+    def __call__(self, x, *, rope, call: common.DecoderCall, layer: int):
         B, T, _ = x.shape
         q = self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(B, T, self.kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(B, T, self.kv_heads, self.head_dim)
-        kv_positions = positions
-        if cache is not None:  # attend over every cache slot; unwritten ones have segment 0
-            # Dynamic NTK / LongRoPE: rotate at write time, as HF does (module docstring).
-            q, k, rope = jaxpos.nnx.rotate_at_write(rope, q, k, positions)
-            k, v = cache.write(layer, k, v)
-            kv_positions = jax.lax.dynamic_update_slice(cache.positions, positions,
-                                                        (0, cache.index))
-        out = jaxpos.attention(q, k, v, position=rope, q_positions=positions,
-                               kv_positions=kv_positions, causal=True, segment_ids=segments,
-                               kv_segment_ids=kv_segments, **attn_kw)
-        return self.o_proj(out.reshape(B, T, -1)), (k, v)
+        out = call.attend(layer, q, k, v, scheme=rope)
+        return self.o_proj(out.reshape(B, T, -1))
 
 
 class LlamaMLP(nnx.Module):
@@ -178,12 +174,11 @@ class LlamaBlock(nnx.Module):
         self.mlp = LlamaMLP(c, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, **kw):
-        h, kv = self.self_attn(self.input_layernorm(x), **kw)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+        x = x + self.self_attn(self.input_layernorm(x), **kw)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaForCausalLM(nnx.Module):
+class LlamaForCausalLM(common.CachedDecoderMixin, nnx.Module):
     """Llama decoder with a language-model head.
 
     Args:
@@ -210,13 +205,6 @@ class LlamaForCausalLM(nnx.Module):
                         nnx.Linear(c.hidden_size, c.vocab_size, use_bias=False, dtype=dtype,
                                    rngs=rngs))
 
-    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> common.KVCache:
-        """An empty :class:`~examples.models.common.KVCache` for ``batch`` rows of up to
-        ``max_len`` tokens (prompt, padding and generated tokens together)."""
-        c = self.config
-        return common.KVCache.init(c.num_hidden_layers, batch, max_len, c.num_key_value_heads,
-                                   c.head_dim, dtype)
-
     def __call__(self, input_ids, *, attention_mask=None, positions=None, cache=None,
                  implementation=None, block_q=None, block_k=None):
         """Logits of the next token.
@@ -227,8 +215,8 @@ class LlamaForCausalLM(nnx.Module):
             prompts). Default: all real.
           positions: int ``[B, T]``; default ``cumsum(attention_mask) - 1`` (plus the
             tokens already in ``cache``), as HF's ``generate`` uses.
-          cache: a :class:`KVCache` from :meth:`init_cache` to write into, or ``None``
-            for a plain forward pass.
+          cache: the tuple of layer caches from :meth:`init_cache` to write into, or
+            ``None`` for a plain forward pass.
           implementation, block_q, block_k: passed to :func:`jaxpos.attention`.
 
         Returns:
@@ -241,40 +229,15 @@ class LlamaForCausalLM(nnx.Module):
         """
         emb = self.embed_tokens.embedding[...]
         x = common.embed_tokens(emb, input_ids)
-        B, T = input_ids.shape
-        mask = common.check_attention_mask(attention_mask, B, T)
-        mask = jnp.ones((B, T), jnp.int32) if mask is None else mask
-        if positions is None:
-            positions = common.padding_positions(
-                mask, None if cache is None else cache.next_position)
-        positions = jnp.asarray(positions, jnp.int32)
-        segments = common.query_segments(B, T)
-        kv_segments = common.key_segments(mask, B, T)
-        if cache is not None:
-            common.check_cache_room(cache, T)
-            kv_segments = jax.lax.dynamic_update_slice(cache.segments, kv_segments,
-                                                       (0, cache.index))
-        attn_kw = {"implementation": implementation, "block_q": block_q, "block_k": block_k}
-        new_k, new_v = [], []
+        call = common.DecoderCall(input_ids, attention_mask=attention_mask, positions=positions,
+                                  cache=cache, num_layers=self.config.num_hidden_layers,
+                                  implementation=implementation, block_q=block_q,
+                                  block_k=block_k)
         rope = rope_from_config(self.config, angle_precision=self.angle_precision)
         for i, layer in enumerate(self.layers):
-            x, (k, v) = layer(x, rope=rope, positions=positions, segments=segments,
-                              kv_segments=kv_segments, cache=cache, layer=i, attn_kw=attn_kw)
-            new_k.append(k)
-            new_v.append(v)
+            x = layer(x, rope=rope, call=call, layer=i)
         x = self.norm(x)
-        if self.lm_head is None:
-            logits = x @ emb.T.astype(x.dtype)
-        else:
-            logits = self.lm_head(x)
-        logits = logits.astype(jnp.float32)
-        if cache is not None:
-            # A traced index cannot raise; a write past the end would be clamped by
-            # dynamic_update_slice onto other slots, so such logits become NaN instead.
-            overflow = cache.index + T > cache.max_len
-            logits = jnp.where(overflow, jnp.nan, logits)
-            cache = cache.advance(new_k, new_v, positions, common.key_segments(mask, B, T), mask)
-        return logits, cache
+        return call.finish(x @ emb.T.astype(x.dtype) if self.lm_head is None else self.lm_head(x))
 
 
 def param_mapping(config: LlamaConfig) -> dict:

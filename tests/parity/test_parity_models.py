@@ -186,7 +186,9 @@ def test_llama_kv_cache_decoding_equals_full_pass(llama_pair, llama_batch, imple
         assert step.shape == (ids.shape[0], 1, VOCAB)
         assert _max_diff(step[:, 0], np.asarray(full)[:, t]) <= TOL, t
         assert _max_diff(step[:, 0], ref[:, t]) <= TOL, t
-    np.testing.assert_array_equal(np.asarray(cache.next_position), mask.sum(-1))
+    for layer_cache in cache:  # tokens held per row, padding excluded
+        np.testing.assert_array_equal(np.asarray(layer_cache.token_count())[:, 0],
+                                      mask.sum(-1))
 
 
 def test_llama3_scaling_matters_far_from_the_origin(llama_pair, monkeypatch):
@@ -440,9 +442,10 @@ def test_llama_cache_overflow_raises_or_poisons(llama_pair):
     """A concrete write past the cache raises; a traced one gives NaN, never a clamped
     write over other slots."""
     _, model, _ = llama_pair
-    cache = model.init_cache(batch=1, max_len=3)._replace(index=jnp.asarray(2, jnp.int32))
     ids = jnp.zeros((1, 2), jnp.int32)
-    with pytest.raises(ValueError, match="cache holds 3 slots and 2 are used"):
+    _, cache = model(ids, cache=model.init_cache(batch=1, max_len=3),
+                     implementation="reference")  # 2 of 3 slots used
+    with pytest.raises(ValueError, match="KV cache overflow: writing 2 token"):
         model(ids, cache=cache, implementation="reference")
     logits, _ = _jit(model)(ids, cache=cache, implementation="reference")
     assert np.isnan(np.asarray(logits)).all()
