@@ -29,9 +29,12 @@ Example::
     hf = transformers.Gemma3ForCausalLM(hf_text_config)
     model = from_hf(hf.state_dict(), hf_text_config)
     logits, _ = model(input_ids, attention_mask=mask)
-    cache = model.init_cache(batch=B, max_len=64)
+    cache = model.init_cache(batch=B, max_len=64)     # library caches, one per layer
     logits, cache = model(prompt, attention_mask=mask, cache=cache)
     logits, cache = model(next_token[:, None], cache=cache)
+
+Every layer's cache keeps all its tokens (dense, StreamingLLM or paged, through the cache
+protocol); the sliding layers' mask hides what Hugging Face's sliding cache drops.
 """
 
 from __future__ import annotations
@@ -189,22 +192,13 @@ class Gemma3Attention(nnx.Module):
         self.q_norm = GemmaRMSNorm(c.head_dim, eps=c.rms_norm_eps, dtype=dtype)
         self.k_norm = GemmaRMSNorm(c.head_dim, eps=c.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, x, *, rope, positions, segments, kv_segments, cache, layer, attn_kw):
+    def __call__(self, x, *, rope, call: common.DecoderCall, layer: int, mask_mod):
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).reshape(B, T, self.kv_heads, self.head_dim))
         v = self.v_proj(x).reshape(B, T, self.kv_heads, self.head_dim)
-        kv_positions = positions
-        if cache is not None:
-            q, k, rope = jaxpos.nnx.rotate_at_write(rope, q, k, positions)
-            k, v = cache.write(layer, k, v)
-            kv_positions = jax.lax.dynamic_update_slice(cache.positions, positions,
-                                                        (0, cache.index))
-        out = jaxpos.attention(q, k, v, position=rope, q_positions=positions,
-                               kv_positions=kv_positions, causal=True,
-                               segment_ids=segments, kv_segment_ids=kv_segments,
-                               scale=self.scale, **attn_kw)
-        return self.o_proj(out.reshape(B, T, -1)), (k, v)
+        out = call.attend(layer, q, k, v, scheme=rope, mask_mod=mask_mod, scale=self.scale)
+        return self.o_proj(out.reshape(B, T, -1))
 
 
 class Gemma3MLP(nnx.Module):
@@ -235,13 +229,12 @@ class Gemma3Block(nnx.Module):
         self.post_feedforward_layernorm = norm()
 
     def __call__(self, x, **kw):
-        h, kv = self.self_attn(self.input_layernorm(x), **kw)
-        x = x + self.post_attention_layernorm(h)
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), **kw))
         h = self.mlp(self.pre_feedforward_layernorm(x))
-        return x + self.post_feedforward_layernorm(h), kv
+        return x + self.post_feedforward_layernorm(h)
 
 
-class Gemma3ForCausalLM(nnx.Module):
+class Gemma3ForCausalLM(common.CachedDecoderMixin, nnx.Module):
     """Gemma 3 text decoder with a language-model head.
 
     Args:
@@ -270,13 +263,6 @@ class Gemma3ForCausalLM(nnx.Module):
                         nnx.Linear(c.hidden_size, c.vocab_size, use_bias=False, dtype=dtype,
                                    rngs=rngs))
 
-    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> common.KVCache:
-        """An empty :class:`~examples.models.common.KVCache` of ``max_len`` slots (every layer
-        keeps all of them; the sliding layers' mask hides what HF's sliding cache drops)."""
-        c = self.config
-        return common.KVCache.init(c.num_hidden_layers, batch, max_len, c.num_key_value_heads,
-                                   c.head_dim, dtype)
-
     def __call__(self, input_ids, *, attention_mask=None, positions=None, cache=None,
                  implementation=None, block_q=None, block_k=None,
                  sliding_window: int | None = None):
@@ -287,7 +273,8 @@ class Gemma3ForCausalLM(nnx.Module):
           attention_mask: 0/1 ``[B, T]``, 0 for (left) padding. Default: all real.
           positions: int ``[B, T]``; default ``cumsum(attention_mask) - 1`` (plus the
             tokens already in ``cache``), as HF's ``generate`` uses.
-          cache: a :class:`KVCache` from :meth:`init_cache`, or ``None``.
+          cache: the tuple of layer caches from :meth:`init_cache` (dense, StreamingLLM or
+            paged: :class:`jaxpos.serving.ModuleDecoder` serves the model), or ``None``.
           implementation, block_q, block_k: passed to :func:`jaxpos.attention` (with both
             block sizes, the sliding layers get a :class:`jaxpos.BlockMask`).
           sliding_window: overrides ``config.sliding_window`` (experiments, controls).
@@ -306,45 +293,23 @@ class Gemma3ForCausalLM(nnx.Module):
         x = common.embed_tokens(emb, input_ids)
         # HF multiplies by sqrt(hidden_size) rounded to the weights' dtype (float32 here).
         x = x * jnp.asarray(c.hidden_size ** 0.5, emb.dtype).astype(x.dtype)
-        B, T = input_ids.shape
-        mask = common.check_attention_mask(attention_mask, B, T)
-        mask = jnp.ones((B, T), jnp.int32) if mask is None else mask
-        if positions is None:
-            positions = common.padding_positions(
-                mask, None if cache is None else cache.next_position)
-        positions = jnp.asarray(positions, jnp.int32)
-        segments = common.query_segments(B, T)
-        kv_segments = common.key_segments(mask, B, T)
-        kv_positions = positions
-        if cache is not None:
-            common.check_cache_room(cache, T)
-            kv_segments = jax.lax.dynamic_update_slice(cache.segments, kv_segments,
-                                                       (0, cache.index))
-            kv_positions = jax.lax.dynamic_update_slice(cache.positions, positions,
-                                                        (0, cache.index))
+        call = common.DecoderCall(input_ids, attention_mask=attention_mask, positions=positions,
+                                  cache=cache, num_layers=c.num_hidden_layers,
+                                  implementation=implementation, block_q=block_q,
+                                  block_k=block_k)
         window = c.sliding_window if sliding_window is None else sliding_window
-        masks = {t: common.mask_kwargs(
-            common.SlidingWindowMask(window) if t == "sliding_attention" else None,
-            q_positions=positions, kv_positions=kv_positions, implementation=implementation,
-            block_q=block_q, block_k=block_k) for t in set(c.layer_types)}
         ropes = position_schemes(c, angle_precision=self.angle_precision)
-        new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            attn_kw = {"implementation": implementation, **masks[c.layer_types[i]]}
-            x, (k, v) = layer(x, rope=ropes[i], positions=positions, segments=segments,
-                              kv_segments=kv_segments, cache=cache, layer=i, attn_kw=attn_kw)
-            new_k.append(k)
-            new_v.append(v)
+            mask_mod = (common.SlidingWindowMask(window)
+                        if c.layer_types[i] == "sliding_attention" else None)
+            x = layer(x, rope=ropes[i], call=call, layer=i, mask_mod=mask_mod)
         x = self.norm(x)
-        logits = x @ emb.T.astype(x.dtype) if self.lm_head is None else self.lm_head(x)
+        logits = (x @ emb.T.astype(x.dtype) if self.lm_head is None else self.lm_head(x))
         logits = logits.astype(jnp.float32)
         if c.final_logit_softcapping is not None:
             cap = float(c.final_logit_softcapping)
             logits = jnp.tanh(logits / cap) * cap
-        if cache is not None:
-            logits = jnp.where(cache.index + T > cache.max_len, jnp.nan, logits)
-            cache = cache.advance(new_k, new_v, positions, common.key_segments(mask, B, T), mask)
-        return logits, cache
+        return call.finish(logits)
 
 
 def param_mapping(config: Gemma3Config) -> dict:

@@ -142,7 +142,7 @@ class Qwen3Attention(nnx.Module):
         self.q_norm = _rms_norm(c.head_dim, c, dtype, rngs)
         self.k_norm = _rms_norm(c.head_dim, c, dtype, rngs)
 
-    def __call__(self, x, *, rope, positions, segments, kv_segments, cache, layer, attn_kw,
+    def __call__(self, x, *, rope, call: common.DecoderCall, layer: int, mask_mod,
                  qk_norm=True):
         B, T, _ = x.shape
         q = self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim)
@@ -150,16 +150,8 @@ class Qwen3Attention(nnx.Module):
         v = self.v_proj(x).reshape(B, T, self.kv_heads, self.head_dim)
         if qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        kv_positions = positions
-        if cache is not None:
-            q, k, rope = jaxpos.nnx.rotate_at_write(rope, q, k, positions)
-            k, v = cache.write(layer, k, v)
-            kv_positions = jax.lax.dynamic_update_slice(cache.positions, positions,
-                                                        (0, cache.index))
-        out = jaxpos.attention(q, k, v, position=rope, q_positions=positions,
-                               kv_positions=kv_positions, causal=True, segment_ids=segments,
-                               kv_segment_ids=kv_segments, **attn_kw)
-        return self.o_proj(out.reshape(B, T, -1)), (k, v)
+        out = call.attend(layer, q, k, v, scheme=rope, mask_mod=mask_mod)
+        return self.o_proj(out.reshape(B, T, -1))
 
 
 class Qwen3MLP(nnx.Module):
@@ -187,12 +179,11 @@ class Qwen3Block(nnx.Module):
         self.mlp = Qwen3MLP(c, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, **kw):
-        h, kv = self.self_attn(self.input_layernorm(x), **kw)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+        x = x + self.self_attn(self.input_layernorm(x), **kw)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3ForCausalLM(nnx.Module):
+class Qwen3ForCausalLM(common.CachedDecoderMixin, nnx.Module):
     """Qwen3 decoder with a language-model head.
 
     Args:
@@ -221,12 +212,6 @@ class Qwen3ForCausalLM(nnx.Module):
                         nnx.Linear(c.hidden_size, c.vocab_size, use_bias=False, dtype=dtype,
                                    rngs=rngs))
 
-    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> common.KVCache:
-        """An empty :class:`~examples.models.common.KVCache` of ``max_len`` slots."""
-        c = self.config
-        return common.KVCache.init(c.num_hidden_layers, batch, max_len, c.num_key_value_heads,
-                                   c.head_dim, dtype)
-
     def __call__(self, input_ids, *, attention_mask=None, positions=None, cache=None,
                  implementation=None, block_q=None, block_k=None, qk_norm: bool = True):
         """Logits of the next token.
@@ -236,7 +221,8 @@ class Qwen3ForCausalLM(nnx.Module):
           attention_mask: 0/1 ``[B, T]``, 0 for (left) padding. Default: all real.
           positions: int ``[B, T]``; default ``cumsum(attention_mask) - 1`` (plus the
             tokens already in ``cache``), as HF's ``generate`` uses.
-          cache: a :class:`KVCache` from :meth:`init_cache`, or ``None``.
+          cache: the tuple of layer caches from :meth:`init_cache` (dense, StreamingLLM or
+            paged: :class:`jaxpos.serving.ModuleDecoder` serves the model), or ``None``.
           implementation, block_q, block_k: passed to :func:`jaxpos.attention` (with both
             block sizes, sliding layers get a :class:`jaxpos.BlockMask`).
           qk_norm: ``False`` skips QK-norm (a negative control only).
@@ -251,42 +237,17 @@ class Qwen3ForCausalLM(nnx.Module):
         c = self.config
         emb = self.embed_tokens.embedding[...]
         x = common.embed_tokens(emb, input_ids)
-        B, T = input_ids.shape
-        mask = common.check_attention_mask(attention_mask, B, T)
-        mask = jnp.ones((B, T), jnp.int32) if mask is None else mask
-        if positions is None:
-            positions = common.padding_positions(
-                mask, None if cache is None else cache.next_position)
-        positions = jnp.asarray(positions, jnp.int32)
-        segments = common.query_segments(B, T)
-        kv_segments = common.key_segments(mask, B, T)
-        kv_positions = positions
-        if cache is not None:
-            common.check_cache_room(cache, T)
-            kv_segments = jax.lax.dynamic_update_slice(cache.segments, kv_segments,
-                                                       (0, cache.index))
-            kv_positions = jax.lax.dynamic_update_slice(cache.positions, positions,
-                                                        (0, cache.index))
-        masks = {t: common.mask_kwargs(
-            common.SlidingWindowMask(c.sliding_window) if t == "sliding_attention" else None,
-            q_positions=positions, kv_positions=kv_positions, implementation=implementation,
-            block_q=block_q, block_k=block_k) for t in set(c.layer_types)}
+        call = common.DecoderCall(input_ids, attention_mask=attention_mask, positions=positions,
+                                  cache=cache, num_layers=c.num_hidden_layers,
+                                  implementation=implementation, block_q=block_q,
+                                  block_k=block_k)
+        sliding = common.SlidingWindowMask(c.sliding_window) if c.sliding_window else None
         rope = rope_from_config(c, angle_precision=self.angle_precision)
-        new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            attn_kw = {"implementation": implementation, **masks[c.layer_types[i]]}
-            x, (k, v) = layer(x, rope=rope, positions=positions, segments=segments,
-                              kv_segments=kv_segments, cache=cache, layer=i, attn_kw=attn_kw,
-                              qk_norm=qk_norm)
-            new_k.append(k)
-            new_v.append(v)
+            mask_mod = sliding if c.layer_types[i] == "sliding_attention" else None
+            x = layer(x, rope=rope, call=call, layer=i, mask_mod=mask_mod, qk_norm=qk_norm)
         x = self.norm(x)
-        logits = x @ emb.T.astype(x.dtype) if self.lm_head is None else self.lm_head(x)
-        logits = logits.astype(jnp.float32)
-        if cache is not None:
-            logits = jnp.where(cache.index + T > cache.max_len, jnp.nan, logits)
-            cache = cache.advance(new_k, new_v, positions, common.key_segments(mask, B, T), mask)
-        return logits, cache
+        return call.finish(x @ emb.T.astype(x.dtype) if self.lm_head is None else self.lm_head(x))
 
 
 def param_mapping(config: Qwen3Config) -> dict:
