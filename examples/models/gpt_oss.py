@@ -23,8 +23,10 @@ The two attention features of GPT-OSS are jaxpos arguments, not code in this fil
   chunked and Pallas paths skip the tiles outside the band.
 
 Positions are explicit (``cumsum(attention_mask) - 1``), so left padding and KV-cache
-decoding need no special case; the cache stores unrotated keys of every layer (a sliding
-layer just masks the old ones, as HF's mask does; HF's sliding cache drops them).
+decoding need no special case. Decoding uses the library's caches through their protocol
+(one per layer: dense, StreamingLLM or paged), so :class:`jaxpos.serving.ModuleDecoder`
+serves the model; every layer's cache keeps all its tokens (a sliding layer just masks the
+old ones, as HF's mask does; HF's sliding cache drops them).
 
 Example::
 
@@ -188,23 +190,15 @@ class GptOssAttention(nnx.Module):
         self.o_proj = lin(c.num_attention_heads * c.head_dim, c.hidden_size)
         self.sinks = nnx.Param(jnp.zeros((c.num_attention_heads,), jnp.float32))
 
-    def __call__(self, x, *, rope, positions, segments, kv_segments, cache, layer, mask_kw,
-                 attn_kw, use_sinks=True):
+    def __call__(self, x, *, rope, call: common.DecoderCall, layer: int, mask_mod,
+                 use_sinks=True):
         B, T, _ = x.shape
         q = self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(B, T, self.kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(B, T, self.kv_heads, self.head_dim)
-        kv_positions = positions
-        if cache is not None:  # every slot; unwritten ones have segment 0
-            k, v = cache.write(layer, k, v)
-            kv_positions = jax.lax.dynamic_update_slice(cache.positions, positions,
-                                                        (0, cache.index))
         sinks = self.sinks[...] if use_sinks else None
-        out = jaxpos.attention(q, k, v, position=rope, sinks=sinks,
-                               q_positions=positions, kv_positions=kv_positions, causal=True,
-                               segment_ids=segments, kv_segment_ids=kv_segments,
-                               **mask_kw, **attn_kw)
-        return self.o_proj(out.reshape(B, T, -1)), (k, v)
+        out = call.attend(layer, q, k, v, scheme=rope, mask_mod=mask_mod, sinks=sinks)
+        return self.o_proj(out.reshape(B, T, -1))
 
 
 class GptOssMLP(nnx.Module):
@@ -256,12 +250,11 @@ class GptOssBlock(nnx.Module):
         self.mlp = GptOssMLP(config, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, **kw):
-        h, kv = self.self_attn(self.input_layernorm(x), **kw)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+        x = x + self.self_attn(self.input_layernorm(x), **kw)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class GptOssForCausalLM(nnx.Module):
+class GptOssForCausalLM(common.CachedDecoderMixin, nnx.Module):
     """GPT-OSS decoder with a language-model head.
 
     Args:
@@ -287,13 +280,6 @@ class GptOssForCausalLM(nnx.Module):
         self.lm_head = (None if c.tie_word_embeddings else
                         nnx.Linear(c.hidden_size, c.vocab_size, use_bias=False, dtype=dtype,
                                    rngs=rngs))
-
-    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> common.KVCache:
-        """An empty :class:`~examples.models.common.KVCache` for ``batch`` rows of up to
-        ``max_len`` tokens (prompt, padding and generated tokens together)."""
-        c = self.config
-        return common.KVCache.init(c.num_hidden_layers, batch, max_len, c.num_key_value_heads,
-                                   c.head_dim, dtype)
 
     def layer_masks(self, positions, kv_positions, *, implementation=None, block_q=None,
                     block_k=None, sliding_window: int | None = None) -> dict:
@@ -325,7 +311,8 @@ class GptOssForCausalLM(nnx.Module):
             prompts). Default: all real.
           positions: int ``[B, T]``; default ``cumsum(attention_mask) - 1`` (plus the
             tokens already in ``cache``), as HF's ``generate`` uses.
-          cache: a :class:`KVCache` from :meth:`init_cache` to write into, or ``None``.
+          cache: the tuple of layer caches from :meth:`init_cache` (dense, StreamingLLM or
+            paged: :class:`jaxpos.serving.ModuleDecoder` serves the model), or ``None``.
           implementation, block_q, block_k: passed to :func:`jaxpos.attention`.
           rope: override the rotary scheme (default :func:`rope_from_config`);
             sliding_window: override the band width of the sliding layers; use_sinks:
@@ -338,45 +325,22 @@ class GptOssForCausalLM(nnx.Module):
         Raises:
           ValueError / TypeError: bad ids, mask shape, a full cache, bad implementation.
         """
+        c = self.config
         emb = self.embed_tokens.embedding[...]
         x = common.embed_tokens(emb, input_ids)
-        B, T = input_ids.shape
-        mask = common.check_attention_mask(attention_mask, B, T)
-        mask = jnp.ones((B, T), jnp.int32) if mask is None else mask
-        if positions is None:
-            positions = common.padding_positions(
-                mask, None if cache is None else cache.next_position)
-        positions = jnp.asarray(positions, jnp.int32)
-        segments = common.query_segments(B, T)
-        kv_segments = common.key_segments(mask, B, T)
-        kv_positions = positions
-        if cache is not None:
-            common.check_cache_room(cache, T)
-            kv_segments = jax.lax.dynamic_update_slice(cache.segments, kv_segments,
-                                                       (0, cache.index))
-            kv_positions = jax.lax.dynamic_update_slice(cache.positions, positions,
-                                                        (0, cache.index))
-        attn_kw = {"implementation": implementation}
-        masks = self.layer_masks(positions, kv_positions, implementation=implementation,
-                                 block_q=block_q, block_k=block_k, sliding_window=sliding_window)
+        call = common.DecoderCall(input_ids, attention_mask=attention_mask, positions=positions,
+                                  cache=cache, num_layers=c.num_hidden_layers,
+                                  implementation=implementation, block_q=block_q,
+                                  block_k=block_k)
+        window = c.sliding_window if sliding_window is None else sliding_window
         if rope is None:
-            rope = rope_from_config(self.config, angle_precision=self.angle_precision)
-        new_k, new_v = [], []
+            rope = rope_from_config(c, angle_precision=self.angle_precision)
         for i, layer in enumerate(self.layers):
-            mask_kw = masks[self.config.layer_types[i]]
-            x, (k, v) = layer(x, rope=rope, positions=positions, segments=segments,
-                              kv_segments=kv_segments, cache=cache, layer=i, mask_kw=mask_kw,
-                              attn_kw=attn_kw, use_sinks=use_sinks)
-            new_k.append(k)
-            new_v.append(v)
+            mask_mod = (common.SlidingWindowMask(window)
+                        if c.layer_types[i] == "sliding_attention" else None)
+            x = layer(x, rope=rope, call=call, layer=i, mask_mod=mask_mod, use_sinks=use_sinks)
         x = self.norm(x)
-        logits = x @ emb.T.astype(x.dtype) if self.lm_head is None else self.lm_head(x)
-        logits = logits.astype(jnp.float32)
-        if cache is not None:
-            overflow = cache.index + T > cache.max_len
-            logits = jnp.where(overflow, jnp.nan, logits)
-            cache = cache.advance(new_k, new_v, positions, common.key_segments(mask, B, T), mask)
-        return logits, cache
+        return call.finish(x @ emb.T.astype(x.dtype) if self.lm_head is None else self.lm_head(x))
 
 
 def param_mapping(config: GptOssConfig) -> dict:
