@@ -301,10 +301,13 @@ class ServingEngine:
         return pages_for(max(len(r.prompt) + r.max_new_tokens, padded), self.page_size)
 
     def _grow(self, run: _Running, slots: int) -> None:
-        """Hand ``run`` the pages for ``slots`` filled slots."""
+        """Hand ``run`` the pages for ``slots`` filled slots (its run of pages extended in
+        place where the pool allows: consecutive pages read faster)."""
         more = pages_for(slots, self.page_size) - len(run.pages)
         if more > 0:
-            run.pages.extend(self.allocator.allocate(more))
+            run.pages.extend(self.allocator.allocate(
+                more, after=run.pages[-1] if run.pages else None,
+                expect=max(more, run.booked - len(run.pages))))
 
     def _table(self, running: list[_Running | None]) -> np.ndarray:
         t = np.full((len(running), self.pages_per_seq), -1, np.int32)

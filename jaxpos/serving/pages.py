@@ -5,6 +5,11 @@ PagedAttention", §4.2-4.3: the keys and values of every sequence live in fixed-
 of one pool; a per-sequence page table maps slot ``s`` to offset ``s % page_size`` of page
 ``table[s // page_size]``; pages are handed out as a sequence grows and returned when it
 ends, so memory follows the tokens held, not ``batch x max_len``.
+
+Any pages are correct; consecutive ones are faster to read (a key block of a decode step
+is then a few long runs of memory, not one short page each from anywhere in the pool), so
+the allocator places each request in a run of consecutive free pages where the pool has
+one, and a growing request extends its run in place.
 """
 
 from __future__ import annotations
@@ -17,12 +22,29 @@ from jaxpos.layers.cache.paged import pages_for, write_pages
 __all__ = ["PageAllocator", "pages_for", "table_array", "write_pages"]
 
 
+def _runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, lengths)`` of the maximal runs of True in a bool vector, in order."""
+    edges = np.diff(np.concatenate(([0], mask.astype(np.int8), [0])))
+    starts = np.flatnonzero(edges == 1)
+    return starts, np.flatnonzero(edges == -1) - starts
+
+
 class PageAllocator:
-    """A free list of page indices ``0 .. num_pages - 1`` (host side, plain Python).
+    """Page indices ``0 .. num_pages - 1`` handed out in runs of consecutive pages (host
+    side, plain Python and NumPy).
 
     ``reserve(n)`` books pages for a request before it runs (admission control: a running
-    request always finds the pages it may still need), ``allocate(n)`` hands out booked
-    pages as the request grows, ``free(pages, reserved)`` returns both when it ends.
+    request always finds the pages it may still need), ``allocate(n, after=, expect=)``
+    hands out booked pages as the request grows, ``free(pages, reserved)`` returns both
+    when it ends.
+
+    Placement (any pages are correct; consecutive ones read faster): a request's first
+    pages go at the start of the smallest free run that holds every page it ``expect`` s
+    to take (best fit, as a memory allocator places a block), and the free pages after its
+    last page stay its room: other requests are placed elsewhere while the pool has other
+    free pages, so the request grows in place (``after``). From a fragmented pool (no run
+    long enough) the longest free runs are used first; rooms are given up only when
+    nothing else is free. Allocation succeeds whenever the pool has ``n`` free pages.
 
     Args:
       num_pages: pool size, a positive int.
@@ -33,14 +55,17 @@ class PageAllocator:
 
     def __init__(self, num_pages: int):
         self.num_pages = _checks.check_positive_int("num_pages", num_pages)
-        self._free = list(range(self.num_pages - 1, -1, -1))  # pop() hands out 0, 1, ...
+        self._is_free = np.ones(self.num_pages, bool)
+        self._num_free = self.num_pages
+        # last page of a request's run -> end (exclusive) of the free pages kept for it
+        self._room: dict[int, int] = {}
         self.reserved = 0  # booked by running requests (allocated or not yet)
         self.peak_in_use = 0
 
     @property
     def in_use(self) -> int:
         """Pages handed out and not yet freed."""
-        return self.num_pages - len(self._free)
+        return self.num_pages - self._num_free
 
     @property
     def available(self) -> int:
@@ -54,34 +79,117 @@ class PageAllocator:
         self.reserved += n
         return True
 
-    def allocate(self, n: int) -> list[int]:
-        """Hand out ``n`` booked pages.
+    def _claimed(self) -> np.ndarray:
+        """bool ``[num_pages]``: the free pages kept as some request's room."""
+        out = np.zeros(self.num_pages, bool)
+        for last, end in self._room.items():
+            out[last + 1:end] = True
+        return out & self._is_free
+
+    def _take(self, pages: list[int]) -> list[int]:
+        self._is_free[pages] = False
+        self._num_free -= len(pages)
+        return pages
+
+    def allocate(self, n: int, *, after: int | None = None,
+                 expect: int | None = None) -> list[int]:
+        """Hand out ``n`` booked pages, in runs of consecutive pages where the pool has
+        them.
+
+        Args:
+          n: pages to hand out (an int >= 0).
+          after: the last page the request holds (None for its first pages): the free
+            pages right after it are taken first, so its run grows in place.
+          expect: pages the request may still take, these ``n`` included (default
+            ``n``; at least ``n``): a new run starts where that many fit, and the pages
+            past the ``n`` handed out are kept as the request's room.
+
+        Returns:
+          ``n`` distinct page indices, in slot order (each run ascending).
 
         Raises:
           ValueError: the pool has fewer than ``n`` free pages (more handed out than
-            booked).
+            booked); ``after`` not a page this pool handed out; ``expect < n``.
+          TypeError: ``n``, ``after`` or ``expect`` not an int.
         """
-        if n > len(self._free):
-            raise ValueError(f"page pool exhausted: {n} page(s) requested, {len(self._free)} "
+        n = _checks.check_nonneg_int("n", n)
+        if n > self._num_free:
+            raise ValueError(f"page pool exhausted: {n} page(s) requested, {self._num_free} "
                              f"free of num_pages={self.num_pages}; reserve pages before "
                              f"allocating them.")
-        out = [self._free.pop() for _ in range(n)]
+        expect = n if expect is None else _checks.check_nonneg_int("expect", expect)
+        if expect < n:
+            raise ValueError(f"expect (pages the request may still take) must be >= n = "
+                             f"{n}; got {expect}.")
+        end = None
+        if after is not None:
+            after = _checks.check_nonneg_int("after", after)
+            if after >= self.num_pages or self._is_free[after]:
+                what = "a free page" if after < self.num_pages else "outside the pool"
+                raise ValueError(f"after must be a page this pool handed out (the request's "
+                                 f"last page) in [0, num_pages={self.num_pages}); got "
+                                 f"{after}, {what}.")
+            end = self._room.pop(after, None)
+        if n == 0:
+            if after is not None and end is not None:
+                self._room[after] = end
+            return []
+        claimed = self._claimed()
+        out: list[int] = []
+        if after is not None:  # grow in place
+            p = after + 1
+            while len(out) < n and p < self.num_pages and self._is_free[p] and not claimed[p]:
+                out.append(p)
+                p += 1
+            self._take(out)
+        need = n - len(out)
+        if need:
+            out += self._place(need, max(need, expect - len(out)), claimed)
+        room = (out[-1] + 1 + expect - n if expect > n
+                else end if end is not None and after is not None and out[0] == after + 1
+                else None)
+        if room is not None and room > out[-1] + 1:
+            self._room[out[-1]] = min(self.num_pages, room)
         self.peak_in_use = max(self.peak_in_use, self.in_use)
         return out
 
+    def _place(self, n: int, want: int, claimed: np.ndarray) -> list[int]:
+        """``n`` free pages for a new run: the start of the smallest unclaimed free run
+        holding ``want`` (else ``n``) pages; else the longest runs first, rooms last."""
+        free = self._is_free & ~claimed
+        starts, lengths = _runs(free)
+        for size in (want, n):
+            fits = np.flatnonzero(lengths >= size)
+            if fits.size:
+                i = fits[np.argmin(lengths[fits])]  # the smallest (then lowest) that fits
+                return self._take(list(range(int(starts[i]), int(starts[i]) + n)))
+        out: list[int] = []
+        for mask in (free, self._is_free):  # a fragmented pool: rooms are given up last
+            starts, lengths = _runs(mask & self._is_free)
+            for i in np.argsort(-lengths, kind="stable"):
+                s = int(starts[i])
+                out += self._take(list(range(s, s + min(int(lengths[i]), n - len(out)))))
+                if len(out) == n:
+                    return out
+        raise AssertionError("unreachable: n <= the free pages")
+
     def free(self, pages: list[int], reserved: int = 0) -> None:
-        """Return ``pages`` to the pool and release ``reserved`` bookings.
+        """Return ``pages`` to the pool (with the room kept after them) and release
+        ``reserved`` bookings.
 
         Raises:
-          ValueError: a page outside the pool, or one already free.
+          ValueError: a page outside the pool, one already free, or one given twice.
         """
-        free = set(self._free)
+        seen: set[int] = set()
         for p in pages:
-            if not 0 <= p < self.num_pages or p in free:
+            if not 0 <= p < self.num_pages or self._is_free[p] or p in seen:
                 raise ValueError(f"page {p} is not an allocated page of this pool "
                                  f"(num_pages={self.num_pages}).")
-            free.add(p)
-        self._free.extend(reversed(pages))
+            seen.add(p)
+        for p in pages:
+            self._room.pop(p, None)
+        self._is_free[list(seen)] = True
+        self._num_free += len(seen)
         self.reserved = max(0, self.reserved - reserved)
 
 
