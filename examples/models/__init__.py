@@ -21,11 +21,21 @@ each with a converter from a Hugging Face PyTorch state dict (``from_hf``):
 * :mod:`examples.models.deepseek_v3`: DeepSeek-V3 decoder, multi-head latent attention with
   decoupled RoPE (:mod:`jaxpos.schemes.mla`), YaRN softmax mscale, a latent KV cache, DeepSeekMoE
   (``tests/parity/test_parity_deepseek_v3.py``).
-* :mod:`examples.models.common`: padding -> positions and segment ids, the KV cache, and
-  the checked state-dict loader.
+* :mod:`examples.models.common`: padding -> positions and segment ids, the shared decoder
+  plumbing on the library's caches (:class:`~examples.models.common.DecoderCall`), and the
+  checked state-dict loader.
+* :mod:`examples.models.pretrained`: :func:`from_pretrained`, a Hugging Face checkpoint
+  folder (``config.json`` + ``*.safetensors``, sharded or not) loaded into its port without
+  PyTorch.
+
+The decoder-only ports decode through the library's caches (``init_cache``: dense,
+StreamingLLM, paged), so :class:`jaxpos.serving.ModuleDecoder` serves them in the
+continuous-batching loop.
 
 ``tests/parity/test_parity_models.py`` compares all four with transformers on CPU PyTorch.
 """
 
-__all__ = ["bloom", "common", "deepseek_v3", "gemma3", "gemma4", "gpt2", "gpt_oss", "llama",
-           "llama4", "qwen3", "t5"]
+from examples.models.pretrained import from_pretrained
+
+__all__ = ["bloom", "common", "deepseek_v3", "from_pretrained", "gemma3", "gemma4", "gpt2",
+           "gpt_oss", "llama", "llama4", "pretrained", "qwen3", "t5"]

@@ -188,7 +188,8 @@ class ModuleDecoder:
                              f"PaTH's decode state, its short convolution's last inputs); "
                              f"decode it with model.decode_step and its own init_cache.")
         self._graphdef, self.params = nnx.split(model)
-        self.vocab_size = int(model.embed.embedding.shape[0])
+        vocab = getattr(model, "vocab_size", None)  # DecoderLM and the example ports
+        self.vocab_size = int(vocab if vocab is not None else model.embed.embedding.shape[0])
         self._model = model
 
     def init_pool(self, num_pages: int, page_size: int) -> tuple:
