@@ -55,9 +55,10 @@ class TokenStream:
     """The iterator :meth:`jaxpos.serving.ServingEngine.stream` returns: the
     :class:`StreamEvent` s of its requests in the order their tokens are produced.
 
-    Requests may be cancelled between events (:meth:`ServingEngine.cancel`); closing the
-    stream (:meth:`close`, leaving a ``with`` block, or dropping it unfinished) ends every
-    request still waiting or running and returns their pages to the pool.
+    Requests may be cancelled between events
+    (:meth:`jaxpos.serving.ServingEngine.cancel`); closing the stream
+    (:meth:`TokenStream.close`, leaving a ``with`` block, or dropping it unfinished) ends
+    every request still waiting or running and returns their pages to the pool.
 
     Attributes:
       completions: the :class:`jaxpos.serving.Completion` of every request ended so far,
