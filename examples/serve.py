@@ -18,6 +18,11 @@ once; here every fifth request, a client that stops reading).
     python examples/serve.py --position alibi --slots 16 --page-size 8
     python examples/serve.py --compare-static               # also the static padded batch
     python examples/serve.py --stop-token-ids 7,11 --cancel-after 8
+    python examples/serve.py --checkpoint path/to/hf_checkpoint   # a Llama, Qwen3, ... folder
+
+With ``--checkpoint DIR`` the model is a Hugging Face checkpoint folder (``config.json`` and
+``*.safetensors``) loaded by :func:`examples.models.from_pretrained` and served through
+:class:`jaxpos.serving.ModuleDecoder` (prompts are random ids of its vocabulary).
 
 Prints a summary: generated tokens per second, time to first token (median and p90),
 how requests ended (budget, stop token, cancelled), pages in use (peak, and pages *
@@ -33,6 +38,7 @@ import json
 import resource
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
@@ -104,6 +110,11 @@ def parse(argv):
                     help="cancel every fifth request once it has streamed this many tokens")
     ap.add_argument("--json", default=None, help="write the summary here")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--checkpoint", default=None, metavar="DIR",
+                    help="serve this Hugging Face checkpoint folder (config.json + "
+                         "*.safetensors, examples.models.from_pretrained) instead of the "
+                         "random PagedDecoder; --position, --d-model, --layers, --heads, "
+                         "--kv-heads, --vocab are then the checkpoint's")
     args = ap.parse_args(argv)
     try:
         args.stop_token_ids = [int(t) for t in args.stop_token_ids.split(",") if t.strip()]
@@ -138,10 +149,11 @@ def serve(engine: ServingEngine, requests, *, progress: bool, label: str,
         return stream.completions, stream.stats
 
 
-def summarize(done, stats, engine: ServingEngine, model: PagedDecoder) -> dict:
+def summarize(done, stats, engine: ServingEngine, model=None) -> dict:
     ttft = np.asarray([c.time_to_first_token for c in done])
-    page_bytes = (2 * model.num_layers * engine.page_size * model.kv_heads * model.head_dim
-                  * jnp.dtype(model.dtype).itemsize)
+    # bytes of one page across every layer's pools (any model: PagedDecoder, a checkpoint)
+    page_bytes = (sum(x.nbytes for x in jax.tree.leaves(engine.pool))
+                  / engine.allocator.num_pages)
     return {
         "requests": len(done), "generated_tokens": stats.generated,
         "wall_s": round(stats.wall, 3), "tokens_per_s": round(stats.tokens_per_second, 1),
@@ -161,12 +173,31 @@ def summarize(done, stats, engine: ServingEngine, model: PagedDecoder) -> dict:
     }
 
 
+def load_checkpoint(path: str):
+    """``(ModuleDecoder over the port of the checkpoint folder, its model_type)``."""
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])  # the repository, for examples.models
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from examples.models import from_pretrained
+    from examples.models.pretrained import load_config
+    from jaxpos.serving import ModuleDecoder
+
+    return ModuleDecoder(from_pretrained(path)), load_config(path).model_type
+
+
 def main(argv=None) -> dict:
     args = parse(argv)
-    model = PagedDecoder(vocab_size=args.vocab, d_model=args.d_model, num_layers=args.layers,
-                         num_heads=args.heads, num_kv_heads=args.kv_heads,
-                         position=make_position(args.position, args.heads,
-                                                args.d_model // args.heads), seed=args.seed)
+    if args.checkpoint:
+        model, args.position = load_checkpoint(args.checkpoint)
+        args.vocab = model.vocab_size
+    else:
+        model = PagedDecoder(vocab_size=args.vocab, d_model=args.d_model,
+                             num_layers=args.layers, num_heads=args.heads,
+                             num_kv_heads=args.kv_heads,
+                             position=make_position(args.position, args.heads,
+                                                    args.d_model // args.heads), seed=args.seed)
     requests = long_tail_requests(args.requests, vocab_size=args.vocab, seed=args.seed,
                                   prompt_median=args.prompt_median,
                                   output_median=args.output_median, max_prompt=args.max_prompt,

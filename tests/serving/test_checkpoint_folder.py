@@ -149,3 +149,27 @@ def test_bad_folders_raise_naming_the_problem(tmp_path):
     del short["model.layers.0.mlp.up_proj.weight"]
     with pytest.raises(ValueError, match="no key 'model.layers.0.mlp.up_proj.weight'"):
         from_pretrained(_folder(tmp_path / "short", short))
+
+
+@pytest.mark.slow  # compiles the loop's prefill and decode steps (~10 s of CPU)
+def test_serve_example_serves_a_checkpoint_folder(tmp_path):
+    """``examples/serve.py --checkpoint DIR``: the long-tail workload over the folder's
+    model (its vocabulary), every request its token budget."""
+    import importlib.util
+
+    folder = _folder(tmp_path / "ckpt", _tensors(2), shards=2)
+    spec = importlib.util.spec_from_file_location("_serve_ckpt", ROOT / "examples" / "serve.py")
+    serve = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = serve
+    spec.loader.exec_module(serve)
+    sizes = dict(prompt_median=5, output_median=4, max_prompt=12, max_output=12)
+    out = serve.main(["--checkpoint", str(folder), "--requests", "5", "--slots", "2",
+                      "--page-size", "4", "--max-len", "24", "--prefill-chunk", "4",
+                      "--no-progress", *[f"--{k.replace('_', '-')}={v}"
+                                         for k, v in sizes.items()]])
+    budget = sum(r.max_new_tokens for r in serve.long_tail_requests(
+        5, vocab_size=CONFIG["vocab_size"], **sizes))
+    s = out["continuous"]
+    assert s["requests"] == 5 and s["generated_tokens"] == budget
+    # one page: 4 slots x (1 key + 1 value head of 4 float32) x 1 layer
+    assert s["peak_kv_mib_paged"] == round(s["peak_pages"] * 4 * 2 * 4 * 4 / 2**20, 3)
