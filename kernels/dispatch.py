@@ -138,6 +138,8 @@ class PallasEngine:
 
     name = "pallas"
     rotates_on_load = True
+    second_derivatives = False  # the kernel's backward is not differentiable again
+    varying_types_on_cpu = False  # the Pallas interpreter inside shard_map
 
     def refuses(self, call: AttentionCall) -> str | TypeError | None:
         """What :func:`jaxpos.core.engines.fused_refusal` refuses, a boolean mask array,

@@ -85,6 +85,7 @@ import jax.numpy as jnp
 
 from jaxpos import _checks
 from jaxpos._util import match_vma, sink_gradient, zero_cotangent
+from jaxpos.core import engines
 from jaxpos.core.dropout import Dropout
 from jaxpos.kernels.backward import backward, backward_rows
 from jaxpos.kernels.config import (
@@ -110,9 +111,6 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "RopeTables", "kernel_attention",
            "kernel_call", "rope_tables", "run_call"]
 
-#: The paths that differentiate twice (the kernel's backward is not differentiable).
-SECOND_ORDER_PATHS = ("reference", "chunked", "xla")
-
 
 # ----------------------------------------------------------------------- custom VJP core
 def _refuse_second_order(cfg, primals, tangents):
@@ -120,7 +118,7 @@ def _refuse_second_order(cfg, primals, tangents):
         "implementation='pallas' computes first derivatives only: the fused kernel's "
         "forward and backward passes are not differentiable again (a second derivative, a "
         "Hessian or a Hessian-vector product would differentiate them). Use implementation="
-        + ", ".join(repr(p) for p in SECOND_ORDER_PATHS)
+        + ", ".join(repr(p) for p in engines.engines_with("second_derivatives", True))
         + " for higher-order derivatives; they give the exact answer.")
 
 
@@ -274,7 +272,7 @@ def kernel_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
     Returns:
       ``[B, Tq, N, H_v]`` in q's dtype, or ``(out, lse)`` with ``return_lse``. First
       derivatives only: differentiating the gradient raises ``NotImplementedError``
-      naming the paths that support it (``SECOND_ORDER_PATHS``).
+      naming the engines that declare ``second_derivatives``.
 
     Raises:
       ValueError / TypeError: as :func:`kernel_call`; tile sizes that are not powers of

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from jaxpos._util import match_vma, pad_axis, sink_gradient, zero_cotangent
 from jaxpos.core.call import AttentionCall, apply_rope_tables
-from jaxpos.core.decode import decode_shaped, run_chunked_decode
+from jaxpos.core.decode import decode_shaped, run_chunked_decode, run_paged_decode
 from jaxpos.core.dropout import Dropout, keep_tile
 from jaxpos.core.engines import register_engine
 from jaxpos.core.reference import (
@@ -37,6 +37,7 @@ from jaxpos.core.reference import (
 )
 from jaxpos.core.tiles import online_softmax_step, softmax_finish, softmax_start
 from jaxpos.mods import EMPTY, FULL, PARTIAL, BlockMask
+from jaxpos.schemes.base import PositionScheme
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "NEG_INF", "Blocked", "ChunkCfg", "ChunkedEngine", "blocks",
            "chunk_inputs", "chunked_attention", "chunked_backward", "chunked_forward",
@@ -474,6 +475,23 @@ class ChunkedEngine:
         in the lse; both differentiable)."""
         out, lse = _tiled(call)
         return jnp.swapaxes(out, 1, 2).astype(call.q.dtype), lse
+
+    def ring_tile(self, call: AttentionCall) -> tuple[int, int]:
+        """The ring runs this engine's tiles itself: ``block_q x block_k`` (default
+        :data:`BLOCK_Q` x :data:`BLOCK_K`), at most the call's lengths."""
+        return (min(call.block_q or BLOCK_Q, call.q_len),
+                min(call.block_k or BLOCK_K, call.kv_len))
+
+    def run_paged(self, call: AttentionCall, k_pages: jax.Array, v_pages: jax.Array,
+                  page_table: jax.Array) -> jax.Array | None:
+        """A decode-shaped paged call (:func:`jaxpos.core.decode.decode_shaped`) walks the
+        page table block by block (:func:`jaxpos.core.decode.run_paged_decode`); None
+        (run on the gathered keys) for longer calls and for a scheme that transforms keys
+        per call (cached keys are read as stored)."""
+        if not decode_shaped(call) or \
+                type(call.scheme).transform_qk is not PositionScheme.transform_qk:
+            return None
+        return run_paged_decode(call, k_pages, v_pages, page_table)
 
 
 register_engine(ChunkedEngine())

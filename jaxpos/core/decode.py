@@ -35,7 +35,8 @@ from jaxpos.core.tiles import online_softmax_step, softmax_finish, softmax_start
 from jaxpos.mods import apply_mod
 from jaxpos.schemes.rope import rotate
 
-__all__ = ["DECODE_BLOCK_K", "DECODE_MAX_Q", "decode_shaped", "run_chunked_decode"]
+__all__ = ["DECODE_BLOCK_K", "DECODE_MAX_Q", "decode_shaped", "page_loader",
+           "run_chunked_decode", "run_paged_decode"]
 
 #: Most queries per row the decode path takes (longer calls use the tiled chunked path).
 DECODE_MAX_Q = 16
@@ -160,3 +161,50 @@ def run_chunked_decode(call: AttentionCall, load_kv: Callable | None = None,
     init = softmax_start((B, N, Tq), Hv, call.sinks)
     state, _ = jax.lax.scan(step, init, jnp.arange(nb, dtype=jnp.int32))
     return jnp.swapaxes(softmax_finish(state)[0], 1, 2).astype(call.q.dtype)
+
+
+def page_loader(k_pages: jax.Array, v_pages: jax.Array, table: jax.Array, page_size: int,
+                buffered: bool) -> Callable:
+    """``load(start, size) -> (k, v)`` ``[B, size, N_kv, H]``: slots ``start .. start +
+    size - 1`` of every row (page-aligned ``start`` and ``size``), one indexed load of
+    ``size // page_size`` pages per row from a page table ``table`` int32 ``[B,
+    pages_per_seq]`` whose entries are all in ``[0, num_pages)``; ``buffered``: into a
+    buffer (for keys that are read more than once, e.g. rotated on load)."""
+    B = table.shape[0]
+
+    def load(start, size):
+        n = size // page_size
+        k_shape, v_shape = (B, size) + k_pages.shape[2:], (B, size) + v_pages.shape[2:]
+
+        def gather(start):
+            pt = jax.lax.dynamic_slice_in_dim(table, start // page_size, n, axis=1)  # [B, n]
+            # the table is safe (every index in bounds, the caller's promise)
+            k = k_pages.at[pt].get(mode="promise_in_bounds")
+            v = v_pages.at[pt].get(mode="promise_in_bounds")
+            return k.reshape(k_shape), v.reshape(v_shape)
+
+        if not buffered:  # fused into its one consumer
+            return gather(start)
+        # Gathered once into a buffer (a conditional's results are buffers): fused into
+        # its consumers, XLA would gather each element once per use (RoPE on load reads
+        # each key twice). The other branch is never taken (start >= 0).
+        return jax.lax.cond(start >= 0, gather,
+                            lambda _: (jnp.zeros(k_shape, k_pages.dtype),
+                                       jnp.zeros(v_shape, v_pages.dtype)), start)
+
+    return load
+
+
+def run_paged_decode(call: AttentionCall, k_pages: jax.Array, v_pages: jax.Array,
+                     page_table: jax.Array) -> jax.Array:
+    """:func:`run_chunked_decode` reading key blocks from pages: a block is a whole number
+    of pages (``call.block_k`` or :data:`DECODE_BLOCK_K` rounded down to whole pages, at
+    least one), gathered by one indexed load per row. ``call`` is decode-shaped
+    (:func:`decode_shaped`) with no per-call key transform; its ``k`` and ``v`` carry the
+    logical ``[B, pages_per_seq * page_size, ...]`` shapes only. ``page_table`` int32
+    ``[B, pages_per_seq]`` holds valid page indices only."""
+    ps = k_pages.shape[1]
+    pages_per_block = max(1, (call.block_k or DECODE_BLOCK_K) // ps)
+    bk = min(pages_per_block, page_table.shape[1]) * ps
+    load = page_loader(k_pages, v_pages, page_table, ps, buffered=call.rope_tables is not None)
+    return run_chunked_decode(call, load_kv=load, block_k=bk)

@@ -25,8 +25,20 @@ and optionally
 * ``takes_kv_lengths``: False when the engine refuses ``kv_lengths`` (default True); a
   caller that can express the fill another way asks :func:`takes_kv_lengths`.
 * ``run_paged(call, k_pages, v_pages, page_table) -> out | None``: the paged call read
-  from the pages themselves (:mod:`jaxpos.core.paged`), or None for a call it does not
-  take that way; without it (or on None) the engine runs on the gathered keys.
+  from the pages themselves (:mod:`jaxpos.core.paged`; ``page_table`` holds only valid
+  page indices), or None for a call it does not take that way. Without it (or on None)
+  the engine runs on the keys gathered from the pages: the one gather fallback,
+  :func:`jaxpos.core.paged.run_paged`. A ragged call (packed queries) reaches it as a
+  paged call with one query per row (:mod:`jaxpos.core.ragged`);
+* ``second_derivatives``: False when the engine's derivatives are not differentiable
+  again (default True); :func:`engines_with` lists the engines that are;
+* ``ring_tile(call) -> (block_q, block_k)``: the engine's online-softmax tiles are the
+  ring's own (:mod:`jaxpos.parallel.ring` runs them with the global output and
+  log-sum-exp, forward and backward); without it the ring makes one call per block
+  (:mod:`jaxpos.parallel.engine_ring`);
+* ``varying_types_on_cpu``: False when the engine's outputs on CPU carry no
+  varying-manual-axes types inside ``shard_map`` (the Pallas interpreter), so
+  ``check_vma`` is off there (default True);
 * ``compiler_partitioned``: True when the engine is made of XLA operations that the
   compiler's partitioner splits under a mesh with Auto axes (default False: an opaque
   kernel). Under a mesh, :func:`run` runs an engine per (batch, head) shard inside
@@ -55,10 +67,10 @@ from jaxpos._util import poison_rows
 if TYPE_CHECKING:
     from jaxpos.core.call import AttentionCall
 
-__all__ = ["PREFERENCE", "Engine", "engine_names", "get_engine", "preference",
-           "register_engine", "register_engine_module", "run", "run_with_lse",
-           "select_engine", "takes_kv_lengths", "traced_scale", "unfusable_scheme",
-           "fused_refusal"]
+__all__ = ["BUILT_IN", "BUILT_IN_TILED", "PREFERENCE", "Engine", "capability",
+           "engine_names", "engines_with", "get_engine", "preference", "register_engine",
+           "register_engine_module", "run", "run_with_lse", "select_engine",
+           "takes_kv_lengths", "traced_scale", "unfusable_scheme", "fused_refusal"]
 
 
 @runtime_checkable
@@ -83,6 +95,13 @@ _ENGINES: dict[str, Engine] = {}
 #: :mod:`jaxpos`).
 _ENGINE_MODULES = {"reference": "jaxpos.core.reference", "chunked": "jaxpos.core.chunked",
                    "xla": "jaxpos.core.xla"}
+
+#: The built-in engines that run every scheme, mask and feature (compared in the tests;
+#: ``jaxpos.IMPLEMENTATIONS``).
+BUILT_IN_TILED = ("reference", "chunked", "pallas")
+#: Every built-in engine: the tiled ones and ``"xla"`` (``jax.nn.dot_product_attention``;
+#: ``jaxpos.ALL_IMPLEMENTATIONS``).
+BUILT_IN = BUILT_IN_TILED + ("xla",)
 
 #: Backend -> engine names in order of preference for ``implementation=None``: the first
 #: that neither refuses the call nor declines it by its cost rule runs it. The measured
@@ -198,6 +217,21 @@ def get_engine(name: str) -> Engine:
     if name not in _ENGINES:
         _checks.check_choice("implementation", name, engine_names())
     return _ENGINES[name]
+
+
+def capability(name: str | None, attr: str, default=None):
+    """The capability ``attr`` that the engine ``name`` declares (an attribute or method
+    of the protocol, see the module docstring), or ``default`` where it declares none.
+    ``name`` None: the backend's first engine (the default choice on this backend)."""
+    name = preference()[0] if name is None else name
+    return getattr(get_engine(name), attr, default)
+
+
+def engines_with(attr: str, default: bool = False) -> tuple[str, ...]:
+    """The names of the engines (built-in and registered) whose capability ``attr`` is
+    true (``default`` where an engine does not declare it), e.g.
+    ``engines_with("second_derivatives", True)``."""
+    return tuple(n for n in engine_names() if getattr(get_engine(n), attr, default))
 
 
 def takes_kv_lengths(name: str | None) -> bool:

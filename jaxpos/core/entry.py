@@ -36,12 +36,13 @@ from jaxpos.schemes.base import PositionScheme, as_scheme
 __all__ = ["ALL_IMPLEMENTATIONS", "IMPLEMENTATIONS", "attention", "choose_implementation",
            "default_implementation"]
 
-#: The built-in tiled engines (every scheme, mask and feature; compared in the tests).
-IMPLEMENTATIONS = ("reference", "chunked", "pallas")
+#: The built-in tiled engines (every scheme, mask and feature; compared in the tests),
+#: as the registry names them.
+IMPLEMENTATIONS = engines.BUILT_IN_TILED
 #: The built-in engines: the tiled ones and ``"xla"``, which hands the transformed q and k
 #: to ``jax.nn.dot_product_attention`` (cuDNN on NVIDIA GPUs).
 #: :func:`jaxpos.core.engines.engine_names` lists these and the registered ones.
-ALL_IMPLEMENTATIONS = IMPLEMENTATIONS + ("xla",)
+ALL_IMPLEMENTATIONS = engines.BUILT_IN
 
 
 def choose_implementation(*, backend: str, fusable: bool, has_score_mod: bool,
@@ -265,8 +266,14 @@ def attention(
     if implementation is not None:
         engines.get_engine(implementation)  # an unknown name fails before anything else
     if page_table is not None:  # k and v are pages: jaxpos.core.paged
-        kw = {n: x for n, x in locals().items() if n not in ("q", "k", "v")}
-        return paged_attention(attention, q, k, v, **kw)
+        return paged_attention(
+            q, k, v, page_table=page_table, kv_lengths=kv_lengths,
+            implementation=implementation, position=position, score_mod=score_mod,
+            mask_mod=mask_mod, block_mask=block_mask, sinks=sinks, q_positions=q_positions,
+            kv_positions=kv_positions, causal=causal, mask=mask, segment_ids=segment_ids,
+            kv_segment_ids=kv_segment_ids, scale=scale, block_q=block_q, block_k=block_k,
+            rope_tables=rope_tables, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+            broadcast_dropout=broadcast_dropout)
     call = validate_call(q, k, v, position=position, score_mod=score_mod, mask_mod=mask_mod,
                          block_mask=block_mask, sinks=sinks, q_positions=q_positions,
                          kv_positions=kv_positions, causal=causal, mask=mask,

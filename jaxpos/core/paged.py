@@ -21,23 +21,23 @@ The call means exactly the dense call on the keys gathered from the pages
 every position scheme, score_mod, mask_mod, sinks, causal, grouped-query attention,
 segments and masks in the logical ``[B, pages_per_seq * page_size]`` slot space.
 
-Paths:
+Paths (the engine protocol's ``run_paged``, :mod:`jaxpos.core.engines`): the call is
+validated once (:func:`paged_call`), an engine is selected as for the dense call, and
+:func:`run_paged` runs it:
 
-* ``"chunked"`` (the CPU default) with at most :data:`jaxpos.core.decode.DECODE_MAX_Q`
-  queries: :func:`jaxpos.core.decode.run_chunked_decode` walks the page table block by
-  block (a block is a whole number of pages, gathered by one indexed load): blocks past
-  the longest row's fill are skipped by ``lax.cond``, and a block no query can see (a
-  sliding window, segments, causality) is decided from positions and never loaded. K/V
-  heads are never repeated to the query heads.
-* otherwise (``"reference"``, more queries, a block mask, dropout, a scheme whose
-  per-call transform rewrites the keys, such as ``RoPE`` given raw keys): the pages are
-  gathered and the dense call runs. Caches store RoPE keys rotated at write (then pass
-  ``position=None``), or pass ``rope_tables`` to rotate each block on load.
 * an engine with ``run_paged(call, k_pages, v_pages, page_table)`` reads the pages itself
-  when that returns an output: ``"pallas"``'s is the kernel's paged entry (key tiles of
-  one page read through the page table; forward only, for serving) when the page size is
-  a power of two, the pages are in q's dtype and the call has no block mask, dropout or
-  key-transforming scheme; otherwise (None) the engine runs on the gathered keys.
+  when that returns an output. ``"chunked"`` (the CPU default) walks the page table block
+  by block for at most :data:`jaxpos.core.decode.DECODE_MAX_Q` queries
+  (:func:`jaxpos.core.decode.run_paged_decode`; a block is a whole number of pages,
+  gathered by one indexed load; blocks past the longest row's fill are skipped by
+  ``lax.cond``, and a block no query can see is decided from positions and never loaded;
+  K/V heads are never repeated to the query heads). ``"pallas"``'s is the kernel's paged
+  entry (key tiles of one page read through the page table; forward only, for serving).
+* otherwise (``"reference"``, more queries, a block mask, dropout, a scheme whose
+  per-call transform rewrites the keys, such as ``RoPE`` given raw keys): the one gather
+  fallback, the engine on the pages gathered into ``[B, pages_per_seq * page_size, ...]``.
+  Caches store RoPE keys rotated at write (then pass ``position=None``), or pass
+  ``rope_tables`` to rotate each block on load.
 
 Bad input: page shapes that disagree with each other or with q, a page table or lengths of
 the wrong shape or dtype raise ``ValueError`` / ``TypeError`` always; with concrete values,
@@ -49,7 +49,7 @@ onto another page: the bad index is never used.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 from typing import Any
 
 import jax
@@ -58,12 +58,11 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxpos import _checks
-from jaxpos.core.call import AttentionCall, validate_call
-from jaxpos.core.decode import DECODE_BLOCK_K, decode_shaped, run_chunked_decode
-from jaxpos.schemes.base import PositionScheme
+from jaxpos.core import engines
+from jaxpos.core.call import AttentionCall, transform_call, validate_call
 
 __all__ = ["PagedLayout", "check_paged_inputs", "gather_pages", "paged_attention",
-           "paged_bad_rows"]
+           "paged_bad_rows", "paged_call", "run_paged", "safe_table"]
 
 
 class PagedLayout:
@@ -169,7 +168,7 @@ def paged_bad_rows(page_table: ArrayLike, kv_lengths: ArrayLike,
     return (lens < 0) | (lens > layout.kv_len) | jnp.any(wrong, axis=1)
 
 
-def _safe_table(page_table, num_pages: int) -> jax.Array:
+def safe_table(page_table, num_pages: int) -> jax.Array:
     """int32 page table with every entry outside ``[0, num_pages)`` replaced by page 0: such
     an entry is either past its row's fill (its keys are invisible) or in a row that
     :func:`paged_bad_rows` flags and whose output is NaN; it never feeds a result."""
@@ -192,44 +191,9 @@ def gather_pages(pages: ArrayLike, page_table: ArrayLike) -> jax.Array:
       ``[B, pages_per_seq * page_size, N_kv, H]`` in the pages' dtype.
     """
     pages = jnp.asarray(pages)
-    pt = _safe_table(page_table, pages.shape[0])
+    pt = safe_table(page_table, pages.shape[0])
     B, n = pt.shape
     return pages[pt].reshape((B, n * pages.shape[1]) + pages.shape[2:])
-
-
-def _page_loader(k_pages, v_pages, table: jax.Array, page_size: int,
-                 buffered: bool) -> Callable:
-    """``load(start, size) -> (k, v)`` ``[B, size, N_kv, H]``: slots ``start .. start +
-    size - 1`` of every row (page-aligned ``start`` and ``size``), one indexed load of
-    ``size // page_size`` pages per row; ``buffered``: into a buffer (for keys that are
-    read more than once, e.g. rotated on load)."""
-    B = table.shape[0]
-
-    def load(start, size):
-        n = size // page_size
-        k_shape, v_shape = (B, size) + k_pages.shape[2:], (B, size) + v_pages.shape[2:]
-
-        def gather(start):
-            pt = jax.lax.dynamic_slice_in_dim(table, start // page_size, n, axis=1)  # [B, n]
-            # the table is safe (_safe_table): every index is in bounds
-            k = k_pages.at[pt].get(mode="promise_in_bounds")
-            v = v_pages.at[pt].get(mode="promise_in_bounds")
-            return k.reshape(k_shape), v.reshape(v_shape)
-
-        if not buffered:  # fused into its one consumer
-            return gather(start)
-        # Gathered once into a buffer (a conditional's results are buffers): fused into
-        # its consumers, XLA would gather each element once per use (RoPE on load reads
-        # each key twice). The other branch is never taken (start >= 0).
-        return jax.lax.cond(start >= 0, gather,
-                            lambda _: (jnp.zeros(k_shape, k_pages.dtype),
-                                       jnp.zeros(v_shape, v_pages.dtype)), start)
-
-    return load
-
-
-def _transforms_keys(scheme: PositionScheme) -> bool:
-    return type(scheme).transform_qk is not PositionScheme.transform_qk
 
 
 def _poison(out: jax.Array, bad: jax.Array | None) -> jax.Array:
@@ -238,19 +202,16 @@ def _poison(out: jax.Array, bad: jax.Array | None) -> jax.Array:
     return jnp.where(bad[:, None, None, None], jnp.array(jnp.nan, out.dtype), out)
 
 
-def paged_attention(attention: Callable[..., jax.Array], q: ArrayLike, k_pages: ArrayLike,
-                    v_pages: ArrayLike, *, page_table: ArrayLike, kv_lengths: ArrayLike | None,
+def paged_attention(q: ArrayLike, k_pages: ArrayLike, v_pages: ArrayLike, *,
+                    page_table: ArrayLike, kv_lengths: ArrayLike | None,
                     q_positions: ArrayLike | None = None,
                     kv_positions: ArrayLike | None = None,
-                    implementation: str | None = None, block_q: int | None = None,
-                    block_k: int | None = None, **options: Any) -> jax.Array:
+                    implementation: str | None = None, **options: Any) -> jax.Array:
     """Attention of ``q`` against keys and values stored in pages (see the module
     docstring for the layout and the paths); reached through :func:`jaxpos.attention`
     with ``page_table=``.
 
     Args:
-      attention: :func:`jaxpos.attention` (its entry passes itself), which runs the call on
-        the gathered keys when the paged kernel does not take it.
       q: ``[B, Tq, N, H]`` float.
       k_pages, v_pages: ``[num_pages, page_size, N_kv, H]`` / ``[..., H_v]`` float.
       page_table: integer ``[B, pages_per_seq]``.
@@ -260,11 +221,12 @@ def paged_attention(attention: Callable[..., jax.Array], q: ArrayLike, k_pages: 
         ``Tq < pages_per_seq * page_size``, as in the dense call.
       kv_positions: integer ``[S]`` or ``[B, S]`` with ``S = pages_per_seq * page_size``
         (slot order, not page order); default ``arange(S)``.
-      implementation, block_q, block_k: as :func:`jaxpos.attention`; the chunked path's
-        ``block_k`` is rounded down to whole pages (at least one).
+      implementation: as :func:`jaxpos.attention`.
       **options: every other keyword of :func:`jaxpos.attention` (``position``,
         ``score_mod``, ``mask_mod``, ``sinks``, ``causal``, ``mask`` and segment ids in the
-        logical ``[B, S]`` slot space, ``scale``, ``rope_tables``, dropout).
+        logical ``[B, S]`` slot space, ``scale``, ``block_q``, ``block_k`` (the chunked
+        decode path rounds it down to whole pages, at least one), ``rope_tables``,
+        dropout).
 
     Returns:
       ``[B, Tq, N, H_v]`` in q's dtype; NaN rows for traced bad lengths or page indices.
@@ -273,51 +235,58 @@ def paged_attention(attention: Callable[..., jax.Array], q: ArrayLike, k_pages: 
       ValueError / TypeError: :func:`check_paged_inputs`'s errors; ``kv_lengths`` missing;
         every error of the dense call (:func:`jaxpos.attention`).
     """
-    from jaxpos.core import engines
-
     if kv_lengths is None:
         raise ValueError("kv_lengths is required with page_table: integer [B], the number of "
                          "filled slots of each row (FlashAttention's cache_seqlens).")
     layout = check_paged_inputs(q, k_pages, v_pages, page_table, kv_lengths)
     q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
-    B, Tq = q.shape[:2]
-    S, ps = layout.kv_len, layout.page_size
     concrete = _checks.is_concrete(kv_lengths) and _checks.is_concrete(page_table)
     bad = None if concrete else paged_bad_rows(page_table, kv_lengths, layout)
+    call = paged_call(q, k_pages, v_pages, layout, kv_lengths, q_positions=q_positions,
+                      kv_positions=kv_positions, **options)
+    engine = engines.select_engine(call, implementation)
+    table = safe_table(page_table, layout.num_pages)
+    return _poison(run_paged(engine, call, k_pages, v_pages, table), bad)
+
+
+def paged_call(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layout: PagedLayout,
+               kv_lengths: ArrayLike, **options: Any) -> AttentionCall:
+    """The validated record of a checked paged call (:func:`check_paged_inputs`): its
+    ``k`` and ``v`` are the logical ``[B, pages_per_seq * page_size, ...]`` shapes only
+    (:class:`jax.ShapeDtypeStruct`; the validation reads shapes and dtypes), its
+    ``kv_lengths`` clipped to ``[0, kv_len]`` (rows outside are the caller's NaN rows).
+    ``options``: the dense call's keywords, positions in the logical slot space."""
+    B, S = q.shape[0], layout.kv_len
     lens = jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, S)
     # q_positions None: the dense call's default on the gathered keys (validate_call), the
     # queries at the end of each row's fill when Tq < S
-    # the logical [B, S] keys and values, shapes only: validate_call reads shapes and dtypes
     k_shape: Any = jax.ShapeDtypeStruct((B, S) + k_pages.shape[2:], k_pages.dtype)
     v_shape: Any = jax.ShapeDtypeStruct((B, S) + v_pages.shape[2:], v_pages.dtype)
-    call = validate_call(q, k_shape, v_shape, q_positions=q_positions,
-                         kv_positions=kv_positions, block_q=block_q, block_k=block_k,
-                         kv_lengths=lens, **options)
-    engine = engines.select_engine(call, implementation)
-    name = engine.name
-    if B == 0 or Tq == 0:
+    return validate_call(q, k_shape, v_shape, kv_lengths=lens, **options)
+
+
+def run_paged(engine: engines.Engine, call: AttentionCall, k_pages: jax.Array,
+              v_pages: jax.Array, table: jax.Array) -> jax.Array:
+    """``engine`` on a validated paged call (:func:`paged_call`): its ``run_paged`` when it
+    has one and takes the call, else (the one gather fallback for every engine) the
+    engine on the keys and values gathered from the pages, the scheme's per-call
+    transform applied. ``table``: int32 ``[B, pages_per_seq]``, valid page indices only
+    (:func:`safe_table`). ``[B, Tq, N, H_v]`` in q's dtype."""
+    if call.batch == 0 or call.q_len == 0 or call.kv_len == 0:
         return call.zeros()
-    table = _safe_table(page_table, layout.num_pages)
-    if name == "chunked" and decode_shaped(call) and not _transforms_keys(call.scheme):
-        pages_per_block = max(1, (block_k or DECODE_BLOCK_K) // ps)
-        bk = min(pages_per_block, layout.pages_per_seq) * ps
-        load = _page_loader(k_pages, v_pages, table, ps,
-                            buffered=call.rope_tables is not None)
-        out = run_chunked_decode(call, load_kv=load, block_k=bk)
-        return _poison(out, bad)
-    run_paged = getattr(engine, "run_paged", None)  # an engine that reads pages itself
-    out = None if run_paged is None else run_paged(call, k_pages, v_pages, table)
+    from jaxpos.core.partition import run_sharded  # per (batch, kv head) shard under a mesh
+
+    return run_sharded(engine, call, functools.partial(_run_paged_here, engine),
+                       pages=(k_pages, v_pages, table))
+
+
+def _run_paged_here(engine: engines.Engine, call: AttentionCall, k_pages: jax.Array,
+                    v_pages: jax.Array, table: jax.Array) -> jax.Array:
+    """:func:`run_paged` on this device's rows and heads (inside a shard under a mesh)."""
+    own = getattr(engine, "run_paged", None)  # an engine that reads the pages itself
+    out = None if own is None else own(call, k_pages, v_pages, table)
     if out is not None:
-        return _poison(out, bad)
-    out = _dense(attention, call, name, gather_pages(k_pages, table),
-                 gather_pages(v_pages, table), options, block_q, block_k)
-    return _poison(out, bad)
-
-
-def _dense(attention: Callable, call: AttentionCall, name: str, k, v, options, block_q,
-           block_k) -> jax.Array:
-    """The dense call on the gathered keys and values, with the validated positions and
-    lengths (the reference of the paged call)."""
-    return attention(call.q, k, v, q_positions=call.q_positions,
-                     kv_positions=call.kv_positions, kv_lengths=call.kv_lengths,
-                     implementation=name, block_q=block_q, block_k=block_k, **options)
+        return out
+    dense = transform_call(call.replace(k=gather_pages(k_pages, table),
+                                        v=gather_pages(v_pages, table)))
+    return engines.run(engine, dense)

@@ -205,5 +205,9 @@ class ReferenceEngine:
         out, lse = _reference(call, True)
         return jnp.swapaxes(out, 1, 2).astype(call.q.dtype), lse
 
+    def ring_tile(self, call: AttentionCall) -> tuple[int, int]:
+        """The ring runs this engine's tiles itself, one tile per (queries, block) pair."""
+        return call.q_len, call.kv_len
+
 
 register_engine(ReferenceEngine())

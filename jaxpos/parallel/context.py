@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpos import _checks
+from jaxpos.core import engines
 from jaxpos.parallel.ring import ring_attention, zigzag_permutation
 from jaxpos.parallel.ulysses import ulysses_attention
 from jaxpos.schemes.base import as_scheme
@@ -138,7 +139,8 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, method: str, 
                   kv_positions=kp, **seg, **kw)
 
     rep = lambda tree: jax.tree_util.tree_map(lambda _: P(), tree)
-    vma = kw.get("implementation") != "pallas" or jax.default_backend() != "cpu"
+    vma = jax.default_backend() != "cpu" or bool(engines.capability(
+        kw.get("implementation"), "varying_types_on_cpu", True))
     sm = jax.shard_map(local, in_specs=(rep(position), rep(sinks)) + (seq,) * len(args),
                        out_specs=seq, axis_names=frozenset({axis}), check_vma=vma)
     args = [_sequence_sharded(x, axis) for x in args]

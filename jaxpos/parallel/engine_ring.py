@@ -70,7 +70,12 @@ def ring_engine(call: AttentionCall, implementation: str | None) -> str:
             if name in with_lse and engine.refuses(call) is None and \
                     getattr(engine, "prefers", lambda c: True)(call):
                 return name
-        return "chunked"
+        # none of the list's engines takes it (a list edited by hand): any that does
+        for name in with_lse:
+            if engines.get_engine(name).refuses(call) is None:
+                return name
+        raise ValueError(f"no engine that returns its log-sum-exp ({list(with_lse)}) runs "
+                         f"this call.")
     _checks.check_choice("implementation", implementation, engines.engine_names())
     if implementation not in with_lse:
         raise ValueError(f"implementation={implementation!r} cannot run the ring's blocks: it "

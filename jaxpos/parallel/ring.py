@@ -56,10 +56,9 @@ from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos._util import match_vma, ring_shift, sink_gradient, zero_cotangent
+from jaxpos.core import engines
 from jaxpos.core.call import AttentionCall, validate_call
 from jaxpos.core.chunked import (
-    BLOCK_K,
-    BLOCK_Q,
     Blocked,
     ChunkCfg,
     chunk_inputs,
@@ -83,9 +82,6 @@ __all__ = ["from_zigzag", "ring_attention", "shard_map", "to_zigzag", "zigzag_pe
 shard_map = jax.shard_map
 
 _NEG_INF = -jnp.inf
-#: The engines whose tiles the ring runs itself (their forward and backward given the
-#: global output and log-sum-exp); other engines run one call per block (engine_ring).
-_TILE_ENGINES = ("chunked", "reference")
 
 
 # ----------------------------------------------------------------------------- zigzag
@@ -503,14 +499,14 @@ def _ring(call: AttentionCall, axis_name: str, P: int, implementation: str) -> j
 def ring_core(call: AttentionCall, axis_name: str, P: int, implementation: str) -> jax.Array:
     """The ring on a validated call whose scheme transform is already applied: this
     device's ``[B, Tq, N, H_v]`` rows (q's dtype)."""
-    if implementation not in _TILE_ENGINES:  # one engine call (with its lse) per block
+    # An engine that declares ring_tile has its tiles run here (their forward and backward
+    # given the global output and log-sum-exp); any other makes one call per block.
+    ring_tile = engines.capability(implementation, "ring_tile")
+    if ring_tile is None:  # one engine call (with its lse) per block
         return engine_ring(call, axis_name, P, implementation)
-    Tq, Tk = call.q_len, call.kv_len
+    Tq = call.q_len
     qs, kk, vv, m = heads_major(call, repeat_kv=False)
-    if implementation == "reference":
-        bq, bk = Tq, Tk
-    else:
-        bq, bk = min(call.block_q or BLOCK_Q, Tq), min(call.block_k or BLOCK_K, Tk)
+    bq, bk = ring_tile(call)
     terms = make_terms(call.scheme, call.score_mod, call.mask_mod, bq, bk)
     b, nq, nk = chunk_inputs(qs, kk, vv, m, bq, bk)
     fl, il, is_f, treedef = split_terms(terms)
