@@ -35,11 +35,12 @@ from jaxpos.serving.model import PagedModel
 from jaxpos.serving.pages import PageAllocator, pages_for
 from jaxpos.serving.sampling import sample_tokens
 from jaxpos.serving.stream import (
+    StopCondition,
     StreamEvent,
     TokenStream,
+    check_ids,
     check_stop_fields,
-    find_stop,
-    stop_strings_of,
+    detokenized,
 )
 
 __all__ = ["Completion", "Request", "ServingEngine", "ServingStats"]
@@ -79,8 +80,8 @@ class Request:
     seed: int = 0
     arrival: float = 0.0
     id: Any = None
-    stop_token_ids: Sequence[int] = ()
-    stop_strings: str | Sequence[str] = ()
+    stop_token_ids: Sequence[int] | None = ()
+    stop_strings: str | Sequence[str] | None = ()
 
 
 @dataclasses.dataclass
@@ -146,8 +147,7 @@ class _Running:
     tokens: list[int]
     arrival: float
     first_token: float = float("nan")
-    stop_ids: frozenset = frozenset()
-    stop_strings: tuple[str, ...] = ()
+    stop: StopCondition | None = None
 
 
 class _Loop:
@@ -331,32 +331,6 @@ class ServingEngine:
         run.tokens.append(int(tok))
         run.first_token = now()
 
-    def _text(self, tokens: list[int]) -> str:
-        assert self.detokenize is not None
-        text = self.detokenize(list(tokens))
-        if not isinstance(text, str):
-            raise TypeError(f"detokenize must return a str; got {type(text).__name__} "
-                            f"{text!r:.80} for tokens {tokens!r:.80}.")
-        return text
-
-    def _finished(self, run: _Running) -> tuple[str, Any, str | None] | None:
-        """``(finish reason, stop reason, text cut before a stop string)`` once ``run``'s
-        last token ends it, else None. Checked in vLLM's order: EOS and stop tokens, stop
-        strings, the token budget."""
-        r, tok = run.request, run.tokens[-1]
-        if r.eos_id is not None and tok == r.eos_id:
-            return "stop", None, None
-        if tok in run.stop_ids:
-            return "stop", tok, None
-        if run.stop_strings:
-            text = self._text(run.tokens)
-            hit = find_stop(text, run.stop_strings)
-            if hit is not None:
-                return "stop_string", hit[1], text[:hit[0]]
-        if len(run.tokens) >= r.max_new_tokens:
-            return "length", None, None
-        return None
-
     def _end(self, loop: _Loop, b: int, reason: str, stop_reason: Any = None,
              text: str | None = None) -> None:
         """Record slot ``b``'s request as finished and return its pages."""
@@ -365,7 +339,7 @@ class ServingEngine:
         if reason == "stop" and stop_reason is None:
             reason = "eos"  # Completion keeps "eos" for eos_id (events say "stop")
         if text is None and self.detokenize is not None:
-            text = self._text(run.tokens)
+            text = detokenized(self.detokenize, run.tokens)
         loop.done.append(Completion(run.request, run.tokens, reason, run.arrival,
                                     run.first_token, loop.now(), stop_reason, text))
         self.allocator.free(run.pages, run.booked)
@@ -377,7 +351,8 @@ class ServingEngine:
         run = loop.slots[b]
         assert run is not None
         loop.stats.generated += 1
-        ended = self._finished(run)
+        assert run.stop is not None
+        ended = run.stop.check(run.tokens, self.detokenize)
         if ended is not None:
             self._end(loop, b, *ended)
         reason, stop_reason = (ended[0], ended[1]) if ended is not None else (None, None)
@@ -397,8 +372,7 @@ class ServingEngine:
             loop.waiting.popleft()
             b = loop.slots.index(None)
             run = _Running(r, [], need, 0, [], max(r.arrival, 0.0),
-                           stop_ids=frozenset(int(t) for t in r.stop_token_ids),
-                           stop_strings=stop_strings_of(r))
+                           stop=StopCondition.of(r))
             loop.slots[b] = run
             self._prefill(run, loop.now)
             yield from self._emit(loop, b)
@@ -487,17 +461,8 @@ class ServingEngine:
                                "they would share its pages and batch slots.")
         reqs = [r if r.id is not None else dataclasses.replace(r, id=i)
                 for i, r in enumerate(requests)]
-        seen: set = set()
+        check_ids(reqs)
         for r in reqs:
-            try:
-                dup = r.id in seen
-            except TypeError:
-                raise TypeError(f"request id must be hashable (cancel finds a request by "
-                                f"it); got {type(r.id).__name__} {r.id!r:.80}.") from None
-            if dup:
-                raise ValueError(f"request id {r.id!r} is given to two requests; ids must "
-                                 f"be unique (events and cancel name a request by it).")
-            seen.add(r.id)
             self._check(r)
         loop = _Loop(deque(sorted(reqs, key=lambda r: r.arrival)), [None] * self.num_slots,
                      ServingStats(page_size=self.page_size, num_slots=self.num_slots,

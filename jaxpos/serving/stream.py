@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FINISH_REASONS", "StreamEvent", "TokenStream", "check_stop_fields", "find_stop"]
+__all__ = ["FINISH_REASONS", "StopCondition", "StreamEvent", "TokenStream", "check_ids",
+           "check_stop_fields", "detokenized", "find_stop"]
 
 #: The values of :attr:`StreamEvent.finish_reason` on a request's last event.
 FINISH_REASONS = ("stop", "length", "stop_string", "cancelled")
@@ -113,8 +114,8 @@ def check_stop_fields(who: str, stop_token_ids: Any, stop_strings: Any, vocab_si
 
     Args:
       who: how errors name the request (``"request 'r'"``).
-      stop_token_ids: a sequence of int token ids, each in ``[0, vocab_size)``.
-      stop_strings: a str or a sequence of non-empty str; needs ``detokenize``.
+      stop_token_ids: a sequence of int token ids, each in ``[0, vocab_size)``, or None.
+      stop_strings: a str or a sequence of non-empty str (needs ``detokenize``), or None.
 
     Raises:
       TypeError: ``stop_token_ids`` not a sequence of ints, ``stop_strings`` not a str or
@@ -122,6 +123,7 @@ def check_stop_fields(who: str, stop_token_ids: Any, stop_strings: Any, vocab_si
       ValueError: a stop token id outside the vocabulary (it could never be sampled), an
         empty stop string, stop strings with no ``detokenize`` callable on the engine.
     """
+    stop_token_ids = () if stop_token_ids is None else stop_token_ids
     if (isinstance(stop_token_ids, (str, bytes)) or not isinstance(
             stop_token_ids, (Sequence, np.ndarray))
             or not all(_is_int(t) for t in stop_token_ids)):
@@ -131,7 +133,8 @@ def check_stop_fields(who: str, stop_token_ids: Any, stop_strings: Any, vocab_si
     if bad:
         raise ValueError(f"{who}: stop_token_ids must lie in [0, vocab_size={vocab_size}) "
                          f"(they could never be sampled); got {bad[0]}.")
-    strings = [stop_strings] if isinstance(stop_strings, str) else stop_strings
+    strings = ([stop_strings] if isinstance(stop_strings, str)
+               else () if stop_strings is None else stop_strings)
     if not isinstance(strings, Sequence) or not all(isinstance(s, str) for s in strings):
         raise TypeError(f"{who}: stop_strings must be a str or a sequence of str; got "
                         f"{type(stop_strings).__name__} {stop_strings!r:.80}.")
@@ -144,10 +147,77 @@ def check_stop_fields(who: str, stop_token_ids: Any, stop_strings: Any, vocab_si
                          f"of token ids -> str).")
 
 
-def stop_strings_of(request: Any) -> tuple[str, ...]:
-    """A request's stop strings as a tuple (a bare str is one stop string)."""
-    s = request.stop_strings
-    return (s,) if isinstance(s, str) else tuple(s)
+def check_ids(requests: Sequence[Any]) -> None:
+    """Refuse request ids that are not hashable or not unique: events and
+    :meth:`jaxpos.serving.ServingEngine.cancel` name a request by its id.
+
+    Raises:
+      TypeError: an unhashable id. ValueError: an id given to two requests.
+    """
+    seen: set = set()
+    for r in requests:
+        try:
+            dup = r.id in seen
+        except TypeError:
+            raise TypeError(f"request id must be hashable (cancel finds a request by it); "
+                            f"got {type(r.id).__name__} {r.id!r:.80}.") from None
+        if dup:
+            raise ValueError(f"request id {r.id!r} is given to two requests; ids must be "
+                             f"unique (events and cancel name a request by it).")
+        seen.add(r.id)
+
+
+def detokenized(detokenize: Callable[[list[int]], str], tokens: Sequence[int]) -> str:
+    """``detokenize(tokens)``, checked to be a str.
+
+    Raises:
+      TypeError: ``detokenize`` returned something else.
+    """
+    text = detokenize(list(tokens))
+    if not isinstance(text, str):
+        raise TypeError(f"detokenize must return a str; got {type(text).__name__} "
+                        f"{text!r:.80} for tokens {list(tokens)!r:.80}.")
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
+class StopCondition:
+    """What ends one request: its ``eos_id``, ``stop_token_ids``, ``stop_strings`` and
+    ``max_new_tokens`` (of a checked :class:`jaxpos.serving.Request`)."""
+
+    max_new_tokens: int
+    eos_id: int | None = None
+    stop_ids: frozenset = frozenset()
+    stop_strings: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, request: Any) -> StopCondition:
+        ids, strings = request.stop_token_ids, request.stop_strings
+        return cls(int(request.max_new_tokens),
+                   None if request.eos_id is None else int(request.eos_id),
+                   frozenset() if ids is None else frozenset(int(t) for t in ids),
+                   (strings,) if isinstance(strings, str)
+                   else () if strings is None else tuple(strings))
+
+    def check(self, tokens: Sequence[int], detokenize: Callable | None,
+              ) -> tuple[str, int | str | None, str | None] | None:
+        """``(finish_reason, stop_reason, text cut before the stop string)`` if the last
+        of ``tokens`` ends the request, else None. Checked in vLLM's order: EOS and stop
+        tokens, stop strings, the token budget."""
+        tok = tokens[-1]
+        if tok == self.eos_id:
+            return "stop", None, None
+        if tok in self.stop_ids:
+            return "stop", tok, None
+        if self.stop_strings:
+            assert detokenize is not None  # (checked with the request)
+            text = detokenized(detokenize, tokens)
+            hit = find_stop(text, self.stop_strings)
+            if hit is not None:
+                return "stop_string", hit[1], text[:hit[0]]
+        if len(tokens) >= self.max_new_tokens:
+            return "length", None, None
+        return None
 
 
 def find_stop(text: str, stop_strings: Sequence[str]) -> tuple[int, str] | None:

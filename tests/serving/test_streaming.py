@@ -191,6 +191,8 @@ def test_stream_arguments_are_checked(model, engine, monkeypatch):
         eng.stream([Request([1], 2, id=["a"])])
     with pytest.raises(ValueError, match="cancel: id 0 is not a request"):
         eng.cancel(0)  # no stream yet
+    (c,), _ = engine.run([Request([1, 2], 2, stop_token_ids=None, stop_strings=None)])
+    assert len(c.tokens) == 2 and c.finish_reason == "length"  # None: no stop conditions
     monkeypatch.setattr(engine, "detokenize", lambda ids: ids)
     with pytest.raises(TypeError, match="detokenize must return a str; got list"):
         engine.run([Request([1, 2], 1, stop_strings="x")])
