@@ -260,11 +260,43 @@ def apply_rope(x: ArrayLike, positions: ArrayLike, inv_freq: ArrayLike, *, layou
                        angle_precision=angle_precision)
 
 
+def cos_sin(angles: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(cos(angles), sin(angles))``, float32, computed once per angle.
+
+    On the CPU backend XLA fuses a table's computation into every elementwise consumer
+    and evaluates it once per element of that consumer: the rotation of q ``[B, T, N, H]``
+    by tables ``[B|1, T, half]`` would redo each token's angle (about 150 float32
+    operations in ``"high"`` precision), cos and sin ``B * N * 2`` times, in the forward
+    pass and again in the backward pass (RoPE's training step was 1.3x NoPE's on the
+    chunked engine). There the two tables come out of a two-step loop, which XLA neither
+    fuses into its consumers nor unrolls, so the per-token work happens once per call.
+    Other backends (GPU, TPU) compute the tables inline, where the fused recomputation
+    costs nothing measurable next to the memory traffic. The values are the same.
+
+    Args:
+      angles: float32 ``[...]`` (radians).
+
+    Returns:
+      ``(cos, sin)``, each float32 of ``angles``' shape.
+    """
+    angles = jnp.asarray(angles, jnp.float32)
+
+    def inline(a):
+        return jnp.cos(a), jnp.sin(a)
+
+    def materialised(a):
+        both = jax.lax.map(lambda i: jnp.where(i == 0, jnp.cos(a), jnp.sin(a)),
+                           jnp.arange(2, dtype=jnp.int32))
+        return both[0], both[1]
+
+    return jax.lax.platform_dependent(angles, cpu=materialised, default=inline)
+
+
 @functools.partial(jax.jit, static_argnames=("layout", "angle_precision"))
 def _apply_rope(x, pos, inv_freq, attention_factor, *, layout, angle_precision):
     # One compiled program per shape, also when called eagerly.
     ang = rope_angles(pos, inv_freq, angle_precision=angle_precision)  # [B|1, T, half]
-    return rotate(x, jnp.cos(ang), jnp.sin(ang), layout=layout, attention_factor=attention_factor)
+    return rotate(x, *cos_sin(ang), layout=layout, attention_factor=attention_factor)
 
 
 def apply_rope_angles(x: jax.Array, angles: jax.Array, *, layout: str = "half",
@@ -290,7 +322,7 @@ def apply_rope_angles(x: jax.Array, angles: jax.Array, *, layout: str = "half",
 
 @functools.partial(jax.jit, static_argnames=("layout",))
 def _apply_angles(x, ang, attention_factor, *, layout):
-    return rotate(x, jnp.cos(ang), jnp.sin(ang), layout=layout, attention_factor=attention_factor)
+    return rotate(x, *cos_sin(ang), layout=layout, attention_factor=attention_factor)
 
 
 def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, *, layout: str,

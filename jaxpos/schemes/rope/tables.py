@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxpos import _checks
-from jaxpos.schemes.rope.angles import rope_angles, rotate
+from jaxpos.schemes.rope.angles import cos_sin, rope_angles, rotate
 
 __all__ = ["RopeTables", "check_rope_tables", "rope_tables", "rotate_with_tables"]
 
@@ -72,7 +72,8 @@ def rope_tables(q_positions: ArrayLike, kv_positions: ArrayLike, inv_freq: Array
         p = jnp.asarray(pos, jnp.int32)
         p = p[None] if p.ndim == 1 else p
         ang = rope_angles(p, jnp.asarray(f, jnp.float32), angle_precision=angle_precision)
-        return jnp.cos(ang) * af, jnp.sin(ang) * af
+        cos, sin = cos_sin(ang)  # once per token (see cos_sin)
+        return cos * af, sin * af
 
     qc, qs = tab(q_positions, inv_freq, "q_positions")
     kc, ks = tab(kv_positions, k_inv_freq, "kv_positions")
