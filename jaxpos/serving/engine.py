@@ -68,7 +68,7 @@ class Request:
       stop_strings: a str or a sequence of str: the request ends at the token whose
         detokenized output text (the engine's ``detokenize`` of its generated tokens)
         first contains one of them; the token output ends with that token and
-        :attr:`Completion.text` is cut before the stop string (vLLM's ``stop``).
+        the ``text`` of its :class:`Completion` is cut before the stop string (vLLM's ``stop``).
     """
 
     prompt: Sequence[int]
@@ -180,9 +180,9 @@ class ServingEngine:
         calls of one compiled shape); default 16 (the chunked decode path's query count).
       schedule: ``"continuous"`` (default) or ``"static"`` (see the module docstring).
       detokenize: ``fn(token_ids: list[int]) -> str``, the text of a request's generated
-        tokens; needed by requests with ``stop_strings`` (and fills
-        :attr:`Completion.text`). Called once per produced token of such a request, on
-        all its tokens so far.
+        tokens; needed by requests with ``stop_strings``, and fills the ``text`` of each
+        :class:`Completion`. Called once per produced token of such a request, on all its
+        tokens so far.
 
     Raises:
       ValueError / TypeError: sizes that are not positive ints, an unknown schedule, a
