@@ -48,7 +48,6 @@ from flax import nnx
 
 import jaxpos
 import jaxpos.hf
-import jaxpos.nnx
 from examples.models import common
 
 __all__ = ["Gemma3Config", "Gemma3ForCausalLM", "from_hf", "position_schemes", "softcap"]

@@ -44,7 +44,6 @@ from flax import nnx
 
 import jaxpos
 import jaxpos.hf
-import jaxpos.nnx
 from examples.models import common
 
 __all__ = ["LlamaConfig", "LlamaForCausalLM", "from_hf", "rope_from_config"]

@@ -39,7 +39,6 @@ from flax import nnx
 
 import jaxpos
 import jaxpos.hf
-import jaxpos.nnx
 from examples.models import common
 
 __all__ = ["Qwen3Config", "Qwen3ForCausalLM", "from_hf", "rope_from_config"]
