@@ -56,7 +56,20 @@ _SLOW_CASES = pathlib.Path(__file__).with_name("slow_cases.txt")
 
 @pytest.hookimpl(tryfirst=True)  # before the -m 'not slow' deselection
 def pytest_collection_modifyitems(config, items):
-    """Marks the cases listed in ``tests/slow_cases.txt`` ``slow``."""
+    """Marks the cases listed in ``tests/slow_cases.txt`` ``slow``, and groups the cases
+    for pytest-xdist's ``--dist loadgroup``: each test file's cases run in one worker (a
+    module's fixtures, such as an 8-device subprocess, run once), except the conformance
+    matrix, whose single-device cases (about 550 of the slow run's 1550) are dealt out
+    to the workers one by one; its context-parallel cases share one 8-device subprocess and stay
+    together."""
+    for item in items:
+        group = item.nodeid.split("::", 1)[0]
+        if group.endswith("conformance/test_conformance.py"):
+            callspec = getattr(item, "callspec", None)
+            if callspec is None or callspec.params.get("impl") not in ("ring", "ulysses",
+                                                                         "usp"):
+                continue
+        item.add_marker(pytest.mark.xdist_group(group))
     if not _SLOW_CASES.is_file():
         return
     # "nodeid seconds" per line (a parametrised id may hold spaces)
