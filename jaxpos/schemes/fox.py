@@ -26,8 +26,13 @@ positions, so every position must lie in ``[0, T)`` (``T = log_forget.shape[1]``
 Concrete positions out of range, or decreasing along a row (packed segments whose
 positions restart would read other tokens' gates: pack with ``arange`` positions and
 ``segment_ids`` instead), raise ``ValueError``; traced ones are clamped into range
-(a jnp gather), so keep them in range under ``jit``. A KV cache must keep the gates of
-every cached token (give the scheme ``log_forget`` covering the whole cached sequence).
+(a jnp gather), so keep them in range under ``jit``.
+
+KV-cache decoding: the modules' caches keep ``c`` of every cached token, per position, and
+a step adds its new tokens' gates to the row's last ``c`` (:mod:`jaxpos.layers.cache.fox`;
+the read is :class:`FoXCacheRead`). A padded full pass places each token's gate at its
+position and gives padding none (:meth:`FoX.from_params`), so a left-padded row equals
+the same row unpadded.
 
 The bias is not translation invariant in positions (it depends on the gates between
 ``j`` and ``i``), but it is invariant to shifting the whole token sequence when the gates
@@ -47,7 +52,8 @@ from jax.typing import ArrayLike
 from jaxpos import _checks
 from jaxpos.schemes.base import PositionScheme, register
 
-__all__ = ["FoX", "fox_bias", "fox_cumulative", "forget_gate"]
+__all__ = ["FoX", "FoXCacheRead", "fox_bias", "fox_cumulative", "forget_gate",
+           "place_gates"]
 
 
 def forget_gate(x: ArrayLike, w: ArrayLike, b: ArrayLike) -> jax.Array:
@@ -92,6 +98,19 @@ def fox_cumulative(log_forget: ArrayLike) -> jax.Array:
     """
     _check_log_forget(log_forget)
     return jnp.cumsum(jnp.swapaxes(jnp.asarray(log_forget, jnp.float32), 1, 2), axis=-1)
+
+
+def place_gates(log_forget: ArrayLike, positions: ArrayLike) -> jax.Array:
+    """The gates indexed by position: float32 ``[B, T, N]`` whose entry ``p`` is the gate
+    of the token at position ``p`` (``positions`` int ``[B, T]``, negative for padding),
+    zero where no token sits (padding contributes no gate: ``log f = 0``, ``f = 1``).
+    Positions outside ``[0, T)`` drop their gate (never clamped onto another)."""
+    lf = jnp.asarray(log_forget, jnp.float32)
+    B, T = lf.shape[:2]
+    pos = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (B, T))
+    index = jnp.where((pos >= 0) & (pos < T), pos, T)  # T: out of range, dropped
+    rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+    return jnp.zeros_like(lf).at[rows, index].set(lf, mode="drop")
 
 
 def _check_positions_in_range(name: str, positions, T: int) -> None:
@@ -204,38 +223,61 @@ class FoX(PositionScheme):
                     positions: jax.Array | None = None, **_: Any) -> PositionScheme:
         """``FoX(forget_gate(x, w, b))`` from the layer's input ``x`` ``[B, T, D]``.
 
-        The gates are indexed by position, so ``positions`` must be ``0 .. T-1`` along
-        each row (the default): packed rows whose positions restart per segment, or
-        offsets, would read other tokens' gates. Concrete positions are checked;
-        traced ones cannot be.
+        The gates are indexed by position. ``positions`` (int ``[B|1, T]``, optional) are
+        the tokens' positions with padding marked by a negative value (the modules' full
+        pass with an ``attention_mask``): the gate of the token at position ``p`` is put
+        at index ``p`` and padding contributes no gate, so a left-padded row gets the
+        bias of the same row unpadded. A row's tokens must sit at ``0 .. n-1`` in order
+        (Hugging Face's ``cumsum(attention_mask) - 1``); concrete positions are checked,
+        traced ones cannot be (a position past ``T`` drops its gate). None: the gates in
+        token order (a full pass at ``arange`` positions, or a decode step's new tokens,
+        which the cache places: :mod:`jaxpos.layers.cache.fox`).
 
         Raises:
-          ValueError: no ``x``; concrete positions other than ``arange(T)``.
+          ValueError: no ``x``; concrete token positions other than ``0 .. n-1`` in order.
         """
         if x is None:
             raise ValueError("FoX computes its forget gates from the layer's input; "
                              "from_params got x=None.")
-        if positions is not None and _checks.is_concrete(positions):
-            T = _checks.shape_of(x)[1]
-            p = np.asarray(positions)
-            if p.shape[-1] != T or np.any(p != np.arange(T)):
-                raise ValueError(
-                    f"FoX indexes its gates by token position, so positions must be 0 .. "
-                    f"{T - 1} along each row; got {p.tolist()}. Run packed or offset "
-                    f"sequences as separate rows starting at position 0.")
-        return cls(forget_gate(x, params["w"], params["b"]))
+        log_forget = forget_gate(x, params["w"], params["b"])
+        if positions is None:
+            return cls(log_forget)
+        B, T = _checks.shape_of(x)[:2]
+        pos = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (B, T))
+        if _checks.is_concrete(positions):
+            for row in np.asarray(pos):
+                tokens = row[row >= 0]
+                if np.any(tokens != np.arange(tokens.size)):
+                    raise ValueError(
+                        f"FoX indexes its gates by token position, so a row's tokens must "
+                        f"sit at positions 0 .. n-1 in order (padding marked negative); got "
+                        f"{np.asarray(pos).tolist()}. Run packed or offset sequences as "
+                        f"separate rows starting at position 0.")
+        return cls(place_gates(log_forget, pos))
+
+    @classmethod
+    def init_decode_state(cls, batch: int, slots: int, *, num_heads: int, head_dim: int,
+                          options: dict) -> dict:
+        """The empty decode state of one layer (:mod:`jaxpos.layers.cache.fox`):
+        ``g_last`` float32 ``[batch, N]``, each row's cumulative log forget gate ``c`` up to
+        its last token, and ``g_slots`` float32 ``[batch, slots, N]``, ``c`` of the token at
+        each position (a position is a slot of the table; slot ``s`` of the serving loop's
+        caches holds the token at position ``s``)."""
+        return {"g_last": jnp.zeros((batch, num_heads), jnp.float32),
+                "g_slots": jnp.zeros((batch, slots, num_heads), jnp.float32)}
 
     def cache_write(self, q: jax.Array, k: jax.Array,
                     positions: ArrayLike) -> tuple[jax.Array, jax.Array, PositionScheme]:
-        """KV-cache decoding is not supported: the bias of a new query needs the gates of
-        every cached token, which the cache does not keep.
+        """Writing to a cache without FoX's decode state is refused: the bias of a new
+        query needs the cumulative gate of every cached token, which the caches of the
+        modules' ``init_cache`` keep (:mod:`jaxpos.layers.cache.fox`).
 
         Raises:
           ValueError: always.
         """
-        raise ValueError("FoX cannot decode with a KV cache: the bias c_i - c_j needs the "
-                         "forget gates of every cached token, which the cache does not keep. "
-                         "Recompute the full sequence instead.")
+        raise ValueError("FoX decodes from a KV cache that keeps the cumulative forget gate "
+                         "of every cached token (the bias is c_i - c_j): use the caches of "
+                         "the layer's or model's init_cache, not a bare KVCache.")
 
     def check(self, num_heads: int, head_dim: int) -> None:
         n = _checks.shape_of(self.log_forget)[2]
@@ -289,5 +331,56 @@ class FoX(PositionScheme):
             ci = row[jnp.clip(q_pos, 0, T - 1)]
             cj = row[jnp.clip(kv_pos, 0, T - 1)]
             return score + (ci - cj)
+
+        return fox
+
+
+class FoXCacheRead(PositionScheme):
+    """How a FoX layer reads its KV cache (built by the FoX cache writer,
+    :mod:`jaxpos.layers.cache.fox`): the bias ``c_i - c_j`` (Lin et al. 2025, §2) from the
+    cumulative log forget gates the cache keeps per position, so a step needs no gate of
+    an earlier token besides.
+
+    Args:
+      cumulative: float32 ``[B, S, N]``, ``c`` of the token at each position ``0 .. S-1``
+        of each row (the cache's ``g_slots``).
+
+    Positions are clamped into ``[0, S)`` inside the score_mod: the writer refuses (or
+    poisons, under ``jit``) a token written outside it. Requires ``causal=True``.
+    """
+
+    cumulative: jax.Array
+    _children = ("cumulative",)
+
+    def __init__(self, cumulative: ArrayLike):
+        _checks.check_rank("cumulative", cumulative, (3,), "[B, S, num_heads]")
+        _checks.check_floating("cumulative", cumulative)
+        self._set(cumulative=jnp.asarray(cumulative, jnp.float32))
+
+    def check(self, num_heads: int, head_dim: int) -> None:
+        if _checks.shape_of(self.cumulative)[2] != num_heads:
+            raise ValueError(f"FoXCacheRead cumulative must have shape [B, S, {num_heads}] "
+                             f"(one gate per query head); got "
+                             f"{_checks.shape_of(self.cumulative)}.")
+
+    def check_causal(self, causal: bool) -> None:
+        FoX.check_causal(self, causal)  # type: ignore[arg-type]
+
+    @property
+    def score_heads(self) -> int:
+        return _checks.shape_of(self.cumulative)[2]
+
+    @property
+    def score_batch(self) -> int:
+        return _checks.shape_of(self.cumulative)[0]
+
+    def score_mod(self) -> Callable[..., jax.Array] | None:
+        """``score + c[batch, q_pos, head] - c[batch, kv_pos, head]``."""
+        c = self.cumulative
+        Bc, S, _ = c.shape
+
+        def fox(score, batch, head, q_pos, kv_pos):
+            row = c[jnp.minimum(batch, Bc - 1), :, head]  # [S]
+            return score + (row[jnp.clip(q_pos, 0, S - 1)] - row[jnp.clip(kv_pos, 0, S - 1)])
 
         return fox

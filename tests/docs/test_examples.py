@@ -560,7 +560,9 @@ _GENERATE_ERRORS = {
                                   r"--streaming KEEP_FIRST must be in \[0, --max-len=32\)"),
     "top-k past the bytes": (["--top-k", "300"], "--top-k must be at most the 256"),
     "heads do not divide": (["--d-model", "18"], "--d-model must be a multiple of the 4"),
-    "position without a cache": (["--position", "fox"], "FoX cannot decode with a KV cache"),
+    "position without a streaming cache": (["--position", "fox", "--streaming", "4"],
+                                           "position='fox' decodes by reading a state kept "
+                                           "per text position"),
 }
 
 
@@ -576,7 +578,7 @@ def _one_line_usage_error(err: str, match: str) -> None:
 
 
 @pytest.mark.parametrize("case", [  # FoX builds and traces its model first: about 10 s
-    pytest.param(c, marks=pytest.mark.slow) if c == "position without a cache" else c
+    pytest.param(c, marks=pytest.mark.slow) if c == "position without a streaming cache" else c
     for c in _GENERATE_ERRORS])
 def test_generate_refuses_bad_settings_with_a_one_line_error(case, capsys):
     """main() of examples/generate.py, in this process (the parser runs before any

@@ -170,21 +170,26 @@ def test_bad_input():
         forget_gate(jnp.ones((1, 3, 5)), jnp.ones((6, 2)), jnp.ones(2))
 
 
-def test_module_hooks_gates_from_the_layer_input_and_no_kv_cache():
+def test_module_hooks_gates_from_the_layer_input_placed_at_their_positions():
     # from_params: log f = log_sigmoid(x @ w + b) from the layer input (Lin et al. 2025, §2);
-    # the authors' initialisation w ~ N(0, 0.02^2), b = 0; packed positions and KV-cache
-    # decoding are refused (the gates are indexed by token position).
+    # the authors' initialisation w ~ N(0, 0.02^2), b = 0; each token's gate sits at its
+    # position and padding (a negative position) gives none; packed positions are refused
+    # (the gates are indexed by token position), and so is a bare cache (no gates kept).
     params = FoX.init_params(jax.random.PRNGKey(0), num_heads=N, d_model=6)
     assert params["w"].shape == (6, N) and float(jnp.std(params["w"])) < 0.05
     np.testing.assert_array_equal(np.asarray(params["b"]), 0.0)
     x = jax.random.normal(jax.random.PRNGKey(1), (1, 5, 6))
+    lf = np.asarray(forget_gate(x, **params))
     s = FoX.from_params(params, x=x, positions=jnp.arange(5)[None])
-    np.testing.assert_allclose(np.asarray(s.log_forget), np.asarray(forget_gate(x, **params)))
-    with pytest.raises(ValueError, match=r"positions must be 0 .. 4"):
+    np.testing.assert_allclose(np.asarray(s.log_forget), lf)
+    padded = FoX.from_params(params, x=x, positions=jnp.array([[-1, -1, 0, 1, 2]]))
+    np.testing.assert_allclose(np.asarray(padded.log_forget)[0],
+                               np.concatenate([lf[0, 2:], np.zeros((2, N))]))
+    with pytest.raises(ValueError, match=r"tokens must sit at positions 0 .. n-1"):
         FoX.from_params(params, x=x, positions=jnp.array([[0, 1, 0, 1, 2]]))
     with pytest.raises(ValueError, match="layer's input"):
         FoX.from_params(params, x=None)
-    with pytest.raises(ValueError, match="KV cache"):
+    with pytest.raises(ValueError, match="init_cache, not a bare KVCache"):
         s.cache_write(None, None, None)
 
 

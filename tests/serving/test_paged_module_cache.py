@@ -18,7 +18,6 @@ from jaxpos import nnx as jn
 from jaxpos.layers.cache import PagedKVCache
 
 V, D, N = 40, 16, 2
-NO_CACHE = {"fox"}  # refuses to decode from any KV cache
 DEFAULT = {"rope", "t5"}  # the rest (and Linen) in the slow run
 MASK = np.array([[1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1, 1]])  # row 1 left-padded
 
@@ -43,7 +42,7 @@ def _decode_all(m, tokens, cache):
 
 @pytest.mark.parametrize("position", [
     pytest.param(p, marks=() if p in DEFAULT else pytest.mark.slow)
-    for p in jn.POSITIONS if p not in NO_CACHE])
+    for p in jn.POSITIONS])
 def test_paged_cache_decoding_equals_the_dense_cache_and_the_full_pass(position):
     m = _nnx(position)
     tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, V)

@@ -10,7 +10,8 @@ cache type behind one protocol (:mod:`jaxpos.layers.cache.base`):
 * :mod:`~jaxpos.layers.cache.paged`: :class:`PagedKVCache` (vLLM's paged cache, Kwon et al.
   2023, §4.2);
 * :mod:`~jaxpos.layers.cache.scheme_state`: :class:`SchemeStateCache`, another cache plus
-  a scheme's decode state (PaTH's writer: :mod:`~jaxpos.layers.cache.path`).
+  a scheme's decode state (PaTH's writer: :mod:`~jaxpos.layers.cache.path`; FoX's:
+  :mod:`~jaxpos.layers.cache.fox`).
 
 :func:`new_cache` builds the cache that the options of ``init_cache`` ask for. A new cache
 type is one file: a :class:`Cache` subclass and its empty-cache function, plus one
@@ -32,6 +33,7 @@ from jaxpos.layers.cache.base import (
     rotates_on_load,
 )
 from jaxpos.layers.cache.dense import KVCache, init_kv_cache, update_kv_cache
+from jaxpos.layers.cache.fox import write_fox_step
 from jaxpos.layers.cache.paged import PagedKVCache, init_paged_cache
 from jaxpos.layers.cache.path import write_path_step
 from jaxpos.layers.cache.scheme_state import (
@@ -53,7 +55,7 @@ __all__ = ["Cache", "CacheRead", "KVCache", "PagedKVCache", "SchemeStateCache",
            "init_paged_cache", "init_streaming_cache", "new_cache", "place_order", "poison_rows",
            "read_positions", "register_cache", "register_state_writer", "rotate_at_write",
            "rotates_on_load", "streaming_ranks", "update_kv_cache", "update_streaming_cache",
-           "with_decode_state", "write_path_step"]
+           "with_decode_state", "write_fox_step", "write_path_step"]
 
 #: (options owned, builder) for each cache type besides the dense one, in registration order
 _CACHES: list[tuple[tuple[str, ...], Callable[..., Cache]]] = []

@@ -3,7 +3,10 @@
 Most schemes decode from keys, values and positions alone. A scheme computed along the
 token axis needs more: PaTH's short convolution reads the last inputs of the row, and its
 inference rule moves every cached key at each step (Yang et al. 2025, arXiv:2505.16381,
-§3.2). Such a scheme says so with
+§3.2); FoX keeps the cumulative forget gate of every cached token (Lin et al. 2025, §2).
+State entries named ``*_slots`` are per slot (``[B, slots, ...]``), the others per row
+(``[B, ...]``): the serving loop keeps the first in pages and the second per request
+(:class:`jaxpos.serving.ModuleDecoder`). Such a scheme says so with
 :meth:`jaxpos.PositionScheme.init_decode_state` and registers a writer here; the modules'
 ``init_cache`` then wraps each layer's cache (:func:`with_decode_state`), and a step's
 :meth:`SchemeStateCache.write` hands the inner cache and the state to the writer. The
@@ -29,15 +32,26 @@ __all__ = ["SchemeStateCache", "decode_state_cache", "register_state_writer",
 _WRITERS: dict[str, Callable[..., tuple[Cache, Any, CacheRead]]] = {}
 
 
-def register_state_writer(*names: str) -> Callable[[Callable], Callable]:
+#: scheme names whose writer rewrites the cached keys (``Cache.update_keys``)
+_MOVES_KEYS: set[str] = set()
+
+
+def register_state_writer(*names: str, moves_keys: bool = True
+                          ) -> Callable[[Callable], Callable]:
     """Function decorator: the writer of the schemes registered as ``names``, called by
     :meth:`SchemeStateCache.write` as ``fn(scheme, inner, state, q, k, v, positions,
     mask)`` and returning ``(inner, state, read)`` (the arguments of
-    :meth:`Cache.write`, plus the inner cache and the scheme's state)."""
+    :meth:`Cache.write`, plus the inner cache and the scheme's state). ``moves_keys``:
+    the writer rewrites the cached keys (PaTH), so the inner cache must implement
+    ``update_keys``."""
 
     def deco(fn):
         for name in names:
             _WRITERS[name] = fn
+            if moves_keys:
+                _MOVES_KEYS.add(name)
+            else:
+                _MOVES_KEYS.discard(name)
         return fn
 
     return deco
@@ -94,14 +108,19 @@ def with_decode_state(cache: Cache, scheme_name: str, options: dict,
 
     Raises:
       ValueError: a cache type that cannot carry the state (it does not rewrite its keys
-        in place: the StreamingLLM cache), naming the scheme.
+        in place when the scheme's writer moves them, or it re-numbers its tokens at read:
+        the StreamingLLM cache), naming the scheme.
     """
     cls = get_scheme(scheme_name)
     if cls.init_decode_state.__func__ is PositionScheme.init_decode_state.__func__:
         return cache
-    if type(cache).update_keys is Cache.update_keys or scheme_name not in _WRITERS:
-        raise ValueError(f"position={scheme_name!r} decodes by moving the cached keys at each "
-                         f"step, which {type(cache).__name__} cannot do; use the dense cache "
+    moves = scheme_name in _MOVES_KEYS
+    if (scheme_name not in _WRITERS or not type(cache).text_positions
+            or (moves and type(cache).update_keys is Cache.update_keys)):
+        what = ("moving the cached keys at each step" if moves else
+                "reading a state kept per text position")
+        raise ValueError(f"position={scheme_name!r} decodes by {what}, which "
+                         f"{type(cache).__name__} cannot carry; use the dense cache "
                          f"(init_cache without options) or the paged one (page_size=, "
                          f"num_pages=).")
     state = cls.init_decode_state(cache.batch_size, cache.slots_per_row,

@@ -236,7 +236,10 @@ class AttentionCore:
         q, k, v = self._qkv(x, context)
         q = constrain(q, ("batch", None, "heads", None))
         k, v = (constrain(t, ("batch", None, "kv_heads", None)) for t in (k, v))
-        scheme = self._scheme(scheme, rope_scaling, x, pos)
+        # a scheme built from the tokens sees padding as negative positions (FoX gives it
+        # no gate)
+        scheme = self._scheme(scheme, rope_scaling, x,
+                              pos if pad is None else jnp.where(pad, pos, -1))
         if pad is not None:  # tokens never see padding; padding's positions stay in range
             segment_ids = padding_segment_ids(pad, segment_ids)
             pos = kv_pos = fill_hidden_positions(pos, pad)
@@ -341,7 +344,8 @@ class AttentionCore:
             positions = positions_from_mask(jnp.ones((B, T), bool) if pad is None else pad,
                                             cache.token_count())
         pos = _checks.positions_2d("positions", positions, B, T)
-        scheme = self._scheme(scheme, rope_scaling, x, pos)
+        # the new tokens' scheme in token order (FoX's gates); the cache places them
+        scheme = self._scheme(scheme, rope_scaling, x, None)
         cache, read = cache.write(scheme, q, k, v, pos, pad)
         o = self._attend_cache(read, implementation, mask_mod)
         return poison_rows(self._out(self._gated(o, x)), read.poison), cache
