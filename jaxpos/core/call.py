@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,7 @@ from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos.core.dropout import check_dropout
-from jaxpos.mods import BlockMask, ConvertedMod, compose_score_mods, convert_mod
+from jaxpos.mods import BlockMask, ConvertedMod, compose_score_mods, convert_mod, reads_input
 from jaxpos.schemes.base import PositionScheme, as_scheme
 
 __all__ = ["AttentionCall", "apply_rope_tables", "check_attention_inputs", "converted_mods",
@@ -331,13 +331,25 @@ def _check_block_mask(block_mask, mask_mod, shape: tuple[int, int, int, int], bl
     return block_mask.mask_mod, block_mask.block_q, block_mask.block_k
 
 
-def _check_mods(scheme: PositionScheme, score_mod, mask_mod, tile: tuple[int, int]):
+def _check_mods(scheme: PositionScheme, score_mod, mask_mod, tile: tuple[int, int],
+                rows: Any = None):
     """The scheme's score_mod composed with the user's, and both mods converted at
     ``tile`` (traced once: a bad return shape or dtype is reported at the call whatever
-    the engine): ``(score_mod, score_conv, mask_conv)``."""
+    the engine): ``(score_mod, mask_mod, score_conv, mask_conv)``. ``rows``: int32
+    ``[B]`` or None, the caller's batch row of each row of the call: a mod that reads its
+    ``batch`` argument then sees that row."""
     all_score_mods = compose_score_mods(scheme.score_mod(), score_mod)
     conv = lambda fn, kind: None if fn is None else convert_mod(fn, kind, *tile)
-    return all_score_mods, conv(all_score_mods, "score"), conv(mask_mod, "mask")
+    score_conv, mask_conv = conv(all_score_mods, "score"), conv(mask_mod, "mask")
+    if rows is not None and score_conv is not None and reads_input(score_conv.jaxpr, 1):
+        inner_score: Callable = cast("Callable", all_score_mods)  # (converted: not None)
+        all_score_mods = lambda s, b, h, qp, kp: inner_score(s, rows[b], h, qp, kp)
+        score_conv = conv(all_score_mods, "score")
+    if rows is not None and mask_conv is not None and reads_input(mask_conv.jaxpr, 0):
+        inner_mask = mask_mod
+        mask_mod = lambda b, h, qp, kp: inner_mask(rows[b], h, qp, kp)
+        mask_conv = conv(mask_mod, "mask")
+    return all_score_mods, mask_mod, score_conv, mask_conv
 
 
 def converted_mods(call: AttentionCall, tq: int, tk: int
@@ -364,12 +376,16 @@ def validate_call(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
                   sharded: bool = False, kv_lengths: ArrayLike | None = None,
                   rope_tables: Any = None, dropout_rate: float = 0.0,
                   dropout_rng: jax.Array | None = None,
-                  broadcast_dropout: bool = False) -> AttentionCall:
+                  broadcast_dropout: bool = False, rows: Any = None) -> AttentionCall:
     """Check every argument of an attention call once and return its record.
 
     Args: as :func:`jaxpos.attention`; ``sharded=True`` for
     :func:`jaxpos.parallel.ring_attention`'s local shards: positions are then required
-    (the global positions of the local tokens) and errors say so.
+    (the global positions of the local tokens) and errors say so. ``rows``: None, or
+    ``(row_of int32 [B], row_kv_lengths int32 [B_rows])`` for a call whose rows stand for
+    rows of another (a ragged call's queries, :mod:`jaxpos.core.ragged`): a score_mod or
+    mask_mod reading ``batch`` sees ``row_of[batch]``, and the scheme's
+    ``for_call`` gets ``row_kv_lengths`` (indexed by that row).
 
     Returns:
       An :class:`AttentionCall` (positions int32 ``[B|1, T]``, segments int32 ``[B, T]``,
@@ -411,8 +427,10 @@ def validate_call(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
         lengths = _checks.check_kv_lengths(kv_lengths, B, Tk)
         _checks.check_kv_lengths_range(kv_lengths, Tk)
         kv_lengths, kv_overflow = lengths, _checks.kv_lengths_out_of_range(kv_lengths, Tk)
-    scheme = scheme.for_call(causal=causal, mask=mask4, mask_mod=mask_mod, kv_lengths=kv_lengths)
-    all_score_mods, score_conv, mask_conv = _check_mods(scheme, score_mod, mask_mod, tile)
+    scheme = scheme.for_call(causal=causal, mask=mask4, mask_mod=mask_mod,
+                             kv_lengths=kv_lengths if rows is None else rows[1])
+    all_score_mods, mask_mod, score_conv, mask_conv = _check_mods(
+        scheme, score_mod, mask_mod, tile, None if rows is None else rows[0])
     rope_tables = _check_rope_tables(rope_tables, scheme, B, Tq, Tk, H)
     dropout = check_dropout(dropout_rate, dropout_rng, broadcast_dropout)
     return AttentionCall(q=q, k=k, v=v, scheme=scheme, score_mod=all_score_mods,

@@ -19,6 +19,7 @@ score_mod (:mod:`jaxpos.mods`), which the engines apply tile by tile with the us
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -29,6 +30,7 @@ from jaxpos import _checks
 from jaxpos.core import engines
 from jaxpos.core.call import transform_call, validate_call
 from jaxpos.core.paged import paged_attention
+from jaxpos.core.ragged import ragged_attention
 from jaxpos.core.xla import DENSE_BIAS_BUDGET_BYTES, GPU_BACKENDS, xla_preferred
 from jaxpos.mods import BlockMask
 from jaxpos.schemes.base import PositionScheme, as_scheme
@@ -172,6 +174,7 @@ def attention(
     dropout_rng: jax.Array | None = None,
     broadcast_dropout: bool = False,
     page_table: ArrayLike | None = None,
+    cu_q_lengths: ArrayLike | None = None,
 ) -> jax.Array:
     """Multi-head attention with any position scheme, score_mod and mask_mod.
 
@@ -247,6 +250,14 @@ def attention(
         ``[num_pages, page_size, N_kv, H]`` and ``kv_lengths`` is required; the call means
         the same call on the keys gathered from the pages (:mod:`jaxpos.core.paged`,
         ``docs/serving.md``).
+      cu_q_lengths: integer ``[B + 1]`` or None: a ragged call (JAX's
+        ``ragged_paged_attention`` layout, :mod:`jaxpos.core.ragged`; needs
+        ``page_table``): q is then packed ``[total_q, N, H]``, row ``b``'s queries
+        ``q[cu_q_lengths[b]:cu_q_lengths[b + 1]]`` are its newest tokens (counted in
+        ``kv_lengths[b]``), ``q_positions`` is ``[total_q]`` (default: the end of each
+        row's fill) and the output ``[total_q, N, H_v]``; each row means the dense call of
+        that row. Concrete lengths that do not fit raise ``ValueError``; traced ones make
+        the row's queries NaN (all of them for a malformed ``cu_q_lengths``).
 
     Returns:
       ``[B, Tq, N, H_v]`` in q's dtype (softmax and accumulation in float32). A query with
@@ -265,8 +276,10 @@ def attention(
     """
     if implementation is not None:
         engines.get_engine(implementation)  # an unknown name fails before anything else
-    if page_table is not None:  # k and v are pages: jaxpos.core.paged
-        return paged_attention(
+    if page_table is not None:  # k and v are pages: jaxpos.core.paged / jaxpos.core.ragged
+        run_pages = paged_attention if cu_q_lengths is None else \
+            functools.partial(ragged_attention, cu_q_lengths=cu_q_lengths)
+        return run_pages(
             q, k, v, page_table=page_table, kv_lengths=kv_lengths,
             implementation=implementation, position=position, score_mod=score_mod,
             mask_mod=mask_mod, block_mask=block_mask, sinks=sinks, q_positions=q_positions,
@@ -274,6 +287,9 @@ def attention(
             kv_segment_ids=kv_segment_ids, scale=scale, block_q=block_q, block_k=block_k,
             rope_tables=rope_tables, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
             broadcast_dropout=broadcast_dropout)
+    if cu_q_lengths is not None:
+        raise ValueError("cu_q_lengths (the packed queries of a ragged call) needs page_table: "
+                         "the ragged call reads a paged cache (docs/serving.md).")
     call = validate_call(q, k, v, position=position, score_mod=score_mod, mask_mod=mask_mod,
                          block_mask=block_mask, sinks=sinks, q_positions=q_positions,
                          kv_positions=kv_positions, causal=causal, mask=mask,

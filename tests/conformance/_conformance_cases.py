@@ -482,7 +482,7 @@ def _with_unfilled_slots(impl, extra=13, **opts):
     return attend
 
 
-def _paged(impl, page_size=3, spare=2, **opts):
+def _paged(impl, page_size=3, spare=2, ragged=False, **opts):
     """``attend`` through ``impl`` with k and v stored in pages of ``page_size`` slots
     (FlashAttention's paged layout), ``jaxpos.attention(q, k_pages, v_pages, page_table=,
     kv_lengths=)``: each row's pages are scattered over a pool in a shuffled order, the
@@ -491,10 +491,20 @@ def _paged(impl, page_size=3, spare=2, **opts):
     slots hold NaN keys and values (what a freed page holds: any read of them into the
     result or the gradients shows, even as ``0 * NaN``). Key positions and segment ids
     continue past the filled keys; the default positions are the paged call's own
-    (queries at the end of each row)."""
+    (queries at the end of each row). ``ragged``: the queries packed ``[B * Tq, N, H]``
+    with ``cu_q_lengths`` (the ragged call), the output unpacked."""
     def attend(q, k, v, scheme, sinks, *, q_positions=None, kv_positions=None,
                segment_ids=None, kv_segment_ids=None, **kw):
         B, Tk, Nk, H = k.shape
+        if ragged:
+            Tq = q.shape[1]
+            kw["cu_q_lengths"] = np.arange(B + 1, dtype=np.int32) * Tq
+            if q_positions is not None:
+                q_positions = np.broadcast_to(np.asarray(q_positions), (B, Tq)).reshape(-1)
+            out = _paged(impl, page_size, spare, **opts)(
+                q.reshape((B * Tq,) + q.shape[2:]), k, v, scheme, sinks,
+                q_positions=q_positions, kv_positions=kv_positions, **kw)
+            return out.reshape((B, Tq) + out.shape[1:])
         used = -(-Tk // page_size)
         pps = used + 1
         S = pps * page_size
@@ -538,6 +548,12 @@ def _forward_only(attend):
 #: Default-run cases of the paged chunked path (the rest run in the slow run).
 PAGED_DEFAULT = ("decode-none", "decode-alibi", "decode-t5", "decode-rope", "gqa-none",
                  "sliding_window-none", "sinks-none", "left_padded-none", "training-none")
+
+
+def _ragged_cases(*ids: str) -> list[Case]:
+    """The cases of these ids (the ragged paths take a few)."""
+    cases = dict(all_cases())
+    return [cases[i] for i in ids]
 
 
 #: Default-run cases of the kv_lengths paths (a cache with unfilled slots).
@@ -642,6 +658,21 @@ IMPLEMENTATIONS: dict[str, Path] = {
     "paged_pallas": Path(None, run=_forward_only(_paged("pallas", page_size=4, block_q=4,
                                                         block_k=4)),
                          default=lambda cid: cid == "decode-alibi"),
+    # the ragged call (packed queries, cu_q_lengths) over the same pages: a few cases
+    "ragged_chunked": Path(_paged("chunked", ragged=True, block_k=6),
+                           takes=lambda case: case in _ragged_cases(
+                               "decode-alibi", "prefill_chunk-none", "offset_positions-none",
+                               "gqa-none", "sinks-none"),
+                           default=lambda cid: cid == "decode-alibi"),
+    "ragged_reference": Path(_paged("reference", ragged=True),
+                             takes=lambda case: case in _ragged_cases("decode-t5",
+                                                                      "prefill_chunk-none"),
+                             default=lambda cid: True),
+    "ragged_pallas": Path(None, run=_forward_only(_paged("pallas", ragged=True, page_size=4,
+                                                         block_q=4, block_k=4)),
+                          takes=lambda case: case in _ragged_cases("decode-alibi",
+                                                                   "prefill_chunk-none"),
+                          default=lambda cid: False),
     # run by tests/conformance/_ring_conformance_worker.py in an 8-device subprocess
     "ring": Path(None, takes=_ring_takes, default=lambda cid: False),
     "ulysses": Path(None, takes=_ulysses_takes, default=lambda cid: False),
