@@ -167,48 +167,144 @@ class ModuleDecoder:
     (:func:`jaxpos.layers.cache.paged.paged_view` of the loop's pages, page table and
     lengths) and calls its ``decode_step``.
 
+    A layer whose decoding keeps a scheme's state beside the keys and values (FoX's
+    cumulative forget gates, PaTH's convolution tail; :mod:`jaxpos.layers.cache.scheme_state`)
+    keeps it in the pool too: the per-slot entries (``*_slots``, ``[B, S, ...]``) in pages
+    of their own beside the keys, read through the page table; the per-row entries in one
+    pool row per request, at the index of the request's first page (a new request,
+    ``lengths == 0``, starts from the empty state). So every request decodes as it would
+    alone, whatever the batch around it.
+
     Args:
       model: a :class:`jaxpos.nnx.DecoderLM` (its weights are split off as :attr:`params`).
 
     Raises:
-      ValueError: a model whose decoding keeps state beside the keys and values (PaTH:
-        the loop owns only the pages).
+      ValueError: a model whose caches are not paged caches (or a scheme state around one).
     """
 
     def __init__(self, model: Any):
         from flax import nnx
 
-        from jaxpos.layers.cache.paged import PagedKVCache
+        from jaxpos.layers.cache import PagedKVCache, SchemeStateCache
 
-        kept = [type(c).__name__ for c in model.init_cache(1, 1, page_size=1, num_pages=1)
-                if not isinstance(c, PagedKVCache)]
-        if kept:
-            raise ValueError(f"the serving loop owns only the key and value pages, but this "
-                             f"model's layers decode with a cache that keeps more ({kept[0]}: "
-                             f"PaTH's decode state, its short convolution's last inputs); "
-                             f"decode it with model.decode_step and its own init_cache.")
+        #: per layer, the scheme whose decode state the layer's cache keeps (or None)
+        self._state_names: list[str | None] = []
+        for c in model.init_cache(1, 1, page_size=1, num_pages=1):
+            inner = c.inner if isinstance(c, SchemeStateCache) else c
+            if not isinstance(inner, PagedKVCache):
+                raise ValueError(f"the serving loop keeps each layer's cache in pages, but "
+                                 f"this model's init_cache(page_size=, num_pages=) gives "
+                                 f"{type(c).__name__}.")
+            self._state_names.append(c.scheme_name if isinstance(c, SchemeStateCache)
+                                     else None)
         self._graphdef, self.params = nnx.split(model)
         vocab = getattr(model, "vocab_size", None)  # DecoderLM and the example ports
         self.vocab_size = int(vocab if vocab is not None else model.embed.embedding.shape[0])
         self._model = model
 
     def init_pool(self, num_pages: int, page_size: int) -> tuple:
-        """The model's empty paged caches' pools: ``num_layers`` pairs of zero pages."""
+        """The model's empty paged caches' pools: per layer the zero key and value pages,
+        and for a layer with a scheme state a third entry ``{name: zeros}``: ``[num_pages,
+        page_size, ...]`` for a per-slot entry, ``[num_pages, ...]`` for a per-row one."""
+        from jaxpos.layers.cache import SchemeStateCache
+
         caches = self._model.init_cache(1, page_size, page_size=page_size, num_pages=num_pages)
-        return tuple((c.k_pages, c.v_pages) for c in caches)
+        pool = []
+        for c in caches:
+            if not isinstance(c, SchemeStateCache):
+                pool.append((c.k_pages, c.v_pages))
+                continue
+            state = {n: jnp.zeros((num_pages, page_size) + a.shape[2:], a.dtype)
+                     if _per_slot(n) else jnp.zeros((num_pages,) + a.shape[1:], a.dtype)
+                     for n, a in c.state.items()}
+            inner: Any = c.inner  # a PagedKVCache (checked in __init__)
+            pool.append((inner.k_pages, inner.v_pages, state))
+        return tuple(pool)
 
     def forward(self, params: Any, tokens: jax.Array, positions: jax.Array, pool: tuple,
                 page_table: jax.Array, lengths: jax.Array,
                 mask: jax.Array) -> tuple[jax.Array, tuple]:
         """See :meth:`PagedModel.forward`. Masked tokens (the padding at the end of a
-        prefill chunk) are written like tokens: the loop's lengths count the others only,
-        so the next step's view hides those slots and later tokens overwrite them."""
+        prefill chunk) are written as padding: the loop's lengths count the others only,
+        so the next step's view hides those slots and later tokens overwrite them; a
+        scheme's state skips them."""
         from flax import nnx
 
+        from jaxpos.layers.cache import SchemeStateCache
         from jaxpos.layers.cache.paged import paged_view
 
         model = nnx.merge(self._graphdef, params)
-        caches = tuple(paged_view(kp, vp, page_table, lengths) for kp, vp in pool)
-        del mask  # (see above)
-        logits, caches = model.decode_step(tokens, caches, positions=positions)
-        return logits, tuple((c.k_pages, c.v_pages) for c in caches)
+        caches = []
+        for layer, name in zip(pool, self._state_names):
+            view = paged_view(layer[0], layer[1], page_table, lengths)
+            if name is None:
+                caches.append(view)
+            else:
+                state = _read_state(layer[2], page_table, lengths)
+                caches.append(SchemeStateCache(view, state, name))
+        logits, caches = model.decode_step(tokens, tuple(caches), positions=positions,
+                                           attention_mask=mask)
+        new_pool = []
+        for layer, c in zip(pool, caches):
+            if isinstance(c, SchemeStateCache):
+                state = _write_state(layer[2], c.state, page_table, lengths, mask)
+                inner: Any = c.inner  # a PagedKVCache (checked in __init__)
+                new_pool.append((inner.k_pages, inner.v_pages, state))
+            else:
+                new_pool.append((c.k_pages, c.v_pages))
+        return logits, tuple(new_pool)
+
+
+def _per_slot(name: str) -> bool:
+    """A scheme state's entry named ``*_slots`` is per slot (``[B, S, ...]``)."""
+    return name.endswith("_slots")
+
+
+def _read_state(pool: dict, page_table: jax.Array, lengths: jax.Array) -> dict:
+    """The decode state of the batch's rows from the pool: per-slot entries gathered
+    through the page table, per-row ones from the row's first page (zeros for a row
+    that holds no token yet)."""
+    from jaxpos.core.paged import gather_pages
+
+    table = jnp.asarray(page_table, jnp.int32)
+    P = next(iter(pool.values())).shape[0]
+    first = jnp.clip(table[:, 0], 0, P - 1)
+    fresh = jnp.asarray(lengths, jnp.int32) == 0
+    out = {}
+    for name, a in pool.items():
+        if _per_slot(name):
+            out[name] = gather_pages(a, table)
+        else:
+            row = a[first]
+            out[name] = jnp.where(fresh.reshape((-1,) + (1,) * (row.ndim - 1)),
+                                  jnp.zeros_like(row), row)
+    return out
+
+
+def _write_state(pool: dict, state: dict, page_table: jax.Array, lengths: jax.Array,
+                 mask: jax.Array) -> dict:
+    """``pool`` with the step's state written back: per-slot entries at the new tokens'
+    slots (``lengths + t`` where ``mask``), per-row ones at the row's first page (rows
+    with a token this step); entries without a page are dropped, never clamped."""
+    table = jnp.asarray(page_table, jnp.int32)
+    B, T = mask.shape
+    rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+    out = {}
+    for name, a in pool.items():
+        P, new = a.shape[0], state[name]
+        if _per_slot(name):
+            ps = a.shape[1]
+            slot = jnp.asarray(lengths, jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32)
+            col = jnp.clip(slot // ps, 0, table.shape[1] - 1)
+            page = table[rows, col]
+            ok = mask & (slot // ps < table.shape[1]) & (page >= 0) & (page < P)
+            vals = jnp.take_along_axis(
+                new, jnp.clip(slot, 0, new.shape[1] - 1).reshape((B, T) + (1,) * (new.ndim - 2)),
+                axis=1)
+            out[name] = a.at[jnp.where(ok, page, P), slot % ps].set(vals.astype(a.dtype),
+                                                                   mode="drop")
+        else:
+            first = table[:, 0]
+            ok = jnp.any(mask, axis=1) & (first >= 0) & (first < P)
+            out[name] = a.at[jnp.where(ok, first, P)].set(new.astype(a.dtype), mode="drop")
+    return out

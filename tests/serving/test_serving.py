@@ -252,11 +252,28 @@ def test_the_loop_drives_a_decoder_lm_through_its_paged_cache():
         np.testing.assert_array_equal(c.tokens, np.argmax(full[len(prompt) - 1:], axis=-1))
 
 
-def test_module_decoder_refuses_a_model_whose_decoding_keeps_state():
-    model = DecoderLM(32, d_model=16, num_layers=1, num_heads=2, position="path",
-                      rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="owns only the key and value pages.*PaTH"):
-        ModuleDecoder(model)
+@pytest.mark.parametrize("position", ["fox", "path"])
+def test_the_loop_serves_models_whose_decoding_keeps_state(position):
+    """FoX (the cumulative forget gate per slot) and PaTH (the convolution's last inputs per
+    request, every cached key moved at each step) behind ModuleDecoder: 3 requests through
+    2 slots, prompts over one and two prefill chunks, the third request on pages (and the
+    state row of its first page) that another request left; each gets the greedy tokens of
+    its sequence run alone (the model's jitted full pass, right-padded: causal)."""
+    lm = DecoderLM(16, d_model=8, num_layers=1, num_heads=2, position=position,
+                   rngs=nnx.Rngs(0))
+    prompts = [[3, 1, 4, 1, 5], [9], [2, 6, 5]]
+    eng = ServingEngine(ModuleDecoder(lm), num_slots=2, num_pages=8, page_size=2, max_len=8,
+                        prefill_chunk=4)
+    done, _ = eng.run([Request(p, 3) for p in prompts])
+    got = {c.request.id: c.tokens for c in done}
+    seqs = np.zeros((3, 8), np.int32)
+    for i, p in enumerate(prompts):
+        seqs[i, :len(p) + 2] = p + got[i][:2]
+    full = np.asarray(nnx.jit(lambda m, t: m(t))(lm, jnp.asarray(seqs)))
+    for i, p in enumerate(prompts):
+        np.testing.assert_array_equal(got[i], np.argmax(full[i, len(p) - 1:len(p) + 2], -1),
+                                      err_msg=f"request {i}")
+    assert eng.allocator.in_use == 0
 
 
 def test_top_k_past_the_vocabulary_samples_as_top_k_zero():
