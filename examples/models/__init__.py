@@ -3,9 +3,11 @@ each with a converter from a Hugging Face PyTorch state dict (``from_hf``):
 
 * :mod:`examples.models.llama`: Llama decoder, grouped-query attention, RoPE with Llama 3
   scaling, left-padded batches and KV-cache decoding.
-* :mod:`examples.models.t5`: T5 encoder-decoder, bucketed relative bias per stack.
-* :mod:`examples.models.bloom`: BLOOM decoder, ALiBi.
-* :mod:`examples.models.gpt2`: GPT-2 decoder, learned absolute positions.
+* :mod:`examples.models.t5`: T5 encoder-decoder, bucketed relative bias per stack (a
+  full-pass example: no decoding).
+* :mod:`examples.models.bloom`: BLOOM decoder, ALiBi, decoding on the library caches.
+* :mod:`examples.models.gpt2`: GPT-2 decoder, learned absolute positions, decoding on the
+  library caches.
 * :mod:`examples.models.qwen3`: Qwen3 (dense) decoder, QK-norm, optional sliding-window
   layers (``tests/parity/test_parity_qwen3_gemma3_llama4.py``).
 * :mod:`examples.models.gemma3`: Gemma 3 text decoder, local sliding-window / global layers

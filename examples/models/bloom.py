@@ -70,15 +70,12 @@ class BloomAttention(nnx.Module):
                                           rngs=rngs)
         self.dense = nnx.Linear(c.hidden_size, c.hidden_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, *, alibi, positions, kv_segments, attn_kw):
+    def __call__(self, x, *, alibi, call: common.DecoderCall, layer: int):
         B, T, _ = x.shape
         # HF's layout: the 3 * hidden features are [num_heads, 3, head_dim].
         qkv = self.query_key_value(x).reshape(B, T, self.num_heads, 3, self.head_dim)
         q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
-        out = jaxpos.attention(q, k, v, position=alibi, q_positions=positions,
-                               kv_positions=positions, causal=True,
-                               segment_ids=common.query_segments(B, T),
-                               kv_segment_ids=kv_segments, **attn_kw)
+        out = call.attend(layer, q, k, v, scheme=alibi)
         return self.dense(out.reshape(B, T, -1))
 
 
@@ -114,8 +111,10 @@ class BloomBlock(nnx.Module):
         return (h if self.post_ln_residual else x) + self.mlp(h)
 
 
-class BloomForCausalLM(nnx.Module):
-    """BLOOM decoder with its tied language-model head.
+class BloomForCausalLM(common.CachedDecoderMixin, nnx.Module):
+    """BLOOM decoder with its tied language-model head; :meth:`decode_step` decodes with
+    the library's caches (ALiBi applied inside attention from the cached positions), so
+    :class:`jaxpos.serving.ModuleDecoder` serves it.
 
     Args:
       config: :class:`BloomConfig` (``BloomConfig.from_hf(hf_config)``).
@@ -144,18 +143,37 @@ class BloomForCausalLM(nnx.Module):
         Raises:
           ValueError / TypeError: bad ids or mask shape.
         """
+        return self.forward(input_ids, attention_mask=attention_mask,
+                            implementation=implementation, block_q=block_q,
+                            block_k=block_k)[0]
+
+    def cache_layers(self) -> list[tuple[int, int]]:
+        """``(n_head, hidden_size // n_head)`` per layer (keys and values per head)."""
+        c = self.config
+        return [(c.n_head, c.hidden_size // c.n_head)] * c.n_layer
+
+    def forward(self, input_ids, *, attention_mask=None, positions=None, cache=None,
+                implementation=None, block_q=None, block_k=None):
+        """``(logits [B, T, vocab_size] float32, cache)``: the full pass (``cache=None``)
+        or a step against the library caches of :meth:`init_cache`; positions default to
+        ``cumsum(attention_mask) - 1`` after the tokens each row's cache holds."""
         emb = self.word_embeddings.embedding[...]
-        B, T = input_ids.shape
         x = self.word_embeddings_layernorm(common.embed_tokens(emb, input_ids))
-        mask = common.check_attention_mask(attention_mask, B, T)
-        mask = jnp.ones((B, T), jnp.int32) if mask is None else mask
-        attn_kw = {"implementation": implementation, "block_q": block_q, "block_k": block_k}
-        kw = {"alibi": self.alibi.scheme(), "positions": common.padding_positions(mask),
-              "kv_segments": common.key_segments(mask, B, T), "attn_kw": attn_kw}
-        for block in self.h:
-            x = block(x, **kw)
+        call = common.DecoderCall(input_ids, attention_mask=attention_mask, positions=positions,
+                                  cache=cache, num_layers=self.config.n_layer,
+                                  implementation=implementation, block_q=block_q,
+                                  block_k=block_k)
+        alibi = self.alibi.scheme()
+        for i, block in enumerate(self.h):
+            x = block(x, alibi=alibi, call=call, layer=i)
         x = self.ln_f(x)
-        return (x @ emb.T.astype(x.dtype)).astype(jnp.float32)
+        return call.finish(x @ emb.T.astype(x.dtype))
+
+    def decode_step(self, tokens, cache, *, positions=None, attention_mask=None,
+                    implementation=None):
+        """:meth:`forward` with ``cache`` (the protocol of ModuleDecoder)."""
+        return self.forward(tokens, attention_mask=attention_mask, positions=positions,
+                            cache=cache, implementation=implementation)
 
 
 def param_mapping(config: BloomConfig) -> dict:

@@ -24,6 +24,7 @@ from flax import nnx
 import jaxpos
 import jaxpos.nnx
 from examples.models import common
+from jaxpos import _checks
 
 __all__ = ["GPT2Config", "GPT2LMHeadModel", "from_hf"]
 
@@ -90,14 +91,11 @@ class GPT2Attention(nnx.Module):
             scale /= float(layer_idx + 1)
         self.scale = scale
 
-    def __call__(self, x, *, positions, kv_segments, attn_kw):
+    def __call__(self, x, *, call: common.DecoderCall, layer: int):
         B, T, D = x.shape
         q, k, v = (t.reshape(B, T, self.num_heads, self.head_dim)
                    for t in jnp.split(self.c_attn(x), 3, axis=-1))
-        out = jaxpos.attention(q, k, v, position=jaxpos.NoPE(), q_positions=positions,
-                               kv_positions=positions, causal=True, scale=self.scale,
-                               segment_ids=common.query_segments(B, T),
-                               kv_segment_ids=kv_segments, **attn_kw)
+        out = call.attend(layer, q, k, v, scheme=jaxpos.NoPE(), scale=self.scale)
         return self.c_proj(out.reshape(B, T, D))
 
 
@@ -119,8 +117,11 @@ class GPT2Block(nnx.Module):
         return x + self.c_proj(_ACTIVATIONS[self.act](self.c_fc(self.ln_2(x))))
 
 
-class GPT2LMHeadModel(nnx.Module):
-    """GPT-2 with its tied language-model head.
+class GPT2LMHeadModel(common.CachedDecoderMixin, nnx.Module):
+    """GPT-2 with its tied language-model head; :meth:`decode_step` decodes with the
+    library's dense or paged caches (the learned positions are added to the embeddings,
+    so a StreamingLLM cache, which re-numbers positions, is refused), so
+    :class:`jaxpos.serving.ModuleDecoder` serves it.
 
     Args:
       config: :class:`GPT2Config` (``GPT2Config.from_hf(hf_config)``).
@@ -152,19 +153,54 @@ class GPT2LMHeadModel(nnx.Module):
           ValueError: a position outside the learned table (concrete positions), a
             sequence longer than ``n_positions``, bad ids or mask shape.
         """
-        wte = self.wte.embedding[...]
-        B, T = input_ids.shape
         if positions is None:
-            positions = jnp.arange(T, dtype=jnp.int32)
-        x = common.embed_tokens(wte, input_ids) + self.wpe(positions).astype(wte.dtype)
-        mask = common.check_attention_mask(attention_mask, B, T)
-        attn_kw = {"implementation": implementation, "block_q": block_q, "block_k": block_k}
-        kw = {"positions": jnp.asarray(positions, jnp.int32),
-              "kv_segments": common.key_segments(mask, B, T), "attn_kw": attn_kw}
-        for block in self.h:
-            x = block(x, **kw)
+            positions = jnp.arange(_checks.shape_of(input_ids)[-1], dtype=jnp.int32)
+        return self.forward(input_ids, attention_mask=attention_mask, positions=positions,
+                            implementation=implementation, block_q=block_q,
+                            block_k=block_k)[0]
+
+    def cache_layers(self) -> list[tuple[int, int]]:
+        """``(n_head, n_embd // n_head)`` per layer."""
+        c = self.config
+        return [(c.n_head, c.n_embd // c.n_head)] * c.n_layer
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32, *,
+                   keep_first: int | None = None, **cache_options) -> tuple:
+        """One dense (or, with ``page_size=``/``num_pages=``, paged) library cache per layer.
+
+        Raises:
+          ValueError: ``keep_first`` (a StreamingLLM cache re-numbers positions, which the
+            learned table added at the input cannot follow); bad sizes or options.
+        """
+        if keep_first is not None:
+            raise ValueError(f"keep_first={keep_first!r}: GPT-2 adds learned absolute "
+                             f"positions to its embeddings, which a StreamingLLM cache's "
+                             f"re-numbered places cannot follow; use a dense or paged cache.")
+        return super().init_cache(batch, max_len, dtype, **cache_options)
+
+    def forward(self, input_ids, *, attention_mask=None, positions=None, cache=None,
+                implementation=None, block_q=None, block_k=None):
+        """``(logits [B, T, vocab_size] float32, cache)``: the full pass (``cache=None``)
+        or a step against the caches of :meth:`init_cache`; positions default to
+        ``cumsum(attention_mask) - 1`` after the tokens each row's cache holds (HF's
+        ``generate``), and index the learned table."""
+        wte = self.wte.embedding[...]
+        x = common.embed_tokens(wte, input_ids)
+        call = common.DecoderCall(input_ids, attention_mask=attention_mask, positions=positions,
+                                  cache=cache, num_layers=self.config.n_layer,
+                                  implementation=implementation, block_q=block_q,
+                                  block_k=block_k)
+        x = x + self.wpe(call.positions).astype(wte.dtype)
+        for i, block in enumerate(self.h):
+            x = block(x, call=call, layer=i)
         x = self.ln_f(x)
-        return (x @ wte.T.astype(x.dtype)).astype(jnp.float32)
+        return call.finish(x @ wte.T.astype(x.dtype))
+
+    def decode_step(self, tokens, cache, *, positions=None, attention_mask=None,
+                    implementation=None):
+        """:meth:`forward` with ``cache`` (the protocol of ModuleDecoder)."""
+        return self.forward(tokens, attention_mask=attention_mask, positions=positions,
+                            cache=cache, implementation=implementation)
 
 
 def param_mapping(config: GPT2Config) -> dict:

@@ -2,8 +2,9 @@
 by the continuous-batching loop with paged caches, generates exactly the greedy tokens of
 transformers' own forward pass.
 
-For Llama, Qwen3, Gemma 3 (a sliding layer, window 4) and GPT-OSS (attention sinks, a
-sliding layer, window 4), a tiny random model (2 layers, hidden 32, vocab 128, every weight
+For Llama, Qwen3, Gemma 3 (a sliding layer, window 4), GPT-OSS (attention sinks, a
+sliding layer, window 4), BLOOM (ALiBi, 6 heads) and GPT-2 (learned positions), a tiny
+random model (2 layers, hidden 32 (48 for BLOOM), vocab 128, every weight
 redrawn so that attention, sinks and windows matter) is saved with
 ``save_pretrained(safe_serialization=True)`` into a temporary folder, loaded from disk
 without PyTorch, wrapped in :class:`jaxpos.serving.ModuleDecoder` and served by
@@ -55,6 +56,12 @@ def _families():
             intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
             sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
             **SIZES), 0.15),
+        "bloom": (t.BloomForCausalLM, t.BloomConfig(
+            vocab_size=VOCAB, hidden_size=48, n_layer=2, n_head=6,
+            attn_implementation="eager"), 0.3),
+        "gpt2": (t.GPT2LMHeadModel, t.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+            bos_token_id=0, eos_token_id=0, attn_implementation="eager"), 0.3),
     }
 
 
@@ -73,7 +80,9 @@ def _hf_greedy(hf, prompt: list[int], steps: int) -> list[int]:
 @pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.slow),
                                     pytest.param("qwen3", marks=pytest.mark.slow),
                                     pytest.param("gemma3", marks=pytest.mark.slow),
-                                    "gpt_oss"])
+                                    "gpt_oss",
+                                    pytest.param("bloom", marks=pytest.mark.slow),
+                                    pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_checkpoint_from_disk_served_with_paged_caches_matches_hf_greedy(family, tmp_path):
     hf_cls, cfg, std = _families()[family]
     torch.manual_seed(0)

@@ -22,7 +22,7 @@ pytest.importorskip("safetensors")
 from safetensors.numpy import save_file  # noqa: E402
 
 from examples.models import from_pretrained  # noqa: E402
-from examples.models.pretrained import load_safetensors  # noqa: E402
+from examples.models.pretrained import CheckpointConfig, load_safetensors  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # a 1-layer Llama: vocab 16, hidden 8, 2 query heads and 1 key/value head of width 4
@@ -173,3 +173,23 @@ def test_serve_example_serves_a_checkpoint_folder(tmp_path):
     assert s["requests"] == 5 and s["generated_tokens"] == budget
     # one page: 4 slots x (1 key + 1 value head of 4 float32) x 1 layer
     assert s["peak_kv_mib_paged"] == round(s["peak_pages"] * 4 * 2 * 4 * 4 / 2**20, 3)
+
+
+def test_ports_build_library_caches_and_gpt2_refuses_a_streaming_one():
+    """``init_cache`` of a port gives one library cache per layer (paged with
+    ``page_size=``, what ModuleDecoder asks for); GPT-2 adds learned positions at the input,
+    so a StreamingLLM cache (re-numbered places) is refused by name."""
+    from examples.models import gpt2, llama
+    from jaxpos.layers.cache import KVCache, PagedKVCache
+
+    model = llama.LlamaForCausalLM(llama.LlamaConfig.from_hf(
+        CheckpointConfig(CONFIG)), rngs=nnx.Rngs(0))
+    dense = model.init_cache(2, 8)
+    paged = model.init_cache(2, 8, page_size=4, num_pages=3)
+    assert [type(c) for c in dense] == [KVCache] and [type(c) for c in paged] == [PagedKVCache]
+    assert paged[0].k_pages.shape == (3, 4, 1, 4) and model.vocab_size == 16
+    g = gpt2.GPT2LMHeadModel(gpt2.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1,
+                                             n_head=2), rngs=nnx.Rngs(0))
+    assert g.init_cache(1, 8, page_size=4)[0].k_pages.shape[1:] == (4, 2, 4)
+    with pytest.raises(ValueError, match="keep_first=2: GPT-2 adds learned absolute"):
+        g.init_cache(1, 8, keep_first=2)
