@@ -133,6 +133,12 @@ def scheme_scores(name: str, params: dict, q, k, qp, kp, scale, xp):
     elif name == "shaw":
         idx = _shaw_index(params, qp, kp)
         s = s + xp.einsum("bqnh,bqkh->bnqk", q * scale, params["rel_k"][idx])
+    elif name == "fox":  # Lin et al. 2025, §2: c_i - c_j, c the cumulative log forget gate
+        c = xp.moveaxis(xp.cumsum(params["log_forget"], axis=1), -1, 1)  # [Bg, N, T]
+        c = c[np.minimum(np.arange(qp.shape[0]), c.shape[0] - 1)]  # [B, N, T]
+        at = lambda p: xp.take_along_axis(
+            c, np.broadcast_to(p[:, None, :], (p.shape[0], c.shape[1], p.shape[1])), axis=2)
+        s = s + at(qp)[..., :, None] - at(kp)[..., None, :]
     elif name not in ("none", "rope"):
         raise ValueError(f"unknown scheme {name!r}")
     return s

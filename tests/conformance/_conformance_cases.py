@@ -58,7 +58,13 @@ SCHEMES: dict[str, tuple[dict, Callable]] = {
              lambda p: jaxpos.FIRE(_f32(p["w1"]), _f32(p["b1"]), _f32(p["w2"]), _f32(p["b2"]),
                                    c=_f32(p["c"]), L_multiplier=_f32(p["L_multiplier"]),
                                    init_L=p["init_L"])),
+    # FoX's gates of 32 tokens (every position a case reads, the slots past a fill too)
+    "fox": ({"log_forget": np.log(_R.uniform(0.5, 1.0, (1, 32, _N)))},
+            lambda p: jaxpos.FoX(_f32(p["log_forget"]))),
 }
+#: Schemes that join only some of SCHEME_SHAPES (FoX's gates cover positions 0 .. 31; its
+#: training shape runs in tests/schemes/test_fox.py): the decode case on every path.
+SCHEME_ONLY = {"fox": ("decode",)}
 for _params, _ in SCHEMES.values():  # both sides see exactly the float32 numbers
     for _name, _x in list(_params.items()):
         if isinstance(_x, np.ndarray) or isinstance(_x, np.floating):
@@ -239,7 +245,8 @@ def all_cases():
     out = []
     for shape, make in CALL_SHAPES.items():
         for scheme in SCHEMES if shape in SCHEME_SHAPES else ("none",):
-            out.append((f"{shape}-{scheme}", make(scheme)))
+            if shape in SCHEME_ONLY.get(scheme, (shape,)):
+                out.append((f"{shape}-{scheme}", make(scheme)))
     return out
 
 
@@ -417,6 +424,7 @@ def run_module_decode(case: Case):
     from flax import nnx
 
     from jaxpos import nnx as jnnx
+    from jaxpos.layers.cache import decode_state_cache
 
     q, k, v, _ = case.arrays()
     dt = jnp.dtype(case.dtype)
@@ -440,17 +448,25 @@ def run_module_decode(case: Case):
     if case.sinks is not None:
         mha.sinks[...] = jnp.asarray(case.sinks, jnp.float32)
     scheme = SCHEMES[case.scheme][1](SCHEMES[case.scheme][0])
+    # a scheme computed from the tokens (FoX's gates) is given per call: its new tokens'
+    steps = [scheme, scheme]
+    if getattr(scheme, "log_forget", None) is not None:
+        steps = [scheme.replace(log_forget=scheme.log_forget[:, a:b])
+                 for a, b in ((0, Tk - Tq), (Tk - Tq, Tk))]
     kvp = np.broadcast_to(np.arange(Tk) if case.kv_positions is None
                           else case.np_("kv_positions"), (B, Tk))
-    cache = mha.init_cache(B, Tk + 3)
-    if hasattr(cache, "_replace"):  # the empty slots hold NaN (never read into the result)
-        cache = cache._replace(k=jnp.full_like(cache.k, jnp.nan),
-                               v=jnp.full_like(cache.v, jnp.nan))
+    # the cache with the decode state of a scheme that keeps one (FoX's gates)
+    cache = decode_state_cache(mha.init_cache(B, Tk + 3), (case.scheme, None), N, H)
+    inner = getattr(cache, "inner", cache)
+    if hasattr(inner, "_replace"):  # the empty slots hold NaN (never read into the result)
+        inner = inner._replace(k=jnp.full_like(inner.k, jnp.nan),
+                               v=jnp.full_like(inner.v, jnp.nan))
+        cache = dataclasses.replace(cache, inner=inner) if inner is not cache else inner
     xx = jnp.asarray(x, dt)
     if Tk > Tq:
         _, cache = mha.decode(xx[:, :Tk - Tq], cache, positions=kvp[:, :Tk - Tq],
-                              scheme=scheme)
-    y, _ = mha.decode(xx[:, Tk - Tq:], cache, positions=kvp[:, Tk - Tq:], scheme=scheme)
+                              scheme=steps[0])
+    y, _ = mha.decode(xx[:, Tk - Tq:], cache, positions=kvp[:, Tk - Tq:], scheme=steps[1])
     out = np.asarray(jnp.asarray(y[..., :dq]).astype(jnp.float32), np.float64)
     return out.reshape(B, Tq, N, H), None
 
@@ -546,7 +562,8 @@ def _forward_only(attend):
 
 
 #: Default-run cases of the paged chunked path (the rest run in the slow run).
-PAGED_DEFAULT = ("decode-none", "decode-alibi", "decode-t5", "decode-rope", "gqa-none",
+PAGED_DEFAULT = ("decode-none", "decode-alibi", "decode-t5", "decode-rope", "decode-fox",
+                 "gqa-none",
                  "sliding_window-none", "sinks-none", "left_padded-none", "training-none")
 
 
@@ -586,9 +603,11 @@ def _flax_adapter(q, k, v, scheme, sinks, *, causal, q_positions, kv_positions,
 
 def _flax_adapter_takes(case: Case) -> bool:
     # Flax's modules pass no positions, segments or sinks: arange positions, a full pass
-    # (Tq == Tk) or a decode step (Tq == 1)
+    # (Tq == Tk) or a decode step (Tq == 1); its decode step is not causal (a cache mask),
+    # which FoX refuses
     return case.q_positions is None and case.segment_ids is None and case.sinks is None and \
-        (case.Tq == case.Tk or case.Tq == 1) and case.self_attention
+        (case.Tq == case.Tk or (case.Tq == 1 and case.scheme != "fox")) and \
+        case.self_attention
 
 
 def _ring_takes(case: Case) -> bool:
@@ -642,7 +661,7 @@ IMPLEMENTATIONS: dict[str, Path] = {
     "pallas_kv_lengths": Path(_with_unfilled_slots("pallas", block_q=4, block_k=4),
                               default=lambda cid: cid == "prefill_chunk-none"),
     "module_cached_decode": Path(None, run=run_module_decode, takes=_module_takes,
-                                 default=lambda cid: False),
+                                 default=lambda cid: cid == "decode-fox"),
     # Flax's attention_fn hook with dropout_rate=0 (jaxpos.flax_attention_fn)
     "flax_adapter": Path(_flax_adapter, takes=_flax_adapter_takes,
                          default=lambda cid: cid in FLAX_ADAPTER_DEFAULT),
