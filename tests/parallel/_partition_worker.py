@@ -153,7 +153,8 @@ def check_paged_and_decode(res, full):
     under a mesh (``_partition_paged_checks.py``): the default run takes the chunked
     engine on Explicit axes (the pool's one key/value head per shard), the exports for
     TPU and CUDA and the DecoderLM's TPU export; ``--full`` adds the Pallas kernel
-    (interpreted), Auto axes, meshes (8,) and (2, 2, 2), and one training step."""
+    (interpreted), Auto axes, meshes (8,) (one query head per shard) and (2, 2, 2), the
+    exported gradients, and one training step."""
     import _partition_paged_checks as pc
 
     dm = ((2, 4), ("data", "model"), ("data",), ("model",))
@@ -168,7 +169,7 @@ def check_paged_and_decode(res, full):
         for impl in ("chunked", "pallas"):
             pc.check_paged(res, *dm, kind, impl, nkv=4)
             pc.check_decode(res, *dm, kind, impl)
-    pc.check_paged(res, (8,), ("data",), ("data",), (), "Explicit", "chunked", nkv=4)
+    pc.check_paged(res, (8,), ("model",), (), ("model",), "Explicit", "chunked", nkv=4)
     pc.check_paged(res, (2, 2, 2), ("data", "fsdp", "model"), ("data", "fsdp"), ("model",),
                    "Auto", "chunked", nkv=2)
 
