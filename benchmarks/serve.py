@@ -278,10 +278,10 @@ def render(dec, serve, args, load_start) -> str:
         f"({med['paged'][1]:.2f}; goal <= 1.15), shuffled / dense {med['shuffled'][0]:.2f} "
         f"({med['shuffled'][1]:.2f}), paged / peer {med['peer'][0]:.2f} "
         f"({med['peer'][1]:.2f}; goal <= 1.2), paged / dense in CPU time "
-        f"{med['cpu'][0]:.2f} ({med['cpu'][1]:.2f}). Runs of consecutive pages per row: "
-        f"{runs['paged']:.0f} placed by the allocator (at most), {runs['shuffled']:.0f} "
-        f"shuffled. `rope`: raw keys rotated on load from tables (a cache that rotates at "
-        f"write is the `none` row).",
+        f"{med['cpu'][0]:.2f} ({med['cpu'][1]:.2f}). Runs of consecutive pages per row, "
+        f"most in any row above: {runs['paged']:.0f} as the allocator places them, "
+        f"{runs['shuffled']:.0f} shuffled. `rope`: raw keys rotated on load from tables (a "
+        f"cache that rotates at write is the `none` row).",
         "",
     ]
     if serve:
