@@ -177,6 +177,12 @@ def _group_size(line: str) -> int:
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
     if m:
         return int(m.group(2))
+    # the mesh form: replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'} (groups over
+    # the axes in braces)
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m:
+        sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+        return int(np.prod([sizes[name] for name in re.findall(r"'([^']+)'", m.group(2))]))
     m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
     return len(m.group(1).split(",")) if m else 1
 
