@@ -102,27 +102,9 @@ def test_bad_allocator_arguments_raise_naming_them():
     assert a.in_use == 0
 
 
-class _Recording(PageAllocator):
-    """Records each request's pages as the loop frees them; ``scatter``: hands out the
-    highest free pages first, descending (no two consecutive slots on consecutive pages)."""
-
-    def __init__(self, num_pages, scatter=False):
-        super().__init__(num_pages)
-        self.scatter, self.freed = scatter, []
-
-    def allocate(self, n, *, after=None, expect=None):
-        if not self.scatter:
-            return super().allocate(n, after=after, expect=expect)
-        out = [int(p) for p in np.flatnonzero(self._is_free)[::-1][:n]]
-        return self._take(out)
-
-    def free(self, pages, reserved=0):
-        self.freed.append(list(pages))
-        super().free(pages, reserved)
-
-
 @pytest.mark.slow  # compiles the loop's two steps (~6 s of CPU)
-def test_the_loop_places_requests_in_runs_and_its_tokens_do_not_depend_on_placement():
+def test_the_loop_places_requests_in_runs_and_its_tokens_do_not_depend_on_placement(
+        monkeypatch):
     """6 requests (greedy and sampled) through 3 slots, pages of 4 slots, prefill chunks of
     4: with the allocator's placement every request holds one run of pages, and the tokens
     equal those of a pool handed out in descending order (every page boundary a jump)."""
@@ -134,14 +116,26 @@ def test_the_loop_places_requests_in_runs_and_its_tokens_do_not_depend_on_placem
             for i, (n, b) in enumerate([(9, 6), (3, 11), (6, 4), (13, 7), (2, 9), (5, 5)])]
     eng = ServingEngine(model, num_slots=3, num_pages=24, page_size=4, max_len=24,
                         prefill_chunk=4)
+    alloc, free = eng.allocator, eng.allocator.free
+    freed: list[list[int]] = []  # each request's pages, as the loop returns them
+
+    def recording_free(pages, reserved=0):
+        freed.append(list(pages))
+        free(pages, reserved)
+
+    def descending(n, *, after=None, expect=None):  # the highest free pages first
+        return alloc._take([int(p) for p in np.flatnonzero(alloc._is_free)[::-1][:n]])
+
+    monkeypatch.setattr(alloc, "free", recording_free)
     outs = []
     for scatter in (False, True):
-        eng.allocator = _Recording(24, scatter=scatter)
+        if scatter:
+            monkeypatch.setattr(alloc, "allocate", descending)
+        freed.clear()
         done, _ = eng.run(reqs)
         outs.append({c.request.id: c.tokens for c in done})
-        assert len(eng.allocator.freed) == len(reqs) and eng.allocator.in_use == 0
-        multi = [pages for pages in eng.allocator.freed if len(pages) > 1]
-        assert len(multi) == len(reqs)
-        assert all(_is_run(p) for p in multi) != scatter
+        assert len(freed) == len(reqs) and alloc.in_use == 0
+        assert all(len(pages) > 1 for pages in freed)
+        assert all(_is_run(pages) for pages in freed) != scatter
     assert outs[0] == outs[1]
     assert [len(outs[0][i]) for i in range(len(reqs))] == [r.max_new_tokens for r in reqs]
