@@ -66,6 +66,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpos import _checks
+from jaxpos._util import varying_axes
 
 if TYPE_CHECKING:
     from jaxpos.core.call import AttentionCall
@@ -229,6 +230,11 @@ def plan_shards(engine: Any, call: AttentionCall) -> ShardPlan | None:
         return None
     explicit, auto = _free_axes(mesh)
     if not explicit and not auto:
+        return None
+    if varying_axes(call.q):  # inside a shard_map that checks varying types (context
+        # parallelism's, manual over its sequence axis): a nested shard_map's transpose
+        # rebinds that axis, so the engine runs on the shard's arrays as the ring's blocks
+        # do, the other axes left to the compiler (Auto) or to the arrays' types (Explicit)
         return None
     compiler = bool(getattr(engine, "compiler_partitioned", False))
     if explicit:

@@ -135,6 +135,13 @@ def heads_call(call: AttentionCall, axis_name: str, P: int, repeats: int) -> Att
     sinks = None if call.sinks is None else jax.lax.dynamic_slice_in_dim(
         jnp.asarray(call.sinks), offset, n)
     ref = (call.q,)
+    score_mod = _offset_head(call.score_mod, "score", offset)
+    mask_mod = _offset_head(call.mask_mod, "mask", offset)
+    # the mods converted anew for this call's tile (the whole gathered sequence): the
+    # validation's conversions are of the mods without the head offset, at the local
+    # lengths, and an engine whose tile is those lengths would take them
+    tile = (max(call.q_len * P, 1), max(call.kv_len * P, 1))
+    conv = lambda fn, kind: None if fn is None else convert_mod(fn, kind, *tile)
     return call.replace(
         q=_seq_to_heads(call.q, axis_name), k=_seq_to_heads(k, axis_name),
         v=_seq_to_heads(v, axis_name),
@@ -142,8 +149,9 @@ def heads_call(call: AttentionCall, axis_name: str, P: int, repeats: int) -> Att
         kv_positions=_gather_seq(call.kv_positions, axis_name, ref),
         segment_ids=_gather_seq(call.segment_ids, axis_name, ref),
         kv_segment_ids=_gather_seq(call.kv_segment_ids, axis_name, ref),
-        score_mod=_offset_head(call.score_mod, "score", offset),
-        mask_mod=_offset_head(call.mask_mod, "mask", offset), sinks=sinks)
+        score_mod=score_mod, mask_mod=mask_mod, sinks=sinks,
+        score_conv=conv(score_mod, "score"), mask_conv=conv(mask_mod, "mask"),
+        mod_tile=tile)
 
 
 def _local_attention(call: AttentionCall, implementation: str | None) -> jax.Array:

@@ -17,7 +17,7 @@ Written to OUT.json as ``{check: max difference}`` (gradients relative to ``max(
 |gradient|)`` per array) plus a few other numbers.
 
 ``--quick`` (the default test run) covers Ulysses and USP (whose inner loop is the
-ring) once each; no flag
+ring) once each, and the modules' Ulysses call on a (data, seq) mesh; no flag
 runs a subset chosen to cover every mechanism once (about a minute of CPU); ``--full``
 runs the base schemes in both layouts, with and without packed segments, every other
 scheme in the zigzag layout with packed segments, each scheme with each method, and the
@@ -161,8 +161,9 @@ class Case:
 
     def __init__(self, scheme, *, causal=True, zigzag=False, segments=False, table=False,
                  sinks=False, mask_mod=False, grad=True, batch_positions=False,
-                 implementation=None, method="ring", heads=(N, NK)):
+                 implementation=None, method="ring", heads=(N, NK), block=BLOCK):
         self.scheme, self.causal, self.zigzag, self.segments = scheme, causal, zigzag, segments
+        self.block = block
         self.table, self.sinks, self.mask_mod, self.grad = table, sinks, mask_mod, grad
         self.batch_positions, self.implementation = batch_positions, implementation
         self.method, self.heads = method, heads
@@ -180,6 +181,8 @@ class Case:
             parts.append(self.method)
         if self.heads != (N, NK):
             parts.append(f"heads{self.heads[0]}x{self.heads[1]}")
+        if self.block != BLOCK:
+            parts.append(f"block{self.block}")
         return "/".join(parts)
 
 
@@ -237,7 +240,8 @@ def run_case(case: Case, mesh, axis="seq", batch_axis=None):
     pos_spec = P(batch_axis, axis) if pos.ndim == 2 else P(axis)
 
     def local(prm, q, k, v, p, s):
-        return call(functools.partial(attn, block_q=BLOCK, block_k=BLOCK), prm, q, k, v, p, s,
+        return call(functools.partial(attn, block_q=case.block, block_k=case.block), prm, q,
+                    k, v, p, s,
                     implementation=case.implementation)
 
     ring_fn = shard_map(local, mesh=mesh,
@@ -309,6 +313,43 @@ def hidden_blocks_skipped(mesh):
             "skip/dq_finite": float(np.all(np.isfinite(np.asarray(dq[:, :last]))))}
 
 
+def context_attention_with_data_axis(devices):
+    """The modules' context-parallel call (:func:`jaxpos.parallel.context.context_attention`,
+    ``shard_map`` manual over ``seq`` only) on a (data=2) x (seq=4) mesh with Auto axes
+    (examples/train_sharded.py runs Explicit ones, ``-m slow``), Ulysses with ALiBi's
+    per-head slopes and grouped heads: forward and the gradients of q, k, v against the
+    single-device call. The data axis is left to the compiler inside; a nested per-shard
+    ``shard_map`` there once failed (a closed-over head offset; the gradients' varying
+    types)."""
+    from jax.sharding import AxisType
+
+    from jaxpos.parallel.context import context_attention
+
+    q, k, v, w = inputs(0, 8, 2)
+    pos = jnp.arange(T, dtype=jnp.int32)
+    kw = dict(position=ALiBi(8), causal=True, implementation="chunked", block_q=BLOCK,
+              block_k=BLOCK)
+    plain = lambda q, k, v: attention(q, k, v, **{**kw, "implementation": "reference"})
+    loss = lambda f: jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * w), (0, 1, 2)))
+    want, g_want = jax.jit(plain)(q, k, v), loss(plain)(q, k, v)
+    res = {}
+    for kind in (AxisType.Auto,):
+        name = f"ctx_data_axis/ulysses/{kind.name.lower()}"
+        mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(kind,) * 2,
+                             devices=devices)
+        cp = lambda q, k, v: context_attention(q, k, v, method="ulysses", axis="seq",
+                                               q_positions=pos, kv_positions=pos, **kw)
+        try:
+            with jax.set_mesh(mesh):
+                res[f"{name}/fwd"] = max_diff(jax.jit(cp)(q, k, v), want)
+                res[f"{name}/grad"] = max(rel_diff(a, b) for a, b in zip(loss(cp)(q, k, v),
+                                                                         g_want))
+        except Exception as e:  # noqa: BLE001 (reported, so the other checks still run)
+            res[f"{name}/fwd"] = res[f"{name}/grad"] = float("inf")
+            res[f"error/{name}"] = f"{type(e).__name__}: {e}"[:500]
+    return res
+
+
 DEFAULT_CASES = [
     Case("t5", segments=True),  # packed sequences, bucketed table gradient
     Case("rope_yarn", zigzag=True),  # a scaled rotation at global positions, zigzag
@@ -327,7 +368,10 @@ DEFAULT_CASES = [
 #: The default test run's cases (one subprocess, a few seconds each): the ring once, and
 #: Ulysses (per-head table, sinks, GQA repeat, a mask_mod, KV heads split) and USP once.
 QUICK_CASES = [  # (USP's inner loop is the ring)
-    Case("t5", segments=True, table=True, sinks=True, method="ulysses", heads=(8, 2)),
+    # tiles of the local length T / 8: the tile at which the call's mods were first traced
+    # (without Ulysses' head offset; they were once reused, each device reading heads 0-1)
+    Case("t5", segments=True, table=True, sinks=True, method="ulysses", heads=(8, 2),
+         block=T // NDEV),
     Case("rope_yarn", zigzag=True, sinks=True, mask_mod=True, method="usp", heads=(8, 4)),
 ]
 
@@ -399,6 +443,7 @@ def main(argv):
         res.update(run_case(case, usp_mesh if case.method == "usp" else mesh))
         res[f"cpu_seconds/{case.name}"] = time.process_time() - t1
     res.update(ulysses_errors(mesh))
+    res.update(context_attention_with_data_axis(devices))
     if quick:  # the modules' context-parallel switch, in the same process
         import _modules_worker
 

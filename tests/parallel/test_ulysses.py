@@ -51,6 +51,17 @@ def test_ulysses_and_usp_equal_single_device(quick):
         assert quick[f"grad_norm/{name}"] > 1.0, name
 
 
+def test_ulysses_inside_a_mesh_with_a_data_axis_equals_single_device(quick):
+    """The modules' context-parallel call (shard_map manual over ``seq`` only) on a
+    (data=2) x (seq=4) mesh with Auto axes: Ulysses with ALiBi, output and the gradients
+    of q, k, v equal the single-device call (it raised before: a closed-over head offset,
+    then the gradients' varying types of a nested shard_map)."""
+    keys = [k for k in quick if k.startswith("ctx_data_axis/")]
+    assert len(keys) == 2, keys
+    bad = {k: quick[k] for k in keys if not quick[k] <= TOL}
+    assert not bad, (bad, {k: v for k, v in quick.items() if k.startswith("error/ctx")})
+
+
 def test_ulysses_heads_not_divisible_raises(quick):
     msg = quick["error/heads_not_divisible"]
     assert "4 query heads over the 8 devices of mesh axis 'seq'" in msg, msg
