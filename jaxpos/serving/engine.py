@@ -34,6 +34,7 @@ from jaxpos import _checks
 from jaxpos.serving.model import PagedModel
 from jaxpos.serving.pages import PageAllocator, pages_for
 from jaxpos.serving.sampling import sample_tokens
+from jaxpos.serving.scheduler import RaggedLoop
 from jaxpos.serving.stream import (
     StopCondition,
     StreamEvent,
@@ -183,15 +184,20 @@ class ServingEngine:
         tokens; needed by requests with ``stop_strings``, and fills the ``text`` of each
         :class:`Completion`. Called once per produced token of such a request, on all its
         tokens so far.
+      max_num_batched_tokens: None (prefill in ``prefill_chunk`` calls, then a decode step),
+        or the token budget of one ragged step per iteration: decode tokens and prompt
+        chunks together (:mod:`jaxpos.serving.scheduler`; vLLM's option).
 
     Raises:
       ValueError / TypeError: sizes that are not positive ints, an unknown schedule, a
-        ``detokenize`` that is not callable.
+        ``detokenize`` that is not callable, a token budget below ``num_slots`` or for a
+        model without a ragged step (:class:`jaxpos.serving.scheduler.RaggedLoop`).
     """
 
     def __init__(self, model: PagedModel, *, num_slots: int, num_pages: int, page_size: int,
                  max_len: int, prefill_chunk: int = 16, schedule: str = "continuous",
-                 detokenize: Callable[[list[int]], str] | None = None):
+                 detokenize: Callable[[list[int]], str] | None = None,
+                 max_num_batched_tokens: int | None = None):
         for name, val in (("num_slots", num_slots), ("page_size", page_size),
                           ("max_len", max_len), ("prefill_chunk", prefill_chunk)):
             _checks.check_positive_int(name, val)
@@ -210,6 +216,8 @@ class ServingEngine:
         self.allocator = PageAllocator(num_pages)
         self.pool = model.init_pool(num_pages, page_size)
         self._step = jax.jit(self._forward_and_sample, donate_argnums=(1,))
+        self._ragged = None if max_num_batched_tokens is None else \
+            RaggedLoop(self, max_num_batched_tokens)  # the iterations with a token budget
 
     # ------------------------------------------------------------------ device step
     def _forward_and_sample(self, params, pool, tokens, table, lengths, mask, temperature,
@@ -407,6 +415,9 @@ class ServingEngine:
         page it holds."""
         try:
             while loop.waiting or any(s is not None for s in loop.slots):
+                if self._ragged is not None:
+                    yield from self._ragged.iteration(loop)
+                    continue
                 yield from self._admit(loop)
                 active = [b for b, s in enumerate(loop.slots) if s is not None]
                 if active:

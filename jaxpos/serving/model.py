@@ -8,6 +8,13 @@ tokens, positions, pool, page_table, lengths, mask) -> (logits, pool)`` that wri
 tokens' keys and values into the pool at each row's fill and attends through the page
 table (:func:`jaxpos.attention` with ``page_table=``). The loop jits ``forward`` once per
 shape (a prefill chunk, a decode step over every batch slot).
+
+A model the loop may run with a token budget (``ServingEngine(...,
+max_num_batched_tokens=)``) also has ``forward_ragged(params, tokens, positions, pool,
+page_table, lengths, cu_q_lengths, mask, logits_at) -> (logits, pool)``: one step over the
+new tokens of every row packed along one axis (prefill chunks and decode tokens together),
+written at each row's fill and read by the ragged call (``cu_q_lengths``,
+:mod:`jaxpos.core.ragged`); ``ragged_refusal`` (a str, or None) says why a model cannot.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import jax.numpy as jnp
 from jaxpos import _checks
 from jaxpos.core.entry import attention
 from jaxpos.layers.cache import poison_rows
+from jaxpos.layers.cache.ragged import ragged_view, write_ragged
 from jaxpos.layers.functional import (
     embed_tokens,
     merge_heads,
@@ -160,6 +168,45 @@ class PagedDecoder:
         logits = tied_logits(rms_norm(x, params["final_norm"]), params["embed"])
         return poison_rows(logits, overflow), tuple(new_pool)
 
+    #: why :meth:`forward_ragged` cannot run this model (None: it can)
+    ragged_refusal = None
+
+    def forward_ragged(self, params: dict, tokens: jax.Array, positions: jax.Array,
+                       pool: tuple, page_table: jax.Array, lengths: jax.Array,
+                       cu_q_lengths: jax.Array, mask: jax.Array,
+                       logits_at: jax.Array) -> tuple[jax.Array, tuple]:
+        """One ragged step (module docstring): ``tokens``, ``positions`` int32 ``[total]``
+        packed (row ``b``'s are ``[cu_q_lengths[b], cu_q_lengths[b + 1])``, the tokens
+        after its ``lengths[b]`` filled slots), ``mask`` bool ``[total]`` (False: padding,
+        not written), ``page_table`` ``[R, pages_per_seq]``, ``lengths`` ``[R]``,
+        ``cu_q_lengths`` ``[R + 1]``, ``logits_at`` int32 ``[R]`` packed indices. Returns
+        float32 logits ``[R, vocab_size]`` at ``logits_at`` (only those rows go through
+        the output layer) and the pool with the new tokens written. A token that finds no
+        page makes its row's logits NaN (the ragged call's rule)."""
+        scheme: PositionScheme = params["scheme"]
+        dt, N, Nk, H = self.dtype, self.num_heads, self.kv_heads, self.head_dim
+        x = embed_tokens(params["embed"], tokens[None], self.d_model, dt)
+        pos = positions[None]
+        new_pool = []
+        for layer, (kp, vp) in zip(params["layers"], pool):
+            h = rms_norm(x, layer["attn_norm"])
+            q = project_heads(h, layer["q"], N, H, dt)
+            k = project_heads(h, layer["k"], Nk, H, dt)
+            v = project_heads(h, layer["v"], Nk, H, dt)
+            q, k, read = scheme.cache_write(q, k, pos)
+            kp, vp, filled, _ = write_ragged(kp, vp, k[0], v[0], page_table, lengths,
+                                             cu_q_lengths, mask)
+            o = attention(q[0], kp, vp, page_table=page_table, kv_lengths=filled,
+                          cu_q_lengths=cu_q_lengths, q_positions=positions, position=read,
+                          causal=True)
+            x = x + merge_heads(o[None], layer["o"], dt)
+            x = x + mlp(rms_norm(x, layer["mlp_norm"]), layer["w_in"], layer["w_out"], dt)
+            new_pool.append((kp, vp))
+        last = x[:, logits_at]  # [1, R, D]
+        return tied_logits(rms_norm(last, params["final_norm"]), params["embed"])[0], \
+            tuple(new_pool)
+
+
 
 class ModuleDecoder:
     """A :class:`PagedModel` over a :class:`jaxpos.nnx.DecoderLM` (any position the module
@@ -197,6 +244,8 @@ class ModuleDecoder:
                                  f"{type(c).__name__}.")
             self._state_names.append(c.scheme_name if isinstance(c, SchemeStateCache)
                                      else None)
+        #: why the loop cannot run this model with a token budget (None: it can)
+        self.ragged_refusal = _ragged_refusal(self._state_names, inner)
         self._graphdef, self.params = nnx.split(model)
         vocab = getattr(model, "vocab_size", None)  # DecoderLM and the example ports
         self.vocab_size = int(vocab if vocab is not None else model.embed.embedding.shape[0])
@@ -253,6 +302,36 @@ class ModuleDecoder:
             else:
                 new_pool.append((c.k_pages, c.v_pages))
         return logits, tuple(new_pool)
+
+
+    def forward_ragged(self, params: Any, tokens: jax.Array, positions: jax.Array,
+                       pool: tuple, page_table: jax.Array, lengths: jax.Array,
+                       cu_q_lengths: jax.Array, mask: jax.Array,
+                       logits_at: jax.Array) -> tuple[jax.Array, tuple]:
+        """See :meth:`PagedDecoder.forward_ragged`: the module's ``decode_step`` on the
+        packed tokens as one batch row, each layer's cache a
+        :class:`jaxpos.layers.cache.ragged.RaggedPagedCache` over its pages (its attention
+        is the ragged call). Logits ``[R, vocab_size]`` at ``logits_at``."""
+        from flax import nnx
+
+        model = nnx.merge(self._graphdef, params)
+        caches = tuple(ragged_view(layer[0], layer[1], page_table, lengths, cu_q_lengths)
+                       for layer in pool)
+        logits, caches = model.decode_step(tokens[None], caches, positions=positions[None],
+                                           attention_mask=mask[None])
+        return logits[0, logits_at], tuple((c.k_pages, c.v_pages) for c in caches)
+
+
+def _ragged_refusal(state_names: list[str | None], inner: Any) -> str | None:
+    """Why a ragged step cannot run a module whose layers keep the decode states
+    ``state_names`` in paged caches like ``inner`` (None: it can)."""
+    if any(state_names):
+        return (f"this model's layers keep a scheme's decode state "
+                f"({sorted({n for n in state_names if n})}), which the ragged step does not "
+                f"carry yet (it writes every row's new tokens as one packed row)")
+    if not isinstance(inner.k_pages, jax.Array):
+        return "its pages are quantised (kv_dtype), which the ragged step does not write yet"
+    return None
 
 
 def _per_slot(name: str) -> bool:

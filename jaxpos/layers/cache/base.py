@@ -58,6 +58,11 @@ class CacheRead(NamedTuple):
         queries and keys on load, or None.
       page_table: int32 ``[B, pages_per_seq]`` for a paged cache (slot ``s`` of row ``b``
         is ``k[page_table[b, s // page_size], s % page_size]``), or None.
+      cu_q_lengths: int32 ``[R + 1]`` for a ragged step
+        (:class:`jaxpos.layers.cache.ragged.RaggedPagedCache`): ``q [1, total, N, H]`` and
+        ``q_positions [1, total]`` pack the new tokens of the ``R`` rows of
+        :attr:`page_table` (``[R, pages_per_seq]``), ``kv_lengths`` is ``[R]``, and
+        attention is the ragged call (:mod:`jaxpos.core.ragged`); None otherwise.
     """
 
     q: jax.Array
@@ -72,12 +77,14 @@ class CacheRead(NamedTuple):
     poison: jax.Array
     rope_tables: Any = None
     page_table: jax.Array | None = None
+    cu_q_lengths: jax.Array | None = None
 
     def keywords(self) -> dict[str, Any]:
         """The optional attention keywords this read sets (``rope_tables``,
-        ``page_table``): ``{name: value}`` for those that are not None."""
+        ``page_table``, ``cu_q_lengths``): ``{name: value}`` for those that are not None."""
         return {n: val for n, val in (("rope_tables", self.rope_tables),
-                                      ("page_table", self.page_table)) if val is not None}
+                                      ("page_table", self.page_table),
+                                      ("cu_q_lengths", self.cu_q_lengths)) if val is not None}
 
     def unpaged(self) -> CacheRead:
         """This read with a paged cache's pages gathered into rows of slots

@@ -306,6 +306,16 @@ class AttentionCore:
             # empty slots too, for an engine that takes no lengths)
             extra["kv_lengths"] = read.kv_lengths
         q = read.q
+        if read.cu_q_lengths is not None:  # a ragged step: packed rows, no segment ids
+            if attend_fn is not attention:
+                raise ValueError(f"{type(read.scheme).__name__} replaces softmax attention "
+                                 f"and has no ragged form; serve it without a token budget.")
+            return attention(q[0], read.k.astype(q.dtype), read.v.astype(q.dtype),
+                             position=read.scheme, q_positions=read.q_positions[0],
+                             kv_positions=read.kv_positions, causal=self.causal,
+                             scale=self.scale, mask_mod=self._mask_mod(mask_mod),
+                             sinks=self._sinks(), implementation=impl,
+                             **dict(extra, kv_lengths=read.kv_lengths))[None]
         return attend_fn(q, read.k.astype(q.dtype), read.v.astype(q.dtype),
                          position=read.scheme, q_positions=read.q_positions,
                          kv_positions=read.kv_positions, causal=self.causal,
