@@ -24,11 +24,17 @@
    generated tokens/s (goal: ratio >= 2) and time to first token. The two schedules'
    runs are interleaved (continuous, static, then static, continuous, ...), and the
    ratio is taken per pair of runs: median and [min-max].
+4. **A long prompt arriving mid-run** (``--long-prompt N``, run instead of 1-3): the
+   long-tail workload alone and with one ``N``-token prompt arriving a third of the way
+   in, served by today's loop and by the token-budget loop (``--budget``,
+   ``max_num_batched_tokens``): p50 / p90 inter-token latency of the running requests
+   (goal: p90 with the prompt <= 1.5x without) and tokens/s, runs interleaved.
 
 Usage::
 
     python benchmarks/serve.py --out benchmarks/results/serve_cpu.md   # ~6-9 min on 2 cores
     python benchmarks/serve.py --quick                                  # ~1-2 min look
+    python benchmarks/serve.py --long-prompt 4096 --requests 32 --budget 256
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ import numpy as np
 import jaxpos
 from jaxpos.schemes.rope.scaling import default_inv_freq
 from jaxpos.schemes.rope.tables import rope_tables
-from jaxpos.serving import PageAllocator, PagedDecoder, ServingEngine
+from jaxpos.serving import PageAllocator, PagedDecoder, Request, ServingEngine
 
 B, N, NK, H, PS = 4, 8, 2, 64, 16
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,6 +232,80 @@ def bench_serving(repeats: int, requests: int, slots: int):
     return res
 
 
+# ------------------------------------------- 4. a long prompt arriving mid-run
+def _stream_latencies(engine, reqs, long_id) -> dict:
+    """Serve ``reqs``; the inter-token gaps (seconds) of every request but ``long_id`` and
+    the generated tokens/s."""
+    last, gaps, n = {}, [], 0
+    t0 = time.perf_counter()
+    with engine.stream(reqs) as stream:
+        for ev in stream:
+            if ev.token is None:
+                continue
+            now, n = time.perf_counter(), n + 1
+            if ev.id != long_id and ev.id in last:
+                gaps.append(now - last[ev.id])
+            last[ev.id] = now
+    wall = time.perf_counter() - t0
+    return dict(gaps=np.asarray(gaps), tps=n / wall, wall=wall)
+
+
+def bench_long_prompt(repeats: int, requests: int, slots: int, long_len: int, budget: int):
+    """The long-tail workload with and without one ``long_len``-token prompt arriving a
+    third of the way into the run, served by today's loop (prefill in 16-token calls before
+    each decode step) and by the budgeted ragged loop (``max_num_batched_tokens=budget``):
+    ``{loop: {"alone" | "long": [run summaries]}}``, runs interleaved (the loops' order
+    rotating per repeat), every engine warmed up (compiled) on the full workload first."""
+    ex = _example()
+    model = PagedDecoder(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                         position=jaxpos.RoPE(rotary_dim=16), seed=0)
+    reqs = ex.long_tail_requests(requests, vocab_size=256, seed=0)
+    max_len = long_len + 64
+    per_seq = -(-max_len // PS)
+    pool = per_seq + slots * (512 // PS)
+    engines = {
+        "today": ServingEngine(model, num_slots=slots, num_pages=pool, page_size=PS,
+                               max_len=max_len),
+        f"budget {budget}": ServingEngine(model, num_slots=slots, num_pages=pool, page_size=PS,
+                                          max_len=max_len, max_num_batched_tokens=budget)}
+    rng = np.random.default_rng(1)
+    long = Request(rng.integers(0, 256, long_len).tolist(), 16, id="long")
+    for eng in engines.values():  # compile every shape
+        _stream_latencies(eng, reqs + [long], "long")
+    # the prompt arrives a third of the way into today's run without it
+    arrival = _stream_latencies(engines["today"], reqs, "long")["wall"] / 3
+    late = Request(long.prompt, 16, id="long", arrival=arrival)
+    res: dict = {name: {"alone": [], "long": []} for name in engines}
+    names = list(engines)
+    for r in range(repeats):
+        for name in names[r % 2:] + names[:r % 2]:
+            for case, work in (("alone", reqs), ("long", reqs + [late])):
+                res[name][case].append(_stream_latencies(engines[name], work, "long"))
+    return res, arrival
+
+
+def render_long_prompt(res, arrival, args, load_start) -> str:
+    """The table of :func:`bench_long_prompt`: inter-token latency of the running requests
+    (ms, median [min-max] over repeats of each run's p50 / p90) and tokens/s."""
+    q = lambda runs, p: [1e3 * float(np.percentile(x["gaps"], p)) for x in runs]
+    lines = [f"# Long prompt mid-run ({platform.processor() or platform.machine()}, jax "
+             f"{jax.__version__})", "",
+             f"`python benchmarks/serve.py {' '.join(args.argv)}`: {args.requests} long-tail "
+             f"requests, {args.slots} slots, one {args.long_prompt}-token prompt arriving at "
+             f"{arrival:.2f} s; {args.serve_repeats} interleaved repeats. Load average "
+             f"{load_start[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end.", "",
+             "| loop | ITL p50 ms (alone) | ITL p90 ms (alone) | ITL p50 ms (+long) | "
+             "ITL p90 ms (+long) | p90 +long / alone | tokens/s (alone) | tokens/s (+long) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, runs in res.items():
+        a, lg = runs["alone"], runs["long"]
+        ratio = [x / y for x, y in zip(q(lg, 90), q(a, 90))]
+        lines.append(f"| {name} | {_mr(q(a, 50))} | {_mr(q(a, 90))} | {_mr(q(lg, 50))} | "
+                     f"{_mr(q(lg, 90))} | {_mr(ratio)} | {_mr([x['tps'] for x in a])} | "
+                     f"{_mr([x['tps'] for x in lg])} |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------- the table
 def _mr(x) -> str:
     """median [min-max]"""
@@ -342,6 +422,10 @@ def main(argv=None):
                     help="a quick look: fills 1024 4096, 3 repeats of 3 calls, 16 requests, "
                          "one run of each schedule")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--long-prompt", type=int, default=0,
+                    help="instead: the long-tail workload plus one prompt of this many tokens "
+                         "arriving mid-run, today's loop vs the token-budget loop (--budget)")
+    ap.add_argument("--budget", type=int, default=256, help="max_num_batched_tokens")
     args = ap.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     if args.quick:
@@ -351,6 +435,14 @@ def main(argv=None):
         if fill <= 0 or fill % PS:
             ap.error(f"--fills must be positive multiples of the page size {PS}; got {fill}")
     load_start = os.getloadavg()
+    if args.long_prompt:
+        text = render_long_prompt(*bench_long_prompt(args.serve_repeats, args.requests,
+                                                     args.slots, args.long_prompt, args.budget),
+                                  args, load_start)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        return
     dec = bench_decode(args.schemes, args.fills, args.repeats, args.steps)
     serve = None if args.no_serve else bench_serving(args.serve_repeats, args.requests,
                                                      args.slots)
