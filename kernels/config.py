@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxpos import _checks
 from jaxpos._util import pad_axis, pow2_at_least
 from jaxpos.core.call import converted_mods
+from jaxpos.core.quantised import is_quantised
 from jaxpos.kernels import schedule as sched_lib
 from jaxpos.mods import is_additive
 
@@ -67,6 +68,7 @@ class KernelConfig(NamedTuple):
     dropout_rate: float = 0.0  # attention dropout (0: none); the seed is Operands.drop_seed
     dropout_broadcast: bool = False  # one [Tq, Tk] mask for every batch row and head
     paged: bool = False  # k, v are page pools read through Operands.page_table
+    quantised: bool = False  # the pools hold int8 / float8 values, k_scale / v_scale scales
 
 
 class Operands(NamedTuple):
@@ -80,7 +82,9 @@ class Operands(NamedTuple):
     float32 ``[N]``, ``smod`` / ``mmod`` the converted mods (their captured arrays are
     leaves), ``tabs`` the RoPE tables padded to ``Tq_p`` / ``Tk_p``, ``page_table`` int32
     ``[B, pages_per_seq]`` with paged keys (then k, v are the ``[num_pages, page_size,
-    N_kv, H]`` pools); each None when absent.
+    N_kv, H]`` pools); ``k_scale`` / ``v_scale`` float32 ``[num_pages, page_size, N_kv,
+    1]`` with quantised pools (then k, v hold their int8 / float8 values); each None when
+    absent.
     """
 
     q: Any
@@ -98,6 +102,8 @@ class Operands(NamedTuple):
     mmod: Any = None
     tabs: Any = None
     page_table: Any = None
+    k_scale: Any = None
+    v_scale: Any = None
 
 
 def check_block(name: str, blk: Any) -> int:
@@ -207,7 +213,7 @@ def _keys(call, pages):
     if pages is None:
         k, v = jnp.asarray(call.k), jnp.asarray(call.v)
         return k, v, k.shape[1], k.shape[2], None
-    k, v, table = pages
+    k, v, table = pages  # (QuantisedPages read as their logical dtype here)
     return k, v, table.shape[1] * k.shape[1], k.shape[2], table
 
 
@@ -224,6 +230,8 @@ def prepare(call: Any, *, mode: str = "auto", kv_splits: int | None = None,
         (:func:`float64_refusal`).
     """
     q = jnp.asarray(call.q)
+    k: Any
+    v: Any
     k, v, Tk, Nk, table = _keys(call, pages)
     refusal = float64_refusal((q.dtype, k.dtype, v.dtype), mode)
     if refusal is not None:
@@ -235,6 +243,9 @@ def prepare(call: Any, *, mode: str = "auto", kv_splits: int | None = None,
     smod, mmod = converted_mods(call, bq, bk)  # the validation's when the tile is the call's
     ops = _padded_operands(call, q, k, v, nq * bq, nk * bk)._replace(smod=smod, mmod=mmod,
                                                                       page_table=table)
+    quantised = is_quantised(k)  # both pools or neither (jaxpos.kernels.paged.paged_refusal)
+    if quantised:  # the kernel reads values and scales, and dequantises each page it loads
+        ops = ops._replace(k=k.values, v=v.values, k_scale=k.scales, v_scale=v.scales)
     kinds = _tile_kinds(call, ops, mmod, Tq, Tk, bq, bk, nq, nk)
     sched_h = kinds.shape[1] > 1
     heads, splits = _work_split(kv_splits, B=B, N=N, g=g, nq=nq, nk=nk, bq=bq, sched_h=sched_h)
@@ -251,5 +262,6 @@ def prepare(call: Any, *, mode: str = "auto", kv_splits: int | None = None,
         rope_qb=tabs is not None and tabs[0].shape[0] > 1,
         rope_kb=tabs is not None and tabs[2].shape[0] > 1,
         dropout_rate=0.0 if drop is None else float(drop.rate),
-        dropout_broadcast=drop is not None and bool(drop.broadcast), paged=table is not None)
+        dropout_broadcast=drop is not None and bool(drop.broadcast), paged=table is not None,
+        quantised=quantised)
     return cfg, ops

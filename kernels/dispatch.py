@@ -171,7 +171,8 @@ class PallasEngine:
         (:func:`jaxpos.kernels.paged.paged_refusal`). The caller then runs the kernel on
         the gathered keys. ``page_table`` holds only valid page indices; the pages are in
         q's dtype (the call's validation refuses mixed dtypes)."""
-        if call.block_mask is not None or paged_refusal(call, k_pages.shape[1]) is not None:
+        if (call.block_mask is not None
+                or paged_refusal(call, k_pages.shape[1], (k_pages, v_pages)) is not None):
             return None
         return paged_attention_kernel(call.replace(block_k=None), k_pages, v_pages,
                                       page_table)

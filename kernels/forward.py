@@ -57,12 +57,36 @@ def load_kv(r: dict[str, Any], cfg: KernelConfig, plat: Plat, b: Any, j: Any, kv
     kv_pos = r["kv_pos"][:, rows]  # [1, bk]
     k_row = layout.rows_ok(j * bk, bk, kv_lim) if masked and tiles.kv_padded(cfg) else None
     k_tab = (r["k_cos"][rows, :], r["k_sin"][rows, :]) if cfg.rope_half else None
+    k_dq = v_dq = None
+    if cfg.quantised:  # each page dequantised as it is loaded, to q's dtype
+        k_dq = (page_scales(r["k_scale"], plat, kv_rows, k_row, lead), r["q"].dtype)
+        v_dq = (page_scales(r["v_scale"], plat, kv_rows, k_row, lead), r["q"].dtype)
     k = layout.load_feats(r["k"], plat, 1, 0, cfg.H, kv_rows, layout.qk_segs(cfg), k_row,
-                          k_tab, lead)
+                          k_tab, lead, k_dq)
     (v,) = layout.load_feats(r["v"], plat, 1, 0, cfg.Hv, kv_rows, layout.v_segs(cfg), k_row,
-                             None, lead)
+                             None, lead, v_dq)
     kv_seg = r["kv_seg"][:, rows] if (masked and cfg.has_segments) else None
     return k, v, kv_pos, kv_seg
+
+
+def _scale_plat(plat: Plat) -> Plat:
+    """The layout of a scale pool ``[num_pages, page_size, N_kv, 1]``: TPU's ``[.., N, T,
+    1]`` (a block's last two dims whole) whatever the values' layout; elsewhere the
+    values'."""
+    return plat._replace(kind="bnth") if plat.kind == "flat" else plat
+
+
+def page_scales(ref: Any, plat: Plat, kv_rows: Any, row_ok: Any, lead: tuple) -> Any:
+    """float32 ``[page_size, 1]``: the scales of one page of a quantised pool (Triton's
+    masked load is a power-of-two block wide, zero past the one real column: summed)."""
+    (s,) = layout.load_feats(ref, _scale_plat(plat), 1, 0, 1, kv_rows, ((0, 1),), row_ok,
+                             None, lead)
+    return jnp.sum(s, axis=1, keepdims=True) if s.shape[1] != 1 else s
+
+
+def _scale_pool(kv_head):
+    spec = pb.pool(1, kv_head, ((0, 1),))
+    return lambda plat, arr: spec(_scale_plat(plat), arr)
 
 
 def attend_tile(r: dict[str, Any], cfg: KernelConfig, mods: Mods, qt: Any, b: Any, p: Any, i: Any,
@@ -158,9 +182,13 @@ def _kv_inputs(cfg, ops):
     kvh = lambda p: jax.lax.div(p * G, jnp.asarray(g, p.dtype))  # int32 under x64 too
     segs, vsegs = layout.qk_segs(cfg), layout.v_segs(cfg)
     if cfg.paged:
-        return [pb.In("k", ops.k, pb.pool(cfg.H, lambda b, p, i, *s: kvh(p), segs)),
-                pb.In("v", ops.v, pb.pool(cfg.Hv, lambda b, p, i, *s: kvh(p), vsegs)),
-                pb.In("page_table", ops.page_table, pb.whole(pow2=True), smem=True)]
+        ins = [pb.In("k", ops.k, pb.pool(cfg.H, lambda b, p, i, *s: kvh(p), segs)),
+               pb.In("v", ops.v, pb.pool(cfg.Hv, lambda b, p, i, *s: kvh(p), vsegs)),
+               pb.In("page_table", ops.page_table, pb.whole(pow2=True), smem=True)]
+        if cfg.quantised:
+            ins += [pb.In("k_scale", ops.k_scale, _scale_pool(lambda b, p, i, *s: kvh(p))),
+                    pb.In("v_scale", ops.v_scale, _scale_pool(lambda b, p, i, *s: kvh(p)))]
+        return ins
     return [pb.In("k", ops.k, pb.tok(Tk_p, 1, cfg.H, lambda b, p, i, *s: (b, 0, kvh(p)), segs)),
             pb.In("v", ops.v, pb.tok(Tk_p, 1, cfg.Hv, lambda b, p, i, *s: (b, 0, kvh(p)),
                                      vsegs))]
@@ -192,10 +220,11 @@ def forward(cfg: KernelConfig, ops: Operands) -> Any:
     grid = (cfg.B, cfg.N // cfg.heads, cfg.nq) + ((cfg.splits,) if cfg.splits > 1 else ())
     kern = functools.partial(fwd_kernel, cfg=cfg, smod=pb.mod_static(ops.smod),
                              mmod=pb.mod_static(ops.mmod))
-    out, lse = pb.run_pallas(kern, grid, _inputs(cfg, ops), out_makers(cfg, ops.v.dtype),
+    dtype = ops.q.dtype if cfg.quantised else ops.v.dtype  # (quantised v: int8 / float8)
+    out, lse = pb.run_pallas(kern, grid, _inputs(cfg, ops), out_makers(cfg, dtype),
                              "jaxpos_attention_fwd")
     if cfg.splits > 1:
-        out, lse = combine_splits(cfg, out, lse, ops.sinks, ops.v.dtype)
+        out, lse = combine_splits(cfg, out, lse, ops.sinks, dtype)
     return out, lse
 
 

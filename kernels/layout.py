@@ -150,7 +150,9 @@ def load(ref_view: Any, plat: Plat, w: int, row_ok: Any) -> Any:
             return ref_view[...]
         from jax.experimental.pallas import triton as plgpu
 
-        return plgpu.load(ref_view, mask=mask, other=0)
+        # float8 (quantised pages): Triton casts no int constant to it, so a typed zero
+        fp8 = jnp.issubdtype(ref_view.dtype, jnp.floating) and ref_view.dtype.itemsize == 1
+        return plgpu.load(ref_view, mask=mask, other=jnp.zeros((), ref_view.dtype) if fp8 else 0)
     x = ref_view[...]
     if row_ok is not None:
         x = jnp.where(row_ok, x, jnp.zeros((), x.dtype))
@@ -176,11 +178,16 @@ def rows_ok(start: Any, n: int, limit: Any) -> jax.Array:
 
 
 def load_feats(ref: Any, plat: Plat, heads: int, hi: int, W: int, rows: Any, segs: Segs,
-               row_ok: Any, tab: Any, lead: tuple[Any, ...] = ()) -> list[jax.Array]:
+               row_ok: Any, tab: Any, lead: tuple[Any, ...] = (),
+               dequant: Any = None) -> list[jax.Array]:
     """The feature segments of one head's tile (rotated by ``tab = (cos, sin)`` when
-    given), each ``[r, block width]`` in the input dtype (``lead``: as :func:`view`)."""
+    given), each ``[r, block width]`` in the input dtype (``lead``: as :func:`view`).
+    ``dequant = (scale [r, 1] float32, dtype)``: quantised values, multiplied by their
+    row's scale in float32 and cast to ``dtype`` before the rotation."""
     xs = [load(view(ref, plat, heads, hi, W, rows, c0, w, lead), plat, w, row_ok)
           for c0, w in segs]
+    if dequant is not None:
+        xs = [(x.astype(jnp.float32) * dequant[0]).astype(dequant[1]) for x in xs]
     if tab is None:
         return xs
     c, s = tab

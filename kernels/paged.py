@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxpos.core.quantised import is_quantised
 from jaxpos.kernels.config import prepare, resolve_mode
 from jaxpos.kernels.forward import forward
 
@@ -48,9 +49,10 @@ def _forward_only(cfg, ops):
 _forward_only.defjvp(_refuse_derivatives)
 
 
-def paged_refusal(call, page_size: int) -> str | None:
+def paged_refusal(call, page_size: int, pools: tuple[Any, Any] | None = None) -> str | None:
     """Why the paged kernel cannot run ``call`` over pages of ``page_size`` slots (then the
-    caller gathers the pages and runs the dense call), or None.
+    caller gathers the pages and runs the dense call), or None. ``pools``: the
+    ``(k_pages, v_pages)`` it would read (one quantised and the other not is refused).
 
     The kernel's own limits: a power-of-two page size, the tile along keys equal to it
     (``block_k`` and a block mask's), ``kv_lengths`` given, no dropout (forward only), no
@@ -59,6 +61,9 @@ def paged_refusal(call, page_size: int) -> str | None:
     ``rope_tables``)."""
     from jaxpos.schemes.base import PositionScheme
 
+    if pools is not None and is_quantised(pools[0]) != is_quantised(pools[1]):
+        return ("the paged kernel reads both pools quantised (QuantisedPages) or neither; "
+                "got one of each.")
     if page_size & (page_size - 1) or page_size < 1:
         return f"the page size must be a power of two (the kernel's key tile); got {page_size}."
     blk = call.block_mask.block_k if call.block_mask is not None else call.block_k
@@ -95,7 +100,10 @@ def paged_attention_kernel(call, k_pages: jax.Array, v_pages: jax.Array,
         ``block_k`` None or the page size.
       k_pages: ``[num_pages, page_size, N_kv, H]`` in q's dtype; ``page_size`` a power of
         two (the kernel's tile along keys).
-      v_pages: ``[num_pages, page_size, N_kv, H_v]``.
+      v_pages: ``[num_pages, page_size, N_kv, H_v]``. Both may be
+        :class:`jaxpos.core.quantised.QuantisedPages` (read as q's dtype): the kernel
+        reads their int8 / float8 values and float32 scales and dequantises each page as
+        it loads it (before RoPE on load), in float32, to q's dtype.
       page_table: int32 ``[B, pages_per_seq]``: the pages of each row in slot order;
         entries of pages at or past ``ceil(kv_lengths[b] / page_size)`` are never read
         (they may hold anything); the others must be in ``[0, num_pages)`` (the caller
@@ -113,7 +121,7 @@ def paged_attention_kernel(call, k_pages: jax.Array, v_pages: jax.Array,
         positive integer; ``interpret`` not a bool or None.
     """
     mode = resolve_mode(interpret)
-    reason = paged_refusal(call, k_pages.shape[1])
+    reason = paged_refusal(call, k_pages.shape[1], (k_pages, v_pages))
     if reason is not None:
         raise ValueError(reason)
     call = call.replace(block_k=call.block_k if call.block_mask is not None

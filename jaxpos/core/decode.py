@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpos.core.call import AttentionCall
+from jaxpos.core.quantised import take_pages
 from jaxpos.core.reference import Terms, call_terms, visible
 from jaxpos.core.tiles import online_softmax_step, softmax_finish, softmax_start
 from jaxpos.mods import apply_mod
@@ -169,7 +170,9 @@ def page_loader(k_pages: jax.Array, v_pages: jax.Array, table: jax.Array, page_s
     size - 1`` of every row (page-aligned ``start`` and ``size``), one indexed load of
     ``size // page_size`` pages per row from a page table ``table`` int32 ``[B,
     pages_per_seq]`` whose entries are all in ``[0, num_pages)``; ``buffered``: into a
-    buffer (for keys that are read more than once, e.g. rotated on load)."""
+    buffer (for keys that are read more than once, e.g. rotated on load). Quantised pages
+    (:class:`jaxpos.core.quantised.QuantisedPages`) are dequantised as the block is
+    loaded: values and scales of its pages gathered, multiplied in float32."""
     B = table.shape[0]
 
     def load(start, size):
@@ -178,9 +181,10 @@ def page_loader(k_pages: jax.Array, v_pages: jax.Array, table: jax.Array, page_s
 
         def gather(start):
             pt = jax.lax.dynamic_slice_in_dim(table, start // page_size, n, axis=1)  # [B, n]
-            # the table is safe (every index in bounds, the caller's promise)
-            k = k_pages.at[pt].get(mode="promise_in_bounds")
-            v = v_pages.at[pt].get(mode="promise_in_bounds")
+            # the table is safe (every index in bounds, the caller's promise); quantised
+            # pages are dequantised here, this block's pages only
+            k = take_pages(k_pages, pt, mode="promise_in_bounds")
+            v = take_pages(v_pages, pt, mode="promise_in_bounds")
             return k.reshape(k_shape), v.reshape(v_shape)
 
         if not buffered:  # fused into its one consumer

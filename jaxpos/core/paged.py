@@ -60,6 +60,7 @@ from jax.typing import ArrayLike
 from jaxpos import _checks
 from jaxpos.core import engines
 from jaxpos.core.call import AttentionCall, transform_call, validate_call
+from jaxpos.core.quantised import as_pool, check_quantised, is_quantised, take_pages
 
 __all__ = ["PagedLayout", "check_paged_inputs", "gather_pages", "paged_attention",
            "paged_bad_rows", "paged_call", "run_paged", "safe_table"]
@@ -85,7 +86,9 @@ def check_paged_inputs(q: ArrayLike, k_pages: ArrayLike, v_pages: ArrayLike,
     Args:
       q: ``[B, Tq, N, H]`` float.
       k_pages: ``[num_pages, page_size, N_kv, H]`` float; v_pages: ``[num_pages,
-        page_size, N_kv, H_v]`` float.
+        page_size, N_kv, H_v]`` float; either may be a
+        :class:`jaxpos.core.quantised.QuantisedPages` pool of that shape (its ``dtype``
+        the float one it reads as).
       page_table: integer ``[B, pages_per_seq]``.
       kv_lengths: integer ``[B]``.
 
@@ -98,8 +101,14 @@ def check_paged_inputs(q: ArrayLike, k_pages: ArrayLike, v_pages: ArrayLike,
         ``[B, pages_per_seq]``; kv_lengths not ``[B]``; concrete ``kv_lengths`` outside
         ``[0, pages_per_seq * page_size]`` (the page table is too short for them); a
         concrete page index that a row reads outside ``[0, num_pages)``.
-      TypeError: non-floating q or pages; a non-integer page table or kv_lengths.
+      TypeError: non-floating q or pages; a non-integer page table or kv_lengths;
+        quantised pages with values that are not int8 / float8_e4m3fn or scales that are
+        not float32 (:func:`jaxpos.core.quantised.check_quantised`; its ``ValueError``
+        for scales that are not ``[num_pages, page_size, N_kv, 1]``).
     """
+    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if is_quantised(x):
+            check_quantised(name, x)
     for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
         what = ("[batch, seq, heads, head_dim]" if name == "q"
                 else "[num_pages, page_size, kv_heads, head_dim]")
@@ -181,7 +190,9 @@ def gather_pages(pages: ArrayLike, page_table: ArrayLike) -> jax.Array:
     with slot ``s`` of row ``b`` = ``pages[page_table[b, s // page_size], s % page_size]``.
 
     Args:
-      pages: ``[num_pages, page_size, N_kv, H]``.
+      pages: ``[num_pages, page_size, N_kv, H]``, or a
+        :class:`jaxpos.core.quantised.QuantisedPages` pool (the gathered rows only are
+        dequantised, to its ``dtype``).
       page_table: integer ``[B, pages_per_seq]``. Entries outside ``[0, num_pages)`` read
         page 0: use this only where such entries are past the row's fill (masked by
         ``kv_lengths``), as :func:`jaxpos.attention` does (it makes rows that read a bad
@@ -190,10 +201,10 @@ def gather_pages(pages: ArrayLike, page_table: ArrayLike) -> jax.Array:
     Returns:
       ``[B, pages_per_seq * page_size, N_kv, H]`` in the pages' dtype.
     """
-    pages = jnp.asarray(pages)
-    pt = safe_table(page_table, pages.shape[0])
+    pool: Any = as_pool(pages)
+    pt = safe_table(page_table, pool.shape[0])
     B, n = pt.shape
-    return pages[pt].reshape((B, n * pages.shape[1]) + pages.shape[2:])
+    return take_pages(pool, pt).reshape((B, n * pool.shape[1]) + pool.shape[2:])
 
 
 def _poison(out: jax.Array, bad: jax.Array | None) -> jax.Array:
@@ -213,7 +224,10 @@ def paged_attention(q: ArrayLike, k_pages: ArrayLike, v_pages: ArrayLike, *,
 
     Args:
       q: ``[B, Tq, N, H]`` float.
-      k_pages, v_pages: ``[num_pages, page_size, N_kv, H]`` / ``[..., H_v]`` float.
+      k_pages, v_pages: ``[num_pages, page_size, N_kv, H]`` / ``[..., H_v]`` float, or
+        :class:`jaxpos.core.quantised.QuantisedPages` pools (int8 / float8 values with a
+        float32 scale per token and KV head, dequantised per key block by the engines
+        that read pages, per gathered row by the fallback).
       page_table: integer ``[B, pages_per_seq]``.
       kv_lengths: integer ``[B]``, required: the filled slots of each row.
       q_positions: integer ``[Tq]`` or ``[B, Tq]``; default ``kv_lengths[b] - Tq +
@@ -239,7 +253,8 @@ def paged_attention(q: ArrayLike, k_pages: ArrayLike, v_pages: ArrayLike, *,
         raise ValueError("kv_lengths is required with page_table: integer [B], the number of "
                          "filled slots of each row (FlashAttention's cache_seqlens).")
     layout = check_paged_inputs(q, k_pages, v_pages, page_table, kv_lengths)
-    q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
+    q = jnp.asarray(q)
+    k_pages, v_pages = as_pool(k_pages), as_pool(v_pages)
     concrete = _checks.is_concrete(kv_lengths) and _checks.is_concrete(page_table)
     bad = None if concrete else paged_bad_rows(page_table, kv_lengths, layout)
     call = paged_call(q, k_pages, v_pages, layout, kv_lengths, q_positions=q_positions,
@@ -249,7 +264,7 @@ def paged_attention(q: ArrayLike, k_pages: ArrayLike, v_pages: ArrayLike, *,
     return _poison(run_paged(engine, call, k_pages, v_pages, table), bad)
 
 
-def paged_call(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layout: PagedLayout,
+def paged_call(q: jax.Array, k_pages: Any, v_pages: Any, layout: PagedLayout,
                kv_lengths: ArrayLike, **options: Any) -> AttentionCall:
     """The validated record of a checked paged call (:func:`check_paged_inputs`): its
     ``k`` and ``v`` are the logical ``[B, pages_per_seq * page_size, ...]`` shapes only
@@ -265,8 +280,8 @@ def paged_call(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layout: Pag
     return validate_call(q, k_shape, v_shape, kv_lengths=lens, **options)
 
 
-def run_paged(engine: engines.Engine, call: AttentionCall, k_pages: jax.Array,
-              v_pages: jax.Array, table: jax.Array) -> jax.Array:
+def run_paged(engine: engines.Engine, call: AttentionCall, k_pages: Any,
+              v_pages: Any, table: jax.Array) -> jax.Array:
     """``engine`` on a validated paged call (:func:`paged_call`): its ``run_paged`` when it
     has one and takes the call, else (the one gather fallback for every engine) the
     engine on the keys and values gathered from the pages, the scheme's per-call

@@ -55,6 +55,7 @@ from jaxpos.core.paged import (
     run_paged,
     safe_table,
 )
+from jaxpos.core.quantised import as_pool
 
 __all__ = ["check_cu_q_lengths", "ragged_attention"]
 
@@ -209,7 +210,7 @@ def ragged_attention(q: ArrayLike, k_pages: ArrayLike, v_pages: ArrayLike, *,
     Hv = _checks.shape_of(v_pages)[-1]
     if total_q == 0 or B == 0:
         return jnp.zeros((total_q, N, Hv), q.dtype)
-    k_pages, v_pages = jnp.asarray(k_pages), jnp.asarray(v_pages)
+    k_pages, v_pages = as_pool(k_pages), as_pool(v_pages)  # (QuantisedPages as they are)
     row, offset = _rows(cu_q_lengths, total_q, B)
     lens, cu = _ints(kv_lengths), _ints(cu_q_lengths)
     qp = _take(lens, row) - _take(cu[1:] - cu[:-1], row) + offset if q_positions is None \

@@ -224,19 +224,25 @@ class ModuleDecoder:
 
     Args:
       model: a :class:`jaxpos.nnx.DecoderLM` (its weights are split off as :attr:`params`).
+      kv_dtype: the pages' storage, passed to the model's ``init_cache``: None (its dtype),
+        a float dtype, or ``"int8"`` / ``"float8_e4m3fn"`` for quantised pages (a scale per
+        token and KV head; :mod:`jaxpos.core.quantised`).
 
     Raises:
       ValueError: a model whose caches are not paged caches (or a scheme state around one).
+      TypeError: a ``kv_dtype`` that is neither quantised nor floating.
     """
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, kv_dtype: Any = None):
         from flax import nnx
 
         from jaxpos.layers.cache import PagedKVCache, SchemeStateCache
 
         #: per layer, the scheme whose decode state the layer's cache keeps (or None)
         self._state_names: list[str | None] = []
-        for c in model.init_cache(1, 1, page_size=1, num_pages=1):
+        #: the init_cache options of the pool's pages (kv_dtype when given)
+        self._pages = {} if kv_dtype is None else {"kv_dtype": kv_dtype}
+        for c in model.init_cache(1, 1, page_size=1, num_pages=1, **self._pages):
             inner = c.inner if isinstance(c, SchemeStateCache) else c
             if not isinstance(inner, PagedKVCache):
                 raise ValueError(f"the serving loop keeps each layer's cache in pages, but "
@@ -257,7 +263,8 @@ class ModuleDecoder:
         page_size, ...]`` for a per-slot entry, ``[num_pages, ...]`` for a per-row one."""
         from jaxpos.layers.cache import SchemeStateCache
 
-        caches = self._model.init_cache(1, page_size, page_size=page_size, num_pages=num_pages)
+        caches = self._model.init_cache(1, page_size, page_size=page_size, num_pages=num_pages,
+                                        **self._pages)
         pool = []
         for c in caches:
             if not isinstance(c, SchemeStateCache):

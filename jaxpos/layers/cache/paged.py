@@ -18,6 +18,13 @@ import numpy as np
 
 from jaxpos import _checks
 from jaxpos.core.paged import gather_pages
+from jaxpos.core.quantised import (
+    QuantisedPages,
+    empty_quantised_pages,
+    kv_storage_dtype,
+    set_pages,
+    write_tokens,
+)
 from jaxpos.layers.cache.base import (
     Cache,
     CacheRead,
@@ -40,16 +47,18 @@ def pages_for(tokens: Any, page_size: int) -> Any:
     return -(-tokens // page_size)
 
 
-def write_pages(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
+def write_pages(k_pages: Any, v_pages: Any, k: jax.Array, v: jax.Array,
                 page_table: jax.Array, lengths: jax.Array, mask: jax.Array | None = None
-                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+                ) -> tuple[Any, Any, jax.Array, jax.Array]:
     """Write the new tokens' keys and values at each row's fill: token ``t`` of row ``b``
     goes to slot ``lengths[b] + t``, i.e. page ``page_table[b, slot // page_size]``, offset
     ``slot % page_size``.
 
     Args:
-      k_pages, v_pages: ``[num_pages, page_size, N_kv, H]`` / ``[..., H_v]``.
-      k, v: ``[B, T, N_kv, H]`` / ``[B, T, N_kv, H_v]`` (cast to the pages' dtype).
+      k_pages, v_pages: ``[num_pages, page_size, N_kv, H]`` / ``[..., H_v]``, or
+        :class:`jaxpos.core.quantised.QuantisedPages` pools.
+      k, v: ``[B, T, N_kv, H]`` / ``[B, T, N_kv, H_v]`` (cast to the pages' dtype, or
+        quantised with a scale per token and KV head).
       page_table: int ``[B, pages_per_seq]``.
       lengths: int ``[B]`` slots filled before this write (a negative length is a bad
         fill: that row writes nothing and is flagged, see Returns).
@@ -78,8 +87,8 @@ def write_pages(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Arr
     ok = (lengths[:, None] >= 0) & (col < pps) & (entry >= 0) & (entry < P)
     page = jnp.where(mask & ok, entry, P)  # P: out of range, dropped by the scatter
     off = slot % ps
-    k_pages = k_pages.at[page, off].set(k.astype(k_pages.dtype), mode="drop")
-    v_pages = v_pages.at[page, off].set(v.astype(v_pages.dtype), mode="drop")
+    k_pages = write_tokens(k_pages, page, off, k)  # quantised here for QuantisedPages
+    v_pages = write_tokens(v_pages, page, off, v)
     new_lengths = lengths + jnp.sum(mask, axis=1, dtype=jnp.int32)
     return k_pages, v_pages, new_lengths, jnp.any(mask & ~ok, axis=1)
 
@@ -115,7 +124,9 @@ class PagedKVCache(Cache):
     Attributes:
       k_pages, v_pages: ``[num_pages, page_size, N_kv, H]`` the pool (keys as the scheme's
         ``cache_write`` stores them: RoPE rotated at write, raw for the schemes applied in
-        attention from positions).
+        attention from positions); with ``init_cache(..., kv_dtype="int8")`` (or
+        ``"float8_e4m3fn"``) :class:`jaxpos.core.quantised.QuantisedPages`, each token
+        quantised as it is written with a float32 scale per KV head.
       page_table: int32 ``[B, pages_per_seq]``, ``-1`` for an entry no page is assigned to
         yet: slot ``s`` of row ``b`` is offset ``s % page_size`` of page ``page_table[b, s
         // page_size]``.
@@ -130,8 +141,8 @@ class PagedKVCache(Cache):
     ``2 x N_kv x H`` numbers a slot and layer, are paged.
     """
 
-    k_pages: jax.Array
-    v_pages: jax.Array
+    k_pages: jax.Array | QuantisedPages
+    v_pages: jax.Array | QuantisedPages
     page_table: jax.Array
     next_page: jax.Array
     positions: jax.Array
@@ -170,10 +181,11 @@ class PagedKVCache(Cache):
         ps, P = self.page_size, self.num_pages
         ct = jnp.promote_types(self.k_pages.dtype, jnp.float32)
         rows = fn(gather_pages(self.k_pages, self.page_table).astype(ct))
-        rows = rows.astype(self.k_pages.dtype).reshape((B * pps, ps) + self.k_pages.shape[2:])
+        rows = rows.reshape((B * pps, ps) + self.k_pages.shape[2:])
         table = self.page_table.reshape(-1)
         index = jnp.where((table >= 0) & (table < P), table, P)  # P: out of range, dropped
-        return dataclasses.replace(self, k_pages=self.k_pages.at[index].set(rows, mode="drop"))
+        # quantised pages are quantised again (a scale per token and head)
+        return dataclasses.replace(self, k_pages=set_pages(self.k_pages, index, rows))
 
     def write(self, scheme: PositionScheme, q: jax.Array, k: jax.Array, v: jax.Array,
               positions: jax.Array, mask: jax.Array | None) -> tuple[PagedKVCache, CacheRead]:
@@ -239,15 +251,21 @@ class PagedKVCache(Cache):
 
 
 def init_paged_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype: Any,
-                     page_size: int | None = None,
-                     num_pages: int | None = None) -> PagedKVCache:
+                     page_size: int | None = None, num_pages: int | None = None,
+                     kv_dtype: Any = None) -> PagedKVCache:
     """An empty :class:`PagedKVCache`: a pool of ``num_pages`` zero pages of ``page_size``
     slots (default 16), page tables of ``ceil(max_len / page_size)`` unassigned entries
     per row. ``num_pages`` defaults to what every row filled to ``max_len`` needs
     (``batch * ceil(max_len / page_size)``); give fewer when rows hold fewer tokens.
 
+    ``kv_dtype``: ``"int8"`` or ``"float8_e4m3fn"`` (where JAX has it) for quantised pages
+    (:class:`jaxpos.core.quantised.QuantisedPages`: symmetric, a float32 scale per token
+    and KV head, quantised at write, dequantised per key block inside attention; read as
+    ``dtype``), a float dtype for pages of that dtype, None for ``dtype``.
+
     Raises:
-      ValueError / TypeError: sizes that are not positive ints.
+      ValueError / TypeError: sizes that are not positive ints; a ``kv_dtype`` that is
+        neither quantised nor floating.
     """
     _checks.check_positive_int("batch", batch)
     _checks.check_positive_int("max_len", max_len)
@@ -257,7 +275,13 @@ def init_paged_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int,
     P = _checks.check_positive_int("num_pages", batch * pps if num_pages is None else num_pages)
     S = pps * ps
     shape = (P, ps, num_kv_heads, head_dim)
-    return PagedKVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+    if kv_dtype is not None and kv_storage_dtype(kv_dtype) is not None:
+        pools: tuple[Any, Any] = (empty_quantised_pages(shape, kv_dtype, dtype),
+                                  empty_quantised_pages(shape, kv_dtype, dtype))
+    else:
+        dt = dtype if kv_dtype is None else kv_dtype
+        pools = (jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+    return PagedKVCache(*pools,
                         jnp.full((batch, pps), -1, jnp.int32), jnp.zeros((), jnp.int32),
                         jnp.zeros((batch, S), jnp.int32), jnp.zeros((batch, S), jnp.int32),
                         jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32))
@@ -271,7 +295,8 @@ def paged_view(k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
     none of its own: a missing page gives a NaN row).
 
     Args:
-      k_pages, v_pages: ``[num_pages, page_size, N_kv, H]``.
+      k_pages, v_pages: ``[num_pages, page_size, N_kv, H]`` (or
+        :class:`jaxpos.core.quantised.QuantisedPages`).
       page_table: int32 ``[B, pages_per_seq]`` (``-1`` where unassigned).
       lengths: int32 ``[B]``.
     """
