@@ -20,6 +20,7 @@ between events, and :meth:`ServingEngine.run` collects the stream.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import weakref
 from collections import deque
@@ -33,6 +34,7 @@ import numpy as np
 from jaxpos import _checks
 from jaxpos.serving.model import PagedModel
 from jaxpos.serving.pages import PageAllocator, pages_for
+from jaxpos.serving.prefix import PrefixCache, sharing_key
 from jaxpos.serving.sampling import sample_tokens
 from jaxpos.serving.scheduler import RaggedLoop
 from jaxpos.serving.stream import (
@@ -122,6 +124,8 @@ class ServingStats:
       page_ratio: mean over decode steps of ``pages in use * page_size / tokens held``.
       dense_ratio: mean over the same steps of ``num_slots * max_len / tokens held`` (a
         dense ``[B, max_len]`` cache).
+      prefill_tokens: prompt tokens prefilled; cached_tokens: prompt tokens read from
+        shared pages instead (``prefix_caching``).
     """
 
     generated: int = 0
@@ -133,6 +137,8 @@ class ServingStats:
     max_len: int = 0
     page_ratio: float = float("nan")
     dense_ratio: float = float("nan")
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -184,11 +190,18 @@ class ServingEngine:
         tokens; needed by requests with ``stop_strings``, and fills the ``text`` of each
         :class:`Completion`. Called once per produced token of such a request, on all its
         tokens so far.
+      prefix_caching: requests share the full pages of their prompts' common prefixes
+        (:mod:`jaxpos.serving.prefix`, vLLM's automatic prefix caching), with the tokens
+        of an engine without it; :attr:`prefix_cache` is then the
+        :class:`~jaxpos.serving.prefix.PrefixCache` (else None).
       max_num_batched_tokens: None (prefill in ``prefill_chunk`` calls, then a decode step),
         or the token budget of one ragged step per iteration: decode tokens and prompt
         chunks together (:mod:`jaxpos.serving.scheduler`; vLLM's option).
 
     Raises:
+      ValueError: ``prefix_caching`` for a model whose pages cannot be shared (PaTH, FoX,
+        StreamingLLM: :func:`~jaxpos.serving.prefix.check_shareable`) or that has no
+        ``page_sharing_key``.
       ValueError / TypeError: sizes that are not positive ints, an unknown schedule, a
         ``detokenize`` that is not callable, a token budget below ``num_slots`` or for a
         model without a ragged step (:class:`jaxpos.serving.scheduler.RaggedLoop`).
@@ -196,6 +209,7 @@ class ServingEngine:
 
     def __init__(self, model: PagedModel, *, num_slots: int, num_pages: int, page_size: int,
                  max_len: int, prefill_chunk: int = 16, schedule: str = "continuous",
+                 prefix_caching: bool = False,
                  detokenize: Callable[[list[int]], str] | None = None,
                  max_num_batched_tokens: int | None = None):
         for name, val in (("num_slots", num_slots), ("page_size", page_size),
@@ -214,6 +228,10 @@ class ServingEngine:
         # wide enough for a prompt padded to whole prefill chunks
         self.pages_per_seq = pages_for(-(-max_len // prefill_chunk) * prefill_chunk, page_size)
         self.allocator = PageAllocator(num_pages)
+        self.prefix_cache = None if not prefix_caching else PrefixCache(
+            self.allocator, page_size, sharing_key(model), math.lcm(page_size, prefill_chunk))
+        #: what hands out pages: the allocator, or the prefix cache in front of it
+        self._pages = self.allocator if self.prefix_cache is None else self.prefix_cache
         self.pool = model.init_pool(num_pages, page_size)
         self._step = jax.jit(self._forward_and_sample, donate_argnums=(1,))
         self._ragged = None if max_num_batched_tokens is None else \
@@ -313,9 +331,27 @@ class ServingEngine:
         place where the pool allows: consecutive pages read faster)."""
         more = pages_for(slots, self.page_size) - len(run.pages)
         if more > 0:
-            run.pages.extend(self.allocator.allocate(
+            run.pages.extend(self._pages.allocate(
                 more, after=run.pages[-1] if run.pages else None,
                 expect=max(more, run.booked - len(run.pages))))
+
+    def _book(self, r: Request) -> _Running | None:
+        """Book ``r``'s pages; its run holds the cached pages its prompt starts with
+        (``prefix_caching``) and is filled up to them. None when the pool cannot book it."""
+        need = self._pages_needed(r)
+        shared = (self.prefix_cache.book(r.prompt, need) if self.prefix_cache is not None
+                  else [] if self.allocator.reserve(need) else None)
+        return None if shared is None else _Running(
+            r, shared, need, len(shared) * self.page_size, [], max(r.arrival, 0.0),
+            stop=StopCondition.of(r))
+
+    def _prefilled(self, loop: _Loop, run: _Running, cached: int) -> None:
+        """``run``'s prompt is written, its first ``cached`` tokens read from shared
+        pages: its full pages join the prefix cache."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.register(run.request.prompt, run.pages)
+        loop.stats.cached_tokens += cached
+        loop.stats.prefill_tokens += len(run.request.prompt) - cached
 
     def _table(self, running: list[_Running | None]) -> np.ndarray:
         t = np.full((len(running), self.pages_per_seq), -1, np.int32)
@@ -327,7 +363,7 @@ class ServingEngine:
     def _prefill(self, run: _Running, now: Callable[[], float]) -> None:
         prompt, C = list(run.request.prompt), self.prefill_chunk
         tok = 0
-        for start in range(0, len(prompt), C):
+        for start in range(run.length, len(prompt), C):  # after its shared pages
             chunk = prompt[start:start + C]
             self._grow(run, run.length + C)  # the padding too: a model may write it
             tokens = np.zeros((1, C), np.int32)
@@ -350,7 +386,7 @@ class ServingEngine:
             text = detokenized(self.detokenize, run.tokens)
         loop.done.append(Completion(run.request, run.tokens, reason, run.arrival,
                                     run.first_token, loop.now(), stop_reason, text))
-        self.allocator.free(run.pages, run.booked)
+        self._pages.free(run.pages, run.booked)
         loop.slots[b] = None
 
     def _emit(self, loop: _Loop, b: int) -> Iterator[StreamEvent]:
@@ -373,16 +409,15 @@ class ServingEngine:
         if self.schedule == "static" and any(s is not None for s in loop.slots):
             return
         while loop.waiting and None in loop.slots and loop.waiting[0].arrival <= loop.now():
-            r = loop.waiting[0]
-            need = self._pages_needed(r)
-            if not self.allocator.reserve(need):
+            run = self._book(loop.waiting[0])
+            if run is None:
                 return
             loop.waiting.popleft()
             b = loop.slots.index(None)
-            run = _Running(r, [], need, 0, [], max(r.arrival, 0.0),
-                           stop=StopCondition.of(r))
             loop.slots[b] = run
+            cached = run.length
             self._prefill(run, loop.now)
+            self._prefilled(loop, run, cached)
             yield from self._emit(loop, b)
 
     def _decode(self, loop: _Loop, active: list[int]) -> Iterator[StreamEvent]:
@@ -397,7 +432,7 @@ class ServingEngine:
             tokens[b, 0], lengths[b], mask[b, 0] = run.tokens[-1], run.length, True
             counters[b] = len(run.tokens)
         held = sum(run.length + 1 for run in runs.values() if run is not None)
-        loop.page_ratios.append(self.allocator.in_use * self.page_size / held)
+        loop.page_ratios.append(self._pages.in_use * self.page_size / held)
         loop.dense_ratios.append(self.num_slots * self.max_len / held)
         out = self._run_step(tokens, self._table(loop.slots), lengths, mask,
                              [None if s is None else s.request for s in loop.slots], counters)
@@ -426,7 +461,7 @@ class ServingEngine:
                     time.sleep(max(0.0, min(loop.waiting[0].arrival - loop.now(), 0.01)))
             stats = loop.stats
             stats.wall = loop.now()
-            stats.peak_pages = self.allocator.peak_in_use
+            stats.peak_pages = self._pages.peak_in_use
             if loop.page_ratios:
                 stats.page_ratio = float(np.mean(loop.page_ratios))
                 stats.dense_ratio = float(np.mean(loop.dense_ratios))
@@ -435,7 +470,7 @@ class ServingEngine:
             loop.waiting.clear()
             for b, run in enumerate(loop.slots):
                 if run is not None:
-                    self.allocator.free(run.pages, run.booked)
+                    self._pages.free(run.pages, run.booked)
                     loop.slots[b] = None
 
     def _streaming(self) -> bool:

@@ -135,6 +135,14 @@ class PagedDecoder:
                     layers=layers, final_norm=jnp.ones((D,)),
                     scheme=as_scheme(self.position))
 
+    def page_sharing_key(self) -> str:
+        """What a page of this model's pool depends on besides its tokens and their
+        positions (prefix caching, :mod:`jaxpos.serving.prefix`): the sizes, the weights'
+        seed and the position scheme (class and static fields: RoPE stores rotated keys)."""
+        scheme = as_scheme(self.position)
+        return (f"{dataclasses.replace(self, position=None)!r}:{type(scheme).__qualname__}:"
+                f"{jax.tree_util.tree_structure(scheme)}")
+
     def init_pool(self, num_pages: int, page_size: int) -> tuple:
         """``num_layers`` pairs of zero pages ``[num_pages, page_size, N_kv, head_dim]``."""
         _checks.check_positive_int("num_pages", num_pages)
@@ -207,7 +215,6 @@ class PagedDecoder:
             tuple(new_pool)
 
 
-
 class ModuleDecoder:
     """A :class:`PagedModel` over a :class:`jaxpos.nnx.DecoderLM` (any position the module
     builds): each step hands the model one paged cache per layer
@@ -256,6 +263,20 @@ class ModuleDecoder:
         vocab = getattr(model, "vocab_size", None)  # DecoderLM and the example ports
         self.vocab_size = int(vocab if vocab is not None else model.embed.embedding.shape[0])
         self._model = model
+
+    def page_sharing_key(self) -> str:
+        """What a page of this model's pool depends on besides its tokens and their
+        positions (prefix caching, :mod:`jaxpos.serving.prefix`): the module's class and
+        position, and the scheme state of each layer's cache.
+
+        Raises:
+          ValueError: layers whose pages cannot be shared (PaTH, FoX;
+            :func:`jaxpos.serving.prefix.check_shareable`).
+        """
+        from jaxpos.serving.prefix import check_shareable
+
+        name = f"{type(self._model).__qualname__}:{getattr(self._model, 'position_name', '')}"
+        return check_shareable(name, self._model.init_cache(1, 1, page_size=1, num_pages=1))
 
     def init_pool(self, num_pages: int, page_size: int) -> tuple:
         """The model's empty paged caches' pools: per layer the zero key and value pages,
@@ -309,7 +330,6 @@ class ModuleDecoder:
             else:
                 new_pool.append((c.k_pages, c.v_pages))
         return logits, tuple(new_pool)
-
 
     def forward_ragged(self, params: Any, tokens: jax.Array, positions: jax.Array,
                        pool: tuple, page_table: jax.Array, lengths: jax.Array,
