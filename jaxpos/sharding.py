@@ -67,7 +67,7 @@ __all__ = [
     "LOGICAL_NAMES",
     "active_rules",
     "constrain",
-        "linen_init",
+    "linen_init",
     "logical_spec",
     "named_shardings",
     "nnx_init",
