@@ -10,8 +10,9 @@ one call. Every step's logits equal the full pass's at those positions (float32,
 position, so its full pass takes rows that start at position 0: both its rows do.
 
 The default run decodes every scheme but FIRE, PoPE and PaTH with NNX (reference
-implementation) and RoPE with Linen; the others (and stick-breaking through the chunked
-implementation) run with ``-m slow`` (the twins share the cores,
+implementation) and RoPE with Linen; those three, stick-breaking through the chunked
+implementation and the Linen twins of the schemes whose decoding keeps state of its own
+(PaTH, FoX, CoPE) run with ``-m slow`` (the twins share the cores,
 ``tests/modules/test_linen.py`` checks their logits are identical).
 """
 
@@ -31,6 +32,10 @@ OFFSETS = np.array([0, 4])  # row 1 starts at position 4
 PROMPT = (3, 1)             # tokens each row prefills
 FROM_ZERO = {"fox"}  # schemes whose rows must start at position 0
 LINEN_DEFAULT = {"rope"}
+# the Linen twins share the NNX modules' cores (tests/modules/test_linen.py checks their
+# logits are identical): besides RoPE, the slow run decodes with Linen only the schemes
+# whose decoding keeps state of its own in the cache (PaTH, FoX, CoPE)
+LINEN_SLOW = {"path", "fox", "cope"}
 NNX_SLOW = {"fire", "pope", "path", "path_fox"}  # the most expensive eager decodes (PaTH also in
 # tests/modules/test_path_decoding.py); xPos stays (read-time transform)
 
@@ -41,7 +46,7 @@ CASES = (
                     marks=pytest.mark.slow)]
     + [pytest.param(p, "linen", "reference", id=f"{p}-linen",
                     marks=() if p in LINEN_DEFAULT else pytest.mark.slow)
-       for p in jn.POSITIONS]
+       for p in jn.POSITIONS if p in LINEN_DEFAULT | LINEN_SLOW]
 )
 
 
