@@ -286,7 +286,8 @@ def bench_long_prompt(repeats: int, requests: int, slots: int, long_len: int, bu
 
 def render_long_prompt(res, arrival, args, load_start) -> str:
     """The table of :func:`bench_long_prompt`: inter-token latency of the running requests
-    (ms, median [min-max] over repeats of each run's p50 / p90) and tokens/s."""
+    (ms, median [min-max] over repeats of each run's p50 / p90 / longest gap, the stall a
+    prefill causes) and tokens/s."""
     q = lambda runs, p: [1e3 * float(np.percentile(x["gaps"], p)) for x in runs]
     lines = [f"# Long prompt mid-run ({platform.processor() or platform.machine()}, jax "
              f"{jax.__version__})", "",
@@ -295,13 +296,15 @@ def render_long_prompt(res, arrival, args, load_start) -> str:
              f"{arrival:.2f} s; {args.serve_repeats} interleaved repeats. Load average "
              f"{load_start[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end.", "",
              "| loop | ITL p50 ms (alone) | ITL p90 ms (alone) | ITL p50 ms (+long) | "
-             "ITL p90 ms (+long) | p90 +long / alone | tokens/s (alone) | tokens/s (+long) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "ITL p90 ms (+long) | p90 +long / alone | longest gap ms (+long) | tokens/s "
+             "(alone) | tokens/s (+long) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, runs in res.items():
         a, lg = runs["alone"], runs["long"]
         ratio = [x / y for x, y in zip(q(lg, 90), q(a, 90))]
         lines.append(f"| {name} | {_mr(q(a, 50))} | {_mr(q(a, 90))} | {_mr(q(lg, 50))} | "
-                     f"{_mr(q(lg, 90))} | {_mr(ratio)} | {_mr([x['tps'] for x in a])} | "
+                     f"{_mr(q(lg, 90))} | {_mr(ratio)} | {_mr(q(lg, 100))} | "
+                     f"{_mr([x['tps'] for x in a])} | "
                      f"{_mr([x['tps'] for x in lg])} |")
     return "\n".join(lines)
 
