@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["cast_varying", "match_vma", "pad_axis", "poison_rows", "pow2_at_least",
-           "ring_shift", "sink_gradient", "varying_axes", "zero_cotangent"]
+__all__ = ["cast_varying", "match_vma", "over_blocks", "pad_axis", "poison_rows",
+           "pow2_at_least", "ring_shift", "sink_gradient", "varying_axes", "zero_cotangent"]
 
 
 def pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0,
@@ -34,6 +34,25 @@ def poison_rows(x: jax.Array, bad: jax.Array, axis: int = 0) -> jax.Array:
     shape = [1] * x.ndim
     shape[axis] = -1
     return jnp.where(bad.reshape(shape), jnp.array(jnp.nan, x.dtype), x)
+
+
+def over_blocks(size: int, block: int, upto: Any, body: Any, init: Any) -> Any:
+    """``carry = body(j, start, carry)`` for the blocks ``j = 0, 1, ...`` of ``block``
+    entries of an axis of ``size`` that cover ``[0, upto)``: a ``while_loop`` whose trip
+    count ``ceil(min(upto, size) / block)`` follows ``upto`` (an int, possibly traced; none
+    for ``upto <= 0``), so the work follows the filled part of a buffer, not its size.
+
+    Block ``j`` owns entries ``[j * block, (j + 1) * block)`` and is read at ``start =
+    min(j * block, size - block)`` (int32): the last block is shifted back inside the axis,
+    and the entries below ``j * block`` it then overlaps belong to block ``j - 1``, which
+    ``body`` must leave as they are. ``0 < block <= size`` (static ints)."""
+    n = (jnp.minimum(jnp.asarray(upto, jnp.int32), size) + (block - 1)) // block
+
+    def step(c):
+        j, carry = c
+        return j + 1, body(j, jnp.minimum(j * block, size - block), carry)
+
+    return jax.lax.while_loop(lambda c: c[0] < n, step, (jnp.zeros((), jnp.int32), init))[1]
 
 
 def pow2_at_least(n: int, lo: int = 1) -> int:

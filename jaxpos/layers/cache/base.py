@@ -148,12 +148,21 @@ class Cache(abc.ABC):
         raise ValueError(f"{type(self).__name__} cannot carry a scheme's decode state (it "
                          f"does not give slots_per_row).")
 
-    def update_keys(self, fn: Any) -> Cache:
-        """The cache with every row's stored keys replaced by ``fn(k)``: ``k`` the keys
-        ``[B, S, N_kv, H]`` in the row-of-slots layout of :meth:`CacheRead.unpaged`
-        (float32, or float64 for a float64 cache), ``fn`` returning the same shape. For a
-        scheme whose decoding moves the cached keys at each step (PaTH's inference rule,
-        Yang et al. 2025, §3.2).
+    def update_keys(self, fn: Any, upto: Any = None) -> tuple[Cache, Any]:
+        """The cache with its stored keys replaced by ``fn``, a block of slots at a time:
+        ``fn(k, slots)`` gets the keys ``[B, n, N_kv, H]`` of the slots ``slots`` (int32
+        ``[n]``, the same for every row; slot numbers of the row-of-slots layout of
+        :meth:`CacheRead.unpaged`) in float32 (float64 for a float64 cache) and returns
+        their new keys, the same shape; it must be slot by slot (a slot's new key depends
+        on its old key and its number only). ``upto`` (int, may be traced): only the
+        blocks covering slots ``[0, upto)`` are visited, so the cost follows the filled
+        slots (``fn`` leaves the slots at or past a row's fill as they are); None: every
+        slot. For a scheme whose decoding moves the cached keys at each step (PaTH's
+        inference rule, Yang et al. 2025, §3.2).
+
+        Returns:
+          ``(cache, keys)``: the new cache and its keys as a :class:`CacheRead` of it
+          holds them (rows of slots, or a paged cache's pool).
 
         Raises:
           ValueError: a cache type whose keys cannot be rewritten in place (the

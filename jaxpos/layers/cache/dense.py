@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
+from jaxpos._util import over_blocks
 from jaxpos.layers.cache.base import (
     Cache,
     CacheRead,
@@ -19,7 +20,10 @@ from jaxpos.layers.cache.base import (
 )
 from jaxpos.schemes.base import PositionScheme
 
-__all__ = ["KVCache", "check_new_keys", "init_kv_cache", "update_kv_cache"]
+__all__ = ["KEY_BLOCK", "KVCache", "check_new_keys", "init_kv_cache", "update_kv_cache"]
+
+#: slots :meth:`KVCache.update_keys` moves at a time
+KEY_BLOCK = 256
 
 
 class _KVCacheFields(NamedTuple):
@@ -68,11 +72,22 @@ class KVCache(_KVCacheFields, Cache):
         """``max_len``."""
         return self.k.shape[1]
 
-    def update_keys(self, fn: Any) -> KVCache:
-        """:meth:`jaxpos.layers.cache.Cache.update_keys`: ``k <- fn(k)`` (in float32, or
-        float64 for a float64 cache; stored in the cache's dtype)."""
+    def update_keys(self, fn: Any, upto: Any = None) -> tuple[KVCache, jax.Array]:
+        """:meth:`jaxpos.layers.cache.Cache.update_keys`: blocks of :data:`KEY_BLOCK`
+        slots sliced from ``k``, ``fn`` applied (in float32, or float64 for a float64
+        cache), written back in place in the cache's dtype."""
         ct = jnp.promote_types(self.k.dtype, jnp.float32)
-        return self._replace(k=fn(self.k.astype(ct)).astype(self.k.dtype))
+        S = self.k.shape[1]
+        n = min(S, KEY_BLOCK)
+
+        def body(j, start, k):
+            blk = jax.lax.dynamic_slice_in_dim(k, start, n, 1).astype(ct)
+            slots = start + jnp.arange(n, dtype=jnp.int32)
+            new = jnp.where((slots >= j * n)[None, :, None, None], fn(blk, slots), blk)
+            return jax.lax.dynamic_update_slice_in_dim(k, new.astype(k.dtype), start, 1)
+
+        k = over_blocks(S, n, S if upto is None else upto, body, self.k)
+        return self._replace(k=k), k
 
     def write(self, scheme: PositionScheme, q: jax.Array, k: jax.Array, v: jax.Array,
               positions: jax.Array, mask: jax.Array | None) -> tuple[KVCache, CacheRead]:

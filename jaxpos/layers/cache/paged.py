@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
+from jaxpos._util import over_blocks
 from jaxpos.core.paged import gather_pages
 from jaxpos.core.quantised import (
     QuantisedPages,
@@ -32,6 +33,7 @@ from jaxpos.layers.cache.base import (
     rotate_at_write,
     rotates_on_load,
 )
+from jaxpos.layers.cache.dense import KEY_BLOCK
 from jaxpos.schemes.base import PositionScheme
 
 __all__ = ["PagedKVCache", "assign_pages", "init_paged_cache", "pages_for", "paged_view",
@@ -172,20 +174,30 @@ class PagedKVCache(Cache):
         """``S = pages_per_seq * page_size``."""
         return self.positions.shape[1]
 
-    def update_keys(self, fn: Any) -> PagedKVCache:
-        """:meth:`jaxpos.layers.cache.Cache.update_keys`: every row's pages gathered into
-        rows of slots, ``fn`` applied, written back to the same pages (entries without a
-        page are dropped). A page must belong to one row (as the pages this cache hands
-        out do): a page two rows share would be written twice."""
+    def update_keys(self, fn: Any, upto: Any = None) -> tuple[PagedKVCache, Any]:
+        """:meth:`jaxpos.layers.cache.Cache.update_keys`: blocks of whole pages (about
+        :data:`~jaxpos.layers.cache.dense.KEY_BLOCK` slots) gathered through the table,
+        ``fn`` applied, written back to the same pages (entries without a page are
+        dropped). A page must belong to one row (as the pages this cache hands out do): a
+        page two rows share would be written twice."""
         B, pps = self.page_table.shape
         ps, P = self.page_size, self.num_pages
         ct = jnp.promote_types(self.k_pages.dtype, jnp.float32)
-        rows = fn(gather_pages(self.k_pages, self.page_table).astype(ct))
-        rows = rows.reshape((B * pps, ps) + self.k_pages.shape[2:])
-        table = self.page_table.reshape(-1)
-        index = jnp.where((table >= 0) & (table < P), table, P)  # P: out of range, dropped
-        # quantised pages are quantised again (a scale per token and head)
-        return dataclasses.replace(self, k_pages=set_pages(self.k_pages, index, rows))
+        n = max(1, min(pps, KEY_BLOCK // ps))  # pages per block
+
+        def body(j, start, pool):
+            cols = jax.lax.dynamic_slice_in_dim(self.page_table, start, n, 1)
+            blk = gather_pages(pool, cols).astype(ct)
+            slots = start * ps + jnp.arange(n * ps, dtype=jnp.int32)
+            new = jnp.where((slots >= j * n * ps)[None, :, None, None], fn(blk, slots), blk)
+            index = jnp.where((cols >= 0) & (cols < P), cols, P)  # P: out of range, dropped
+            # quantised pages are quantised again (a scale per token and head)
+            return set_pages(pool, index.reshape(-1),
+                             new.reshape((B * n, ps) + self.k_pages.shape[2:]))
+
+        upto = pps if upto is None else (upto + (ps - 1)) // ps
+        pool = over_blocks(pps, n, upto, body, self.k_pages)
+        return dataclasses.replace(self, k_pages=pool), pool
 
     def write(self, scheme: PositionScheme, q: jax.Array, k: jax.Array, v: jax.Array,
               positions: jax.Array, mask: jax.Array | None) -> tuple[PagedKVCache, CacheRead]:

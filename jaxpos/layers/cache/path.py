@@ -9,11 +9,13 @@ A step of ``T`` new tokens (one at a time, or a prefill):
    I``) and, for PaTH-FoX, a log forget gate of 0;
 2. the step's block quantities (:func:`jaxpos.core.path_decode.chunk_transforms`); the
    inner cache stores the new keys moved to the step's last token and the values;
-3. the read (:class:`jaxpos.core.path_decode.PaTHCacheRead`) scores the slots written
-   before the step with the moved queries and the new tokens among themselves;
-4. every slot written before the step is moved by the step's transforms
-   (:meth:`jaxpos.layers.cache.Cache.update_keys`), so the cache again holds each key
-   moved up to the row's last token.
+3. every slot written before the step is moved by the step's transforms
+   (:meth:`jaxpos.layers.cache.Cache.update_keys`, up to the longest row's fill), so the
+   cache again holds each key moved up to the row's last token;
+4. the read (:class:`jaxpos.core.path_decode.PaTHCacheRead`) scores the slots written
+   before the step (with the moved queries against the keys before the move, or for a
+   one-token step with the raw query against the moved keys: the same numbers) and the
+   new tokens among themselves, visiting the filled slots only.
 
 Decoding so equals the full pass of :func:`jaxpos.path_attention` (a row's left padding
 is its own segment there, so the convolution restarts at the first token, as the empty
@@ -87,15 +89,20 @@ def write_transforms(inner: Cache, q: jax.Array, k: jax.Array, v: jax.Array, w: 
     beta = jnp.where(keep[..., None], beta, 0.0)
     q_t, k_t, y, w_kv, a_local = chunk_transforms(q, k, w, beta)
     inner, read = inner.write(NoPE(), q, k_t.astype(k.dtype), v, positions, mask)
-    read = read.unpaged()
-    S = read.k.shape[1]
     first = read.kv_lengths - T  # the row's first slot of this step
-    cached = jnp.arange(S, dtype=jnp.int32)[None, :] < first[:, None]
-    inner = inner.update_keys(lambda keys: move_keys(keys, y, w_kv, cached))
+    inner, moved = inner.update_keys(lambda keys, slots: move_keys(keys, slots, first, y, w_kv),
+                                     upto=jnp.max(first))
+    if T == 1:
+        # q~ . k~_j = q^T H k~_j: the raw query scores the moved keys, so the step reads
+        # the cache after the move only (no copy of the keys as they were)
+        q_read, keys = q, moved
+    else:
+        q_read, keys = q_t.astype(q.dtype), read.k
     ct = compute_dtype(q)
     gates = None
+    g_k = None
     if log_forget is None:
-        g_q, g_k = jnp.zeros((B, N, T), ct), jnp.zeros((B, N, S), ct)
+        g_q = jnp.zeros((B, N, T), ct)
     else:
         if g_last is None or g_slots is None:
             raise ValueError("PaTH-FoX decoding needs the state's g_last and g_slots.")
@@ -105,7 +112,8 @@ def write_transforms(inner: Cache, q: jax.Array, k: jax.Array, v: jax.Array, w: 
         new_slots = first[:, None] + jnp.arange(T, dtype=jnp.int32)
         g_slots = g_slots.at[rows, new_slots].set(jnp.swapaxes(g_q, 1, 2).astype(
             g_slots.dtype), mode="drop")
-        g_k = jnp.swapaxes(g_slots, 1, 2).astype(ct)
+        g_k = g_slots
         gates = (g_q[:, :, -1].astype(g_last.dtype), g_slots)
-    reader = PaTHCacheRead(a_local, v, g_q, g_k, cached)
-    return inner, read._replace(q=q_t.astype(q.dtype), scheme=reader), gates
+    # a paged cache's pools stay pages: the read visits the filled ones through the table
+    reader = PaTHCacheRead(a_local, v, g_q, g_k, first, read.page_table)
+    return inner, read._replace(q=q_read, k=keys, scheme=reader, page_table=None), gates
