@@ -11,6 +11,8 @@
   number of batch slots;
 * :mod:`jaxpos.serving.stream`: :class:`StreamEvent` and :class:`TokenStream`, the
   streamed output of :meth:`ServingEngine.stream`, and the stop conditions.
+* :mod:`jaxpos.serving.prefix`: :class:`~jaxpos.serving.prefix.PrefixCache`, the pages
+  of common prompt prefixes shared between requests (``prefix_caching=True``).
 
 The paged attention call itself is :func:`jaxpos.attention` with ``page_table=``
 (:mod:`jaxpos.core.paged`).
