@@ -14,12 +14,16 @@ every row; the minimum is the run least disturbed by other processes).
 Rows: ``none`` (NoPE), ``rope`` (keys rotated at write), ``rope_dynamic_exact`` (dynamic
 NTK, raw keys rotated on load with the current length's base, ``rope_cache_rotation=
 "read"``), ``alibi``, ``t5``; each at ``max_len = L + slack`` and, for the cost-follows-
-fill check, a 32k cache filled to 1k.
+fill check, a 32k cache filled to 1k. PaTH (whose decode step moves every cached key by
+the new token's transform) has its own cost-follows-fill row: a cache of ``--path-max-len``
+slots (8192) filled to ``--path-fill`` (512) against one of ``--path-fill`` + slack, in the
+same round-robin (``--path-only``: that row alone).
 
 Usage::
 
     python benchmarks/decode.py                      # CPU defaults, about 3-5 minutes
     python benchmarks/decode.py --lengths 1024 4096 --repeats 3 --out /tmp/decode.md
+    python benchmarks/decode.py --path-only               # the PaTH row, about 30 s
 
 Prints (and with ``--out`` writes) a Markdown table of ms per token and the ratios the
 decode goals are stated in: each scheme / the baseline at each length, RoPE / NoPE, and
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -39,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpos.layers.cache import KVCache
+from jaxpos.layers.cache import KVCache, SchemeStateCache
 from jaxpos.nnx import MultiHeadAttention
 from jaxpos.schemes.rope import apply_rope
 from jaxpos.schemes.rope.scaling import DynamicNTKScaling, default_inv_freq
@@ -83,6 +88,22 @@ def jaxpos_case(scheme: str, L: int, max_len: int):
     return fn, state, filled_cache(L, max_len, 1)
 
 
+def path_case(L: int, max_len: int):
+    """A PaTH layer (``position="path"``) and its cache of ``max_len`` slots holding ``L``
+    tokens (random keys, values; the convolution's tail zeros)."""
+    mha = MultiHeadAttention(D, N, num_kv_heads=NK, position="path", causal=True,
+                             scheme_options={"num_kv_heads": NK}, rngs=nnx.Rngs(0))
+    empty = mha.init_cache(B, max_len)
+    assert isinstance(empty, SchemeStateCache)
+    graph, state = nnx.split(mha)
+
+    def step(state, x, cache):
+        return nnx.merge(graph, state).decode(x, cache)
+
+    fn = jax.jit(step, donate_argnums=(2,))
+    return fn, state, SchemeStateCache(filled_cache(L, max_len, 1), empty.state, "path")
+
+
 def baseline_case(L: int, slack: int):
     """Plain JAX, same shapes: projections, the new token's q/k rotated, its k/v written
     into a cache of pre-rotated keys at its fill count, dot_product_attention over the
@@ -110,16 +131,20 @@ def baseline_case(L: int, slack: int):
     return fn, w, (c.k, c.v, jnp.asarray(L - slack, jnp.int32))
 
 
-def run(lengths, repeats: int, steps: int, big: int):
+def run(lengths, repeats: int, steps: int, big: int, path_fill: int, path_big: int,
+        path_only: bool = False):
     slack = repeats * steps + 8
     cases = {}
-    for L in lengths:
-        cases[("baseline", L, "fill")] = baseline_case(L, slack)
+    if not path_only:
+        for L in lengths:
+            cases[("baseline", L, "fill")] = baseline_case(L, slack)
+            for s in SCHEMES:
+                cases[(s, L, "fill")] = jaxpos_case(s, L, L + slack)
+        small = lengths[0]
         for s in SCHEMES:
-            cases[(s, L, "fill")] = jaxpos_case(s, L, L + slack)
-    small = lengths[0]
-    for s in SCHEMES:
-        cases[(s, small, "big")] = jaxpos_case(s, small, big)
+            cases[(s, small, "big")] = jaxpos_case(s, small, big)
+    cases[("path", path_fill, "fill")] = path_case(path_fill, path_fill + slack)
+    cases[("path", path_fill, "big")] = path_case(path_fill, path_big)
     x = jnp.asarray(np.random.default_rng(3).normal(size=(B, 1, D)), jnp.float32)
     state = {}
     t0 = time.perf_counter()
@@ -140,6 +165,16 @@ def run(lengths, repeats: int, steps: int, big: int):
             state[key] = cache
     return ({k: float(np.median(v)) for k, v in times.items()},
             {k: float(np.min(v)) for k, v in times.items()}, compile_s)
+
+
+def path_table(med, path_fill, path_big, repeats, steps, slack, stat="median") -> str:
+    """The PaTH cost-follows-fill row."""
+    small, large = med[("path", path_fill, "fill")], med[("path", path_fill, "big")]
+    return "\n".join([
+        f"PaTH decode step, ms per token ({stat}), a cache filled to {path_fill} (growing by "
+        f"{repeats * steps} over the run):", "",
+        f"| max_len {path_fill + slack} | max_len {path_big} | ratio (goal <= 1.5) |",
+        "|---|---|---|", f"| {small:.3f} | {large:.3f} | {large / small:.2f} |"]) + "\n"
 
 
 def table(med, lengths, big, repeats, steps, compile_s, wall_s, stat="median") -> str:
@@ -180,15 +215,36 @@ def main(argv=None):
                    help="the large cache filled to the first length")
     p.add_argument("--repeats", type=int, default=11)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--path-fill", type=int, default=512, dest="path_fill",
+                   help="the filled length of the PaTH row")
+    p.add_argument("--path-max-len", type=int, default=8192, dest="path_big",
+                   help="the large cache of the PaTH row")
+    p.add_argument("--path-only", action="store_true", dest="path_only",
+                   help="measure the PaTH row alone")
     p.add_argument("--out", default=None, help="also write the table to this file")
     a = p.parse_args(argv)
+    load0 = os.getloadavg()
     t0 = time.perf_counter()
-    med, best, compile_s = run(a.lengths, a.repeats, a.steps, a.big)
+    med, best, compile_s = run(a.lengths, a.repeats, a.steps, a.big, a.path_fill, a.path_big,
+                               a.path_only)
     print(json.dumps({"/".join(map(str, k)): round(v, 4) for k, v in med.items()}),
           file=sys.stderr)
     wall = time.perf_counter() - t0
-    text = table(med, a.lengths, a.big, a.repeats, a.steps, compile_s, wall) + "\n" + \
-        table(best, a.lengths, a.big, a.repeats, a.steps, compile_s, wall, stat="minimum")
+    load1 = os.getloadavg()
+    slack = a.repeats * a.steps + 8
+    text = (f"Load average (1, 5, 15 min) at the start {load0[0]:.1f}, {load0[1]:.1f}, "
+            f"{load0[2]:.1f}; at the end {load1[0]:.1f}, {load1[1]:.1f}, {load1[2]:.1f}; "
+            f"{os.cpu_count()} CPUs.\n\n")
+    if a.path_only:
+        text += (f"{a.repeats} round-robin measurements of {a.steps} steps; jax "
+                 f"{jax.__version__}, {jax.default_backend()}; compile {compile_s:.0f} s, run "
+                 f"{wall:.0f} s.\n\n")
+    else:
+        text += table(med, a.lengths, a.big, a.repeats, a.steps, compile_s, wall) + "\n" + \
+            table(best, a.lengths, a.big, a.repeats, a.steps, compile_s, wall, stat="minimum")
+        text += "\n"
+    text += path_table(med, a.path_fill, a.path_big, a.repeats, a.steps, slack) + "\n" + \
+        path_table(best, a.path_fill, a.path_big, a.repeats, a.steps, slack, stat="minimum")
     print(text)
     if a.out:
         with open(a.out, "w") as f:
