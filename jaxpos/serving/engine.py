@@ -228,8 +228,9 @@ class ServingEngine:
         # wide enough for a prompt padded to whole prefill chunks
         self.pages_per_seq = pages_for(-(-max_len // prefill_chunk) * prefill_chunk, page_size)
         self.allocator = PageAllocator(num_pages)
-        self.prefix_cache = None if not prefix_caching else PrefixCache(
-            self.allocator, page_size, sharing_key(model), math.lcm(page_size, prefill_chunk))
+        self.prefix_cache = None if not prefix_caching else PrefixCache(  # whole chunks shared
+            self.allocator, page_size, sharing_key(model),  # (a budget's chunks: any pages)
+            math.lcm(page_size, prefill_chunk if max_num_batched_tokens is None else 1))
         #: what hands out pages: the allocator, or the prefix cache in front of it
         self._pages = self.allocator if self.prefix_cache is None else self.prefix_cache
         self.pool = model.init_pool(num_pages, page_size)

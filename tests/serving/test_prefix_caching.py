@@ -219,6 +219,29 @@ def test_a_page_holds_the_same_keys_whether_its_request_shared_a_prefix_or_not()
             np.testing.assert_array_equal(np.asarray(a)[pa], np.asarray(b)[pb])
 
 
+@pytest.mark.slow
+def test_sharing_with_a_token_budget_gives_the_tokens_of_the_budget_loop_without_it():
+    """max_num_batched_tokens=8 (ragged steps): requests still book the cached pages their
+    prompts start with and prefill after them, and generate the tokens of the same loop
+    without sharing."""
+    model = PagedDecoder(vocab_size=32, d_model=16, num_layers=1, num_heads=4, num_kv_heads=2,
+                         position=jaxpos.RoPE(rotary_dim=4), seed=1)
+    plain, shared = (ServingEngine(model, num_slots=2, num_pages=20, page_size=4, max_len=24,
+                                   prefix_caching=caching, max_num_batched_tokens=8)
+                     for caching in (False, True))
+    rng = np.random.default_rng(0)
+    S = rng.integers(0, 32, 10).tolist()
+    prompts = [S + rng.integers(0, 32, n).tolist() for n in (3, 0, 6, 1)]
+    reqs = [Request(p, 4, id=i) for i, p in enumerate(prompts + [prompts[2]])]
+    want, _ = plain.run(reqs)
+    got, stats = shared.run(reqs)
+    assert {c.request.id: c.tokens for c in got} == {c.request.id: c.tokens for c in want}
+    assert stats.cached_tokens > 0 and stats.prefill_tokens + stats.cached_tokens == sum(
+        len(r.prompt) for r in reqs)
+    assert shared.prefix_cache is not None and shared.prefix_cache.in_use == 0
+    assert shared.allocator.reserved == 0
+
+
 # ------------------------------------------------------------------------ refusals
 @pytest.mark.parametrize("position, match", [
     ("path", r"position='path' changes the cached keys after they are written"),
