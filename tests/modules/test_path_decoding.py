@@ -266,7 +266,8 @@ def _filled_caches(paged, fills, capacity, seed=3):
 
 
 @pytest.mark.parametrize(("fox", "paged"), [
-    pytest.param(False, False, id="dense-path"), pytest.param(True, True, id="paged-path_fox")])
+    pytest.param(False, False, id="dense-path"),
+    pytest.param(True, True, id="paged-path_fox", marks=pytest.mark.slow)])
 def test_a_step_reads_and_moves_only_the_filled_slots(fox, paged):
     """A cache of 600 slots (3 blocks of 256 slots, the last shifted back; paged: 16-slot
     pages, shuffled) filled to 300 and 37 tokens, every unfilled slot (and the unassigned
@@ -334,7 +335,8 @@ def _computes_over_axis(jaxpr, size, acc):
 
 @pytest.mark.parametrize(("position", "cache_options", "T"), [
     pytest.param("path", {}, 1, id="dense-path-decode"),
-    pytest.param("path_fox", {"page_size": 16, "num_pages": 37}, 3, id="paged-path_fox-chunk")])
+    pytest.param("path_fox", {"page_size": 16, "num_pages": 37}, 3, id="paged-path_fox-chunk",
+                 marks=pytest.mark.slow)])
 def test_a_step_computes_nothing_over_the_whole_cache(position, cache_options, T):
     """Against a cache of 4112 slots (paged: a pool of 37 pages), no equation of a decode
     step computes on an array with an axis of the capacity: the cache is only sliced,
