@@ -284,6 +284,9 @@ def _materialize(x, loader: Loader):
 
 
 _CALLS = ("pjit", "jit", "closed_call", "core_call")
+# A custom_vjp call (e.g. the offset lookup of jaxpos.mods.offset_score_mod) is evaluated
+# through its primal jaxpr: the kernels never take its VJP, and Triton lowers no such call.
+_CUSTOM_CALLS = ("custom_vjp_call",)
 
 
 def _eval(jaxpr, consts, args, loader: Loader):
@@ -308,7 +311,7 @@ def _eval(jaxpr, consts, args, loader: Loader):
         lazy = [isinstance(x, (_View, _Bcast, _Stack)) for x in vals]
         out = (_lazy_rule(eqn, name, vals, loader)
                if any(lazy) or name == "broadcast_in_dim" else None)
-        if out is None and name in _CALLS and any(lazy):
+        if out is None and (name in _CALLS and any(lazy) or name in _CUSTOM_CALLS):
             inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
             if isinstance(inner, jex.ClosedJaxpr):
                 out = _eval(inner.jaxpr, inner.consts, vals, loader)

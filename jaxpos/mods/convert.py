@@ -8,6 +8,7 @@ Pallas kernel receive them; :func:`apply_mod` evaluates a converted mod on a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -170,12 +171,73 @@ def offset_score_mod(offset_bias: jax.Array, radius: int) -> Callable[..., jax.A
     """``score + offset_bias[head, clip(kv_pos - q_pos, -R, R) + R]`` as a score_mod: a
     bias that depends on the clipped offset only, gathered from a per-head vector
     ``offset_bias`` float ``[N, 2R + 1]`` (captured, differentiable; ``R = radius``). T5's
-    bucketed bias is this with ``R = max_distance`` (:meth:`jaxpos.T5Bias.score_mod`)."""
+    bucketed bias is this with ``R = max_distance`` (:meth:`jaxpos.T5Bias.score_mod`).
+
+    The gradient of ``offset_bias`` is exact; on a tile whose query and key positions
+    each run consecutively (the usual case) it sums the score gradients along the tile's
+    diagonals (one offset each) instead of scattering every one (:func:`_offset_lookup`)."""
 
     def offset(score, batch, head, q_pos, kv_pos):
-        return score + offset_bias[head][jnp.clip(kv_pos - q_pos, -radius, radius) + radius]
+        return score + _offset_lookup(offset_bias[head], q_pos, kv_pos, radius)
 
     return offset
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _offset_lookup(row: jax.Array, q_pos: jax.Array, kv_pos: jax.Array,
+                   radius: int) -> jax.Array:
+    """``row[clip(kv_pos - q_pos, -R, R) + R]``: float ``[2R + 1]`` gathered at the
+    clipped offsets of int ``q_pos`` / ``kv_pos`` (broadcast together, e.g. ``[tq, 1]`` and
+    ``[1, tk]``). Its VJP is :func:`_offset_lookup_bwd`."""
+    return row[jnp.clip(kv_pos - q_pos, -radius, radius) + radius]
+
+
+def _offset_lookup_fwd(row, q_pos, kv_pos, radius):
+    return _offset_lookup(row, q_pos, kv_pos, radius), (q_pos, kv_pos, jnp.shape(row))
+
+
+def _scatter_offsets(g, q_pos, kv_pos, radius, width):
+    """``d row``: every element of ``g`` added at its clipped offset (the gather's own
+    transpose, one update per element; any positions)."""
+    idx = jnp.broadcast_to(jnp.clip(kv_pos - q_pos, -radius, radius) + radius, g.shape)
+    return jnp.zeros((width,), g.dtype).at[idx.reshape(-1)].add(
+        g.reshape(-1), mode="promise_in_bounds")
+
+
+def _diagonal_sums(g: jax.Array) -> jax.Array:
+    """Sums of ``g`` ``[tq, tk]`` along its diagonals: ``[tq + tk - 1]``, entry ``c`` the
+    sum of ``g[i, j]`` over ``j - i == c - (tq - 1)``. Dense (a pad, a reshape that shifts
+    row ``i`` by ``tq - 1 - i`` places, a column sum), no scatter."""
+    tq, tk = g.shape
+    w = tq + tk - 1
+    x = jnp.pad(g[::-1, :], ((0, 0), (0, tq)))  # [tq, w + 1]; row r = query tq - 1 - r
+    x = x.reshape(-1)[: tq * w].reshape(tq, w)  # row r shifted right by r places
+    return jnp.sum(x, axis=0)
+
+
+def _offset_lookup_bwd(radius, res, g):
+    q_pos, kv_pos, (width,) = res
+    g = jnp.asarray(g)
+    tq, tk = g.shape[-2:] if g.ndim == 2 else (0, 0)
+    if not (g.ndim == 2 and jnp.shape(q_pos) == (tq, 1) and jnp.shape(kv_pos) == (1, tk)):
+        return _scatter_offsets(g, q_pos, kv_pos, radius, width), None, None
+    qp, kp = q_pos[:, 0], kv_pos[0, :]
+    runs = (jnp.all(qp == qp[0] + jnp.arange(tq, dtype=qp.dtype))
+            & jnp.all(kp == kp[0] + jnp.arange(tk, dtype=kp.dtype)))
+
+    def by_diagonals(g):
+        # diagonal c holds the offset kp[0] - qp[0] + c - (tq - 1); a few scatters only
+        rel = kp[0] - qp[0] - (tq - 1) + jnp.arange(tq + tk - 1, dtype=qp.dtype)
+        idx = jnp.clip(rel, -radius, radius) + radius
+        return jnp.zeros((width,), g.dtype).at[idx].add(_diagonal_sums(g),
+                                                        mode="promise_in_bounds")
+
+    d_row = jax.lax.cond(runs, by_diagonals,
+                         lambda g: _scatter_offsets(g, q_pos, kv_pos, radius, width), g)
+    return d_row, None, None
+
+
+_offset_lookup.defvjp(_offset_lookup_fwd, _offset_lookup_bwd)
 
 
 def compose_score_mods(*mods: Callable | None) -> Callable | None:
@@ -232,8 +294,64 @@ def apply_mod(mod: ConvertedMod | None, q_pos: Any, kv_pos: Any,
     kp = kv_pos if ka == 0 else kv_pos[0]
     sa = None if score is None else 0
     heads = jax.vmap(per_bh, in_axes=(sa, None, 0, None, None))
+    term_mod = _hoisted_term(mod) if B > 1 and qa is None and ka is None else None
+    if score is not None and term_mod is not None:
+        # score + term with a term the same for every batch row: computed once per head,
+        # broadcast with a gradient that sums the batch rows by adds (see _broadcast_rows)
+        zero = jnp.zeros(score.shape[2:], score.dtype)
+        term = jax.vmap(lambda h: term_mod(zero, jnp.int32(0), h, qp[:, None], kp[None, :]))(
+            jnp.arange(N, dtype=jnp.int32))
+        rows: jax.Array = _broadcast_rows(term, B)  # type: ignore[assignment]
+        return score + rows
     batch = jax.vmap(heads, in_axes=(sa, 0, None, qa, ka))
     return batch(score, jnp.arange(B, dtype=jnp.int32), jnp.arange(N, dtype=jnp.int32), qp, kp)
+
+
+def _hoisted_term(mod: ConvertedMod) -> ConvertedMod | None:
+    """For a score_mod whose result is ``score + term`` (its last equation an ``add`` of
+    the score argument and a term that depends on neither the score nor ``batch``, as
+    ALiBi's and T5's): the term alone as a converted mod (same arguments); else None."""
+    jaxpr = mod.jaxpr
+    if mod.kind != "score" or not jaxpr.eqns:
+        return None
+    last, out = jaxpr.eqns[-1], jaxpr.outvars[0]
+    if last.primitive.name != "add" or last.outvars[0] is not out:
+        return None
+    score, batch = jaxpr.invars[0], jaxpr.invars[1]
+    a, b = last.invars
+    term = b if a is score else a if b is score else None
+    if term is None or isinstance(term, jex.Literal) or term.aval.shape != score.aval.shape:
+        return None
+    dep = {score, batch}
+    for eqn in jaxpr.eqns[:-1]:
+        if any(not isinstance(v, jex.Literal) and v in dep for v in eqn.invars):
+            dep.update(eqn.outvars)
+    if term in dep:
+        return None
+    return ConvertedMod(jaxpr.replace(outvars=[term]), mod.consts, mod.kind, mod.name)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _broadcast_rows(term: jax.Array, rows: int) -> jax.Array:
+    """``term`` repeated ``rows`` times along a new leading axis. Its gradient sums the
+    rows by halving adds: XLA's CPU backend runs the plain ``reduce_sum`` over a leading
+    axis of a score tile (the transpose of a broadcast) many times slower."""
+    return jnp.broadcast_to(term[None], (rows,) + term.shape)
+
+
+def _broadcast_rows_fwd(term, rows):
+    return _broadcast_rows(term, rows), None
+
+
+def _broadcast_rows_bwd(rows, _, g):
+    while g.shape[0] > 1:
+        half = g.shape[0] // 2
+        s = g[:half] + g[half:2 * half]
+        g = s if g.shape[0] % 2 == 0 else jnp.concatenate([s[:1] + g[2 * half:], s[1:]])
+    return (g[0],)
+
+
+_broadcast_rows.defvjp(_broadcast_rows_fwd, _broadcast_rows_bwd)
 
 
 def reads_input(jaxpr: Any, index: int) -> bool:
