@@ -25,8 +25,9 @@ positions, so every position must lie in ``[0, T)`` (``T = log_forget.shape[1]``
 ``i`` and ``j`` being the token indices of the sequence the gates were computed for.
 Concrete positions out of range, or decreasing along a row (packed segments whose
 positions restart would read other tokens' gates: pack with ``arange`` positions and
-``segment_ids`` instead), raise ``ValueError``; traced ones are clamped into range
-(a jnp gather), so keep them in range under ``jit``.
+``segment_ids`` instead), raise ``ValueError``; under ``jit`` a query at a position
+outside ``[0, T)``, or one seeing a key there, gets a NaN row (the overflow rule), never
+another token's gate.
 
 KV-cache decoding: the modules' caches keep ``c`` of every cached token, per position, and
 a step adds its new tokens' gates to the row's last ``c`` (:mod:`jaxpos.layers.cache.fox`;
@@ -322,7 +323,8 @@ class FoX(PositionScheme):
 
     def score_mod(self) -> Callable[..., jax.Array] | None:
         """``score + c[batch, head, q_pos] - c[batch, head, kv_pos]`` with ``c`` from
-        :func:`fox_cumulative` (computed once per call; positions clamped to ``[0, T)``)."""
+        :func:`fox_cumulative` (computed once per call); NaN for a (traced) position
+        outside ``[0, T)``, so a visible key or a query there makes its row NaN."""
         c = fox_cumulative(self.log_forget)
         Bg, _, T = c.shape
 
@@ -330,7 +332,9 @@ class FoX(PositionScheme):
             row = c[jnp.minimum(batch, Bg - 1), head]  # [T]
             ci = row[jnp.clip(q_pos, 0, T - 1)]
             cj = row[jnp.clip(kv_pos, 0, T - 1)]
-            return score + (ci - cj)
+            # a traced position outside the gates reads no gate: NaN, never a clamped one
+            inside = (q_pos >= 0) & (q_pos < T) & (kv_pos >= 0) & (kv_pos < T)
+            return score + jnp.where(inside, ci - cj, jnp.nan)
 
         return fox
 

@@ -147,6 +147,27 @@ def test_broadcast_gates_and_decoding_positions():
     np.testing.assert_allclose(np.asarray(last), np.asarray(full[:, -3:]), atol=2e-5)
 
 
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_traced_positions_outside_the_gates_give_nan_rows_not_clamped_gates(impl):
+    # Under jit a query at position 14 of 12 gates (or a key at -1) cannot raise; its row is
+    # NaN (the overflow rule) instead of reading the last gate's c; the other rows exact.
+    q, k, v = qkv(11, B=1, T=T, N=N, H=H)
+    lf = gates(11, B=1)
+    qpos = jnp.array([[3, 14, 11]])
+    kvpos = jnp.arange(T)
+    f = jax.jit(lambda qp, kp: jaxpos.attention(q[:, :3], k, v, position=FoX(lf), causal=True,
+                                                q_positions=qp, kv_positions=kp,
+                                                implementation=impl))
+    out = np.asarray(f(qpos, kvpos))
+    assert np.isnan(out[0, 1]).all()
+    want = np.asarray(jaxpos.attention(q[:, :3], k, v, position=FoX(lf), causal=True,
+                                       q_positions=np.array([3, 11, 11]),
+                                       implementation="reference"))
+    np.testing.assert_allclose(out[0, [0, 2]], want[0, [0, 2]], atol=2e-5)
+    out = np.asarray(f(jnp.array([[3, 5, 11]]), kvpos.at[0].set(-1)))  # key 0 visible to all
+    assert np.isnan(out).all()
+
+
 def test_bad_input():
     lf = gates(0)
     q, k, v = qkv(0, B=B, T=T, N=N, H=H)
