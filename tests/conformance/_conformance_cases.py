@@ -24,6 +24,8 @@ import numpy as np
 from _contract_reference import contract_attention, visible_any
 
 import jaxpos
+from jaxpos.core.quantised import QUANTISED_DTYPES, QuantisedPages, kv_storage_dtype, quantise
+from jaxpos.layers.cache.paged import write_pages
 
 # ---------------------------------------------------------------------------- schemes
 _R = np.random.default_rng(1234)
@@ -322,9 +324,14 @@ def _ref_mods(case):
     return smod, mmod
 
 
-def reference_case(case: Case):
-    """float64 ``(out, grads)`` of the contract (grads by JAX in float64)."""
+def reference_case(case: Case, kv_dtype: str | None = None):
+    """float64 ``(out, grads)`` of the contract (grads by JAX in float64); with
+    ``kv_dtype`` (quantised pages) the contract on the keys and values those pages hold
+    (:func:`dequantised_round_trip`), forward only."""
     q, k, v, cot = case.arrays()
+    if kv_dtype is not None:
+        k, v = (dequantised_round_trip(x, kv_dtype, case.dtype) for x in (k, v))
+        case = dataclasses.replace(case, grads=False)
     params = SCHEMES[case.scheme][0]
     smod, mmod = _ref_mods(case)
     kw = dict(scheme=case.scheme, score_mod=smod, mask_mod=mmod, causal=case.causal,
@@ -398,13 +405,15 @@ class Path:
     """An implementation: ``attend(q, k, v, scheme, sinks, **kw) -> out`` (or ``run``,
     case -> ``(out, grads)``), which cases it takes (``takes``: None = all), which of
     them run in the default run (``default``: a predicate on the case id; the rest are
-    ``slow``) and whether to ``jit`` the call."""
+    ``slow``), whether to ``jit`` the call, and ``kv_dtype`` for quantised pages (the
+    reference is then the contract on the keys and values the pages hold)."""
 
     attend: Callable | None
     takes: Callable[[Case], bool] | None = None
     default: Callable[[str], bool] = _every_shape
     jit: bool = True
     run: Callable | None = None  # case -> (out, grads or None), instead of attend
+    kv_dtype: str | None = None  # quantised pages: checked against the dequantised k, v
 
 
 def _via(impl, **extra):
@@ -498,7 +507,35 @@ def _with_unfilled_slots(impl, extra=13, **opts):
     return attend
 
 
-def _paged(impl, page_size=3, spare=2, ragged=False, **opts):
+def _quantised_pools(k, v, table, num_pages, page_size, kv_dtype):
+    """Quantised pools holding the rows ``k``, ``v`` ``[B, Tk, N_kv, H]`` in the pages of
+    ``table``, written by the library's own write (:func:`write_pages`: one scale per
+    token and KV head, computed at write); every slot nobody wrote has scale NaN, so it
+    dequantises to NaN (what reading an unwritten slot must never show)."""
+    stored = kv_storage_dtype(kv_dtype)
+
+    def base(x):
+        shape = (num_pages, page_size) + x.shape[2:]
+        return QuantisedPages(jnp.zeros(shape, stored), jnp.full(shape[:-1] + (1,), jnp.nan,
+                                                                 jnp.float32), x.dtype)
+
+    B = k.shape[0]
+    kp, vp, _, overflow = write_pages(base(k), base(v), k, v, jnp.asarray(table),
+                                      jnp.zeros((B,), jnp.int32))
+    del overflow  # the table has a page for every key
+    return kp, vp
+
+
+def dequantised_round_trip(x: np.ndarray, kv_dtype: str, dtype: str) -> np.ndarray:
+    """float64 ``x`` as quantised pages hold it: ``x`` in ``dtype`` quantised exactly as
+    :func:`write_pages` quantises a token (:func:`jaxpos.core.quantised.quantise`), then
+    ``values * scales`` computed in float64."""
+    vals, scales = quantise(jnp.asarray(x, jnp.dtype(dtype)), kv_storage_dtype(kv_dtype))
+    return np.asarray(vals).astype(np.float64) * np.asarray(scales).astype(np.float64)
+
+
+def _paged(impl, page_size=3, spare=2, ragged=False, kv_dtype=None, rope_on_load=False,
+           **opts):
     """``attend`` through ``impl`` with k and v stored in pages of ``page_size`` slots
     (FlashAttention's paged layout), ``jaxpos.attention(q, k_pages, v_pages, page_table=,
     kv_lengths=)``: each row's pages are scattered over a pool in a shuffled order, the
@@ -508,7 +545,11 @@ def _paged(impl, page_size=3, spare=2, ragged=False, **opts):
     result or the gradients shows, even as ``0 * NaN``). Key positions and segment ids
     continue past the filled keys; the default positions are the paged call's own
     (queries at the end of each row). ``ragged``: the queries packed ``[B * Tq, N, H]``
-    with ``cu_q_lengths`` (the ragged call), the output unpacked."""
+    with ``cu_q_lengths`` (the ragged call), the output unpacked. ``kv_dtype``
+    (``"int8"``, ``"float8_e4m3fn"``): the pools are :class:`QuantisedPages` written by
+    :func:`write_pages` (:func:`_quantised_pools`). ``rope_on_load``: a RoPE scheme is
+    passed as its ``rope_tables`` (``RoPE.load_tables`` of the query and slot positions)
+    with ``position=None``, so the engine rotates the raw keys as it loads them."""
     def attend(q, k, v, scheme, sinks, *, q_positions=None, kv_positions=None,
                segment_ids=None, kv_segment_ids=None, **kw):
         B, Tk, Nk, H = k.shape
@@ -517,7 +558,7 @@ def _paged(impl, page_size=3, spare=2, ragged=False, **opts):
             kw["cu_q_lengths"] = np.arange(B + 1, dtype=np.int32) * Tq
             if q_positions is not None:
                 q_positions = np.broadcast_to(np.asarray(q_positions), (B, Tq)).reshape(-1)
-            out = _paged(impl, page_size, spare, **opts)(
+            out = _paged(impl, page_size, spare, kv_dtype=kv_dtype, **opts)(
                 q.reshape((B * Tq,) + q.shape[2:]), k, v, scheme, sinks,
                 q_positions=q_positions, kv_positions=kv_positions, **kw)
             return out.reshape((B, Tq) + out.shape[1:])
@@ -545,7 +586,18 @@ def _paged(impl, page_size=3, spare=2, ragged=False, **opts):
             kv_positions = extend(kv_positions, 1)
         if kv_segment_ids is not None:
             kv_segment_ids = extend(kv_segment_ids, 0)
-        return jaxpos.attention(q, pool(k, jnp.nan), pool(v, jnp.nan), page_table=table,
+        if kv_dtype is None:
+            k_pages, v_pages = pool(k, jnp.nan), pool(v, jnp.nan)
+        else:
+            k_pages, v_pages = _quantised_pools(k, v, table, num_pages, page_size, kv_dtype)
+        if rope_on_load and isinstance(scheme, jaxpos.RoPE):
+            Tq = q.shape[1]
+            qp = (np.broadcast_to(np.arange(Tq) + Tk - Tq, (B, Tq)) if q_positions is None
+                  else q_positions)  # the paged call's default: the end of each row
+            kvp = np.arange(S)[None] if kv_positions is None else kv_positions
+            kw["rope_tables"] = scheme.load_tables(qp, kvp)
+            scheme = None
+        return jaxpos.attention(q, k_pages, v_pages, page_table=table,
                                 kv_lengths=np.full((B,), Tk, np.int32), position=scheme,
                                 sinks=sinks, implementation=impl, q_positions=q_positions,
                                 kv_positions=kv_positions, segment_ids=segment_ids,
@@ -571,6 +623,19 @@ def _ragged_cases(*ids: str) -> list[Case]:
     """The cases of these ids (the ragged paths take a few)."""
     cases = dict(all_cases())
     return [cases[i] for i in ids]
+
+
+#: The cases the int8 paged paths take (decode with every scheme, a few call shapes).
+_INT8_SHAPES = tuple(f"decode-{s}" for s in SCHEMES) + (
+    "sinks-none", "sliding_window-none", "left_padded-none", "prefill_chunk-none")
+
+
+def _int8_takes(*ids: str) -> Callable[[Case], bool]:
+    """``takes``: the cases of these ids (ids of shapes a scheme does not join are
+    ignored)."""
+    cases = dict(all_cases())
+    chosen = [cases[i] for i in ids if i in cases]
+    return lambda case: case in chosen
 
 
 #: Default-run cases of the kv_lengths paths (a cache with unfilled slots).
@@ -692,6 +757,42 @@ IMPLEMENTATIONS: dict[str, Path] = {
                           takes=lambda case: case in _ragged_cases("decode-alibi",
                                                                    "prefill_chunk-none"),
                           default=lambda cid: False),
+    # quantised pages (int8 values, a float32 scale per token and KV head, written by
+    # write_pages): every path against the contract on the dequantised keys and values,
+    # forward only (serving); a few call shapes and the decode shape of every scheme
+    "paged_int8_chunked": Path(None, run=_forward_only(_paged("chunked", kv_dtype="int8",
+                                                              block_k=6)),
+                               takes=_int8_takes(*_INT8_SHAPES, "gqa-none"),
+                               default=lambda cid: cid in ("decode-none", "decode-rope",
+                                                           "gqa-none"),
+                               kv_dtype="int8"),
+    "paged_int8_reference": Path(None, run=_forward_only(_paged("reference", kv_dtype="int8")),
+                                 takes=_int8_takes("decode-none", "decode-alibi", "sinks-none",
+                                                   "prefill_chunk-none"),
+                                 default=lambda cid: False, kv_dtype="int8"),
+    "paged_int8_pallas": Path(None, run=_forward_only(_paged("pallas", kv_dtype="int8",
+                                                             page_size=4, block_q=4,
+                                                             block_k=4)),
+                              takes=_int8_takes("decode-none", "decode-alibi",
+                                                "sliding_window-none", "prefill_chunk-none"),
+                              default=lambda cid: False, kv_dtype="int8"),
+    # RoPE on load over int8 pages: raw keys dequantised, then rotated by rope_tables as
+    # each block (chunked) or page tile (the kernel) is loaded
+    "paged_int8_rope_on_load_chunked": Path(
+        None, run=_forward_only(_paged("chunked", kv_dtype="int8", rope_on_load=True,
+                                       block_k=6)),
+        takes=_int8_takes("decode-rope", "positions_1e5_1e6-rope"),
+        default=lambda cid: cid == "decode-rope", kv_dtype="int8"),
+    "paged_int8_rope_on_load_pallas": Path(
+        None, run=_forward_only(_paged("pallas", kv_dtype="int8", rope_on_load=True,
+                                       page_size=4, block_q=4, block_k=4)),
+        takes=_int8_takes("decode-rope"), default=lambda cid: False, kv_dtype="int8"),
+    # float8 e4m3 pages where this JAX has the dtype: one case
+    "paged_float8_chunked": Path(
+        None, run=_forward_only(_paged("chunked", kv_dtype="float8_e4m3fn", block_k=6)),
+        takes=lambda case: "float8_e4m3fn" in QUANTISED_DTYPES and _int8_takes(
+            "decode-alibi")(case),
+        default=lambda cid: True, kv_dtype="float8_e4m3fn"),
     # run by tests/conformance/_ring_conformance_worker.py in an 8-device subprocess
     "ring": Path(None, takes=_ring_takes, default=lambda cid: False),
     "ulysses": Path(None, takes=_ulysses_takes, default=lambda cid: False),
@@ -700,5 +801,7 @@ IMPLEMENTATIONS: dict[str, Path] = {
 
 
 @functools.cache
-def cached_reference(case_id: str):
-    return reference_case(dict(all_cases())[case_id])
+def cached_reference(case_id: str, kv_dtype: str | None = None):
+    """The float64 contract's ``(out, grads)`` of a case (``kv_dtype``: on the values
+    quantised pages of that dtype hold; :func:`reference_case`)."""
+    return reference_case(dict(all_cases())[case_id], kv_dtype)
