@@ -73,7 +73,12 @@ class PageAllocator:
         return self.num_pages - self.reserved
 
     def reserve(self, n: int) -> bool:
-        """Book ``n`` pages; False (nothing booked) when fewer are available."""
+        """Book ``n`` pages; False (nothing booked) when fewer are available.
+
+        Raises:
+          ValueError / TypeError: ``n`` not an int >= 0.
+        """
+        n = _checks.check_nonneg_int("n", n)
         if n > self.available:
             return False
         self.reserved += n
@@ -178,8 +183,14 @@ class PageAllocator:
         ``reserved`` bookings.
 
         Raises:
-          ValueError: a page outside the pool, one already free, or one given twice.
+          ValueError: a page outside the pool, one already free, or one given twice;
+            ``reserved`` more than the pages booked (a booking released twice).
+          TypeError: ``reserved`` not an int.
         """
+        reserved = _checks.check_nonneg_int("reserved", reserved)
+        if reserved > self.reserved:
+            raise ValueError(f"reserved={reserved} bookings released, but only "
+                             f"{self.reserved} page(s) are booked (a booking released twice?).")
         seen: set[int] = set()
         for p in pages:
             if not 0 <= p < self.num_pages or self._is_free[p] or p in seen:
@@ -190,7 +201,7 @@ class PageAllocator:
             self._room.pop(p, None)
         self._is_free[list(seen)] = True
         self._num_free += len(seen)
-        self.reserved = max(0, self.reserved - reserved)
+        self.reserved -= reserved
 
 
 def table_array(rows: list[list[int]], pages_per_seq: int) -> np.ndarray:

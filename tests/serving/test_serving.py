@@ -41,6 +41,25 @@ def test_allocator_books_hands_out_and_takes_back_pages():
         PageAllocator(0)
 
 
+def test_allocator_refuses_negative_bookings_and_a_booking_released_twice():
+    # reserve(-3) used to succeed and leave 8 available of a 5-page pool; releasing more
+    # bookings than held was clamped to 0, hiding a double release.
+    a = PageAllocator(5)
+    with pytest.raises(ValueError, match="n must be a non-negative integer"):
+        a.reserve(-3)
+    with pytest.raises(TypeError, match="n must be a Python int"):
+        a.reserve(2.5)
+    assert a.available == 5 and a.reserve(2)
+    got = a.allocate(1)
+    with pytest.raises(ValueError, match="reserved=3 bookings released, but only 2"):
+        a.free(got, reserved=3)
+    assert a.in_use == 1 and a.reserved == 2  # the refused call changed nothing
+    a.free(got, reserved=2)
+    with pytest.raises(ValueError, match="reserved=1 bookings released, but only 0"):
+        a.free([], reserved=1)
+    assert a.available == 5 and a.in_use == 0
+
+
 # ------------------------------------------------------------------------ page write
 def test_write_pages_puts_token_t_at_slot_length_plus_t_and_flags_rows_without_a_page():
     kp = jnp.zeros((4, 2, 1, 1))
