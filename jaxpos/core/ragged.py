@@ -22,12 +22,16 @@ argument is the row ``b``), sinks, window and ``causal`` as given (pass ``causal
 the usual step: causal among the new tokens and over the cache). A row with no new
 queries contributes nothing.
 
-How it runs: attention is independent per query, so the ragged call is run as a paged call
-with one query per row (``[total_q, 1, N, H]``, each query's row's page table, fill and
-key positions gathered by its row index): every engine runs it through the engine
-protocol (:func:`jaxpos.core.paged.run_paged`): the chunked engine's paged decode path
-walks each query's pages, the Pallas kernel's paged entry reads them per query, and the
-others take the one gather fallback.
+How it runs: the packed queries are cut into blocks of ``block_q`` queries that never
+straddle rows (static shapes: at most ``total_q // block_q + B`` blocks, ``block_q`` the
+mean new queries per row, at most 16; slots past a row's end repeat its last query and are
+dropped), and the blocks are run as one paged call ``[blocks, block_q, N, H]``, each with
+its row's page table, fill and key positions, so a prefill chunk reads its row's pages
+once per block, not once per query (a step of one token per row has ``block_q = 1``: one
+query per row). Every engine runs it through the engine protocol
+(:func:`jaxpos.core.paged.run_paged`): the chunked engine's paged decode path walks each
+block's pages, the Pallas kernel's paged entry reads them per block, and the others take
+the one gather fallback.
 
 Bad input: shapes and dtypes always; with concrete values, ``cu_q_lengths`` not starting
 at 0, decreasing or not ending at ``total_q``, and a row with more new queries than filled
@@ -48,6 +52,7 @@ from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos.core import engines
+from jaxpos.core.decode import DECODE_MAX_Q
 from jaxpos.core.paged import (
     check_paged_inputs,
     paged_bad_rows,
@@ -215,17 +220,21 @@ def ragged_attention(q: ArrayLike, k_pages: ArrayLike, v_pages: ArrayLike, *,
     lens, cu = _ints(kv_lengths), _ints(cu_q_lengths)
     qp = _take(lens, row) - _take(cu[1:] - cu[:-1], row) + offset if q_positions is None \
         else _ints(q_positions)
+    bq = query_block(total_q, B)
+    brow, qidx, flat = _blocks(cu, row, offset, total_q, B, bq)
     if kv_pos is not None and kv_pos.shape[0] > 1:
-        kv_pos = _take(kv_pos, row)
+        kv_pos = _take(kv_pos, brow)
     call = paged_call(
-        q[:, None], k_pages, v_pages, layout, _take(lens, row), q_positions=qp[:, None],
-        kv_positions=kv_pos,
-        rope_tables=None if rope_tables is None else _token_tables(rope_tables, row, total_q),
-        rows=(jnp.asarray(row, jnp.int32), jnp.clip(jnp.asarray(lens, jnp.int32), 0, S)),
+        _take(q, qidx), k_pages, v_pages, layout, _take(lens, brow),
+        q_positions=_take(qp, qidx), kv_positions=kv_pos,
+        rope_tables=None if rope_tables is None else
+        _block_tables(rope_tables, brow, qidx, total_q),
+        rows=(jnp.asarray(brow, jnp.int32), jnp.clip(jnp.asarray(lens, jnp.int32), 0, S)),
         **options)
     engine = engines.select_engine(call, implementation)
-    table = safe_table(_take(_ints(page_table), row), layout.num_pages)
-    out = run_paged(engine, call, k_pages, v_pages, table)[:, 0]
+    table = safe_table(_take(_ints(page_table), brow), layout.num_pages)
+    out = run_paged(engine, call, k_pages, v_pages, table)
+    out = _take(out.reshape((-1,) + out.shape[2:]), flat)
     if all(_checks.is_concrete(x) for x in (kv_lengths, page_table, cu_q_lengths)):
         return out  # (concrete values were checked)
     bad = _bad_queries(cu_q_lengths, kv_lengths, page_table, layout, row, total_q)
@@ -240,16 +249,48 @@ def _ints(x):
     return jnp.asarray(x, jnp.int32)
 
 
-def _token_tables(tabs: Any, row, total_q: int) -> Any:
-    """The ragged call's RoPE tables as the per-query call takes them: query tables
-    ``[1, total_q, half]`` -> ``[total_q, 1, half]``, key tables ``[B, S, half]`` ->
-    each query's row's (``[1, S, half]`` as they are)."""
+def query_block(total_q: int, batch: int) -> int:
+    """Queries per block of a ragged call (static): the mean queries per row, at most
+    :data:`jaxpos.core.decode.DECODE_MAX_Q` (the chunked engine's page walk takes a block
+    whole), at least 1 (one query per row: a decode-only step pays no padding)."""
+    return int(max(1, min(DECODE_MAX_Q, total_q // max(batch, 1))))
+
+
+def _blocks(cu, row, offset, total_q: int, B: int, bq: int):
+    """Cut the packed queries into blocks of ``bq`` that never straddle rows; static
+    shapes: ``M = min(total_q, (total_q + B (bq - 1)) // bq)`` blocks (a row of ``n``
+    queries takes ``ceil(n / bq)``; the spare blocks and the slots past a row's end repeat
+    the row's last query and are dropped).
+
+    Returns ``(brow [M], qidx [M, bq], flat [total_q])``: each block's row, the query each
+    slot reads (in its row), and each query's slot in the flattened ``[M * bq]`` output.
+    NumPy when ``cu`` is concrete, else JAX; malformed traced ``cu_q_lengths`` gives
+    indices kept in bounds (those queries are NaN, :func:`_bad_queries`).
+    """
+    M = min(total_q, (total_q + B * (bq - 1)) // bq)
+    xp = np if all(isinstance(x, np.ndarray) for x in (cu, row, offset)) else jnp
+    n = cu[1:] - cu[:-1]
+    cb = xp.concatenate([xp.zeros((1,), xp.int32),
+                         xp.cumsum((n + bq - 1) // bq).astype(xp.int32)])
+    i = xp.arange(M, dtype=xp.int32)
+    brow = xp.clip(xp.searchsorted(cb[1:], i, side="right"), 0, B - 1).astype(xp.int32)
+    slot = (i - cb[brow])[:, None] * bq + xp.arange(bq, dtype=xp.int32)[None]
+    last = xp.maximum(n[brow] - 1, 0)[:, None]
+    qidx = xp.clip(cu[brow][:, None] + xp.minimum(slot, last), 0, total_q - 1)
+    flat = xp.clip((cb[row] + offset // bq) * bq + offset % bq, 0, M * bq - 1)
+    return brow, qidx.astype(xp.int32), flat.astype(xp.int32)
+
+
+def _block_tables(tabs: Any, brow, qidx, total_q: int) -> Any:
+    """The ragged call's RoPE tables as the blocked call takes them: query tables
+    ``[1, total_q, half]`` -> ``[M, bq, half]`` (each slot's query's), key tables
+    ``[B, S, half]`` -> each block's row's (``[1, S, half]`` as they are)."""
     qc = _checks.shape_of(tabs.q_cos)
     if len(qc) != 3 or qc[0] != 1 or qc[1] != total_q:
         raise ValueError(f"rope_tables of a ragged call need query tables [1, total_q, half] = "
                          f"[1, {total_q}, half] (rope_tables(q_positions [total_q], ...)); got "
                          f"q_cos {qc}.")
-    per_query = lambda x: jnp.swapaxes(jnp.asarray(x), 0, 1)
-    per_row = lambda x: x if _checks.shape_of(x)[0] == 1 else jnp.asarray(x)[row]
-    return type(tabs)(per_query(tabs.q_cos), per_query(tabs.q_sin), per_row(tabs.k_cos),
+    per_slot = lambda x: jnp.asarray(x)[0][jnp.asarray(qidx)]
+    per_row = lambda x: x if _checks.shape_of(x)[0] == 1 else jnp.asarray(x)[brow]
+    return type(tabs)(per_slot(tabs.q_cos), per_slot(tabs.q_sin), per_row(tabs.k_cos),
                       per_row(tabs.k_sin))

@@ -217,6 +217,53 @@ def test_keywords_laid_out_per_row_are_refused():
         jaxpos.attention(q[None], q[None], q[None], cu_q_lengths=CU)
 
 
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_query_blocks_hold_one_rows_queries_and_give_each_query_back(traced):
+    """The blocks a ragged call runs (``_blocks``): rows of 13, 0, 1, 4, 0 and 7 queries in
+    blocks of 4 take 4 + 1 + 1 + 2 = 8 of the static 10 = (25 + 6 * 3) // 4; every block
+    holds one row's queries in order (slots past its end repeat its last one), and each
+    query's output slot holds that query, with concrete and traced lengths."""
+    from jaxpos.core.ragged import _blocks, _rows
+
+    new = np.array([13, 0, 1, 4, 0, 7])
+    cu = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    B, T, bq = len(new), int(cu[-1]), 4
+
+    def blocks(c):
+        row, off = _rows(c, T, B)
+        return _blocks(c, row, off, T, B, bq)
+
+    brow, qidx, flat = jax.jit(blocks)(jnp.asarray(cu)) if traced else blocks(cu)
+    brow, qidx, flat = np.asarray(brow), np.asarray(qidx), np.asarray(flat)
+    assert qidx.shape == (10, 4)
+    np.testing.assert_array_equal(brow[:8], [0, 0, 0, 0, 2, 3, 5, 5])
+    np.testing.assert_array_equal(qidx[:8], [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11],
+                                             [12, 12, 12, 12], [13, 13, 13, 13],
+                                             [14, 15, 16, 17], [18, 19, 20, 21],
+                                             [22, 23, 24, 24]])
+    np.testing.assert_array_equal(qidx.reshape(-1)[flat], np.arange(T))
+
+
+def test_a_prefill_chunk_reads_its_pages_once_per_block_of_queries(monkeypatch):
+    """The paged call behind a ragged step holds blocks of a row's queries: rows of 5, 0, 1
+    and 4 queries (10 in all) run as 7 blocks of 2 (not 10 rows of one query), and a
+    decode-only step as one query per row."""
+    import jaxpos.core.ragged as ragged
+
+    shapes = []
+    real = ragged.run_paged
+    monkeypatch.setattr(ragged, "run_paged",
+                        lambda engine, call, *a: shapes.append(call.q.shape) or
+                        real(engine, call, *a))
+    q, kp, vp, table = _pool()
+    jaxpos.attention(q, kp, vp, page_table=table, kv_lengths=LENS, cu_q_lengths=CU,
+                     causal=True, implementation="chunked")
+    jaxpos.attention(q[:4], kp, vp, page_table=table, kv_lengths=LENS,
+                     cu_q_lengths=np.arange(5, dtype=np.int32), causal=True,
+                     implementation="chunked")
+    assert shapes == [(7, 2, N, H), (4, 1, N, H)]
+
 @_slow
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_ragged_pallas_step_lowers(platform):
