@@ -157,9 +157,12 @@ def test_tiny_model_logits_over_256_teacher_forced_tokens(kv_dtype, max_err, agr
     """The documented accuracy bound (docs/serving.md, "Quantised pages"): a 2-layer RoPE
     model, head_dim 16, its logits at 256 teacher-forced tokens with quantised pages
     against float32 pages (measured: int8 0.016-0.023 of logits up to 7, every greedy
-    token the same; float8 0.07-0.11, 99.6-100%)."""
+    token the same; float8 0.07-0.11, 99.6-100%). The bound is the pages', not an
+    engine's (the conformance suite's paged_int8_* paths check each engine against the
+    contract on the dequantised values), so the model attends with the reference engine,
+    the quickest to compile."""
     m = jn.DecoderLM(64, d_model=32, num_layers=2, num_heads=2, position="rope", max_len=256,
-                     rngs=nnx.Rngs(0))
+                     implementation="reference", rngs=nnx.Rngs(0))
     toks = jax.random.randint(jax.random.key(0), (1, 256), 0, 64)
 
     @nnx.jit  # both passes in one program: one compilation instead of two
