@@ -185,21 +185,26 @@ def load_safetensors(files: list[str]) -> dict[str, np.ndarray]:
     """Every tensor of ``files`` as NumPy arrays (``bfloat16`` widened to float32).
 
     Raises:
-      ValueError: a tensor name in two files.
+      ValueError: a tensor name in two files; a file safetensors cannot read (truncated,
+        not a safetensors file), named.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     tensors: dict[str, np.ndarray] = {}
     for file in files:
-        with safe_open(file, framework="np") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                if name in tensors:
-                    raise ValueError(f"tensor {name!r} is in more than one safetensors file "
-                                     f"(again in {file}).")
-                if f.get_slice(name).get_dtype() == "BF16":
-                    tensors[name] = _read_bf16(file, name)
-                else:
-                    tensors[name] = f.get_tensor(name)
+        try:
+            with safe_open(file, framework="np") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                    if name in tensors:
+                        raise ValueError(f"tensor {name!r} is in more than one safetensors "
+                                         f"file (again in {file}).")
+                    if f.get_slice(name).get_dtype() == "BF16":
+                        tensors[name] = _read_bf16(file, name)
+                    else:
+                        tensors[name] = f.get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"cannot read {file} as a safetensors file (truncated or not "
+                             f"written by save_pretrained/safetensors?): {e}") from e
     return tensors
 
 

@@ -151,6 +151,19 @@ def test_bad_folders_raise_naming_the_problem(tmp_path):
         from_pretrained(_folder(tmp_path / "short", short))
 
 
+def test_a_truncated_or_foreign_weights_file_raises_a_value_error_naming_it(tmp_path):
+    # safetensors' own SafetensorError (not a ValueError) escaped before
+    cut = _folder(tmp_path / "cut", _tensors())
+    file = cut / "model.safetensors"
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"cannot read .*model\.safetensors"):
+        from_pretrained(cut)
+    foreign = _folder(tmp_path / "foreign", _tensors())
+    (foreign / "model.safetensors").write_bytes(b"PK\x03\x04 not a safetensors file")
+    with pytest.raises(ValueError, match=r"cannot read .*model\.safetensors"):
+        from_pretrained(foreign)
+
+
 @pytest.mark.slow  # compiles the loop's prefill and decode steps (~10 s of CPU)
 def test_serve_example_serves_a_checkpoint_folder(tmp_path):
     """``examples/serve.py --checkpoint DIR``: the long-tail workload over the folder's
