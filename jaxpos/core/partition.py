@@ -13,7 +13,9 @@ communication. This module makes every engine do that (:func:`run_sharded`, call
   head specs of q; its output keeps them. A sequence axis or a head_dim axis sharded over
   the mesh is refused with a ``ValueError`` (naming ``context_parallel``): attention over
   a sharded sequence is context parallelism (:mod:`jaxpos.parallel`), which the caller
-  asks for.
+  asks for. An Explicit axis of size 1 that the types of q, k or v name counts too (a
+  one-device shard is the whole array, but the engine's own constants would lack the
+  axis in their types).
 * **Auto axes** (``jax.sharding.Mesh``, or ``AxisType.Auto``): the shardings are decided
   by the compiler after tracing. An engine of plain XLA operations (reference and xla:
   ``compiler_partitioned = True``) is left to the compiler, which keeps the batch and
@@ -33,7 +35,11 @@ Inside a shard, the call is the global call restricted to the shard's rows and h
 positions, segment ids, ``kv_lengths``, RoPE tables and block-mask tables are sliced with
 the batch, sinks with the heads, and the score_mod and mask_mod see GLOBAL batch and head
 indices (the shard's offsets are added), so per-head parameters captured by a score_mod
-(ALiBi slopes, T5 / KERPLE / FIRE tables) follow their heads. Grouped-query heads stay
+(ALiBi slopes, T5 / KERPLE / FIRE tables) follow their heads. The arrays a
+score_mod, a mask_mod or the scheme captures (JAX arrays, traced or concrete: RoPE's
+``inv_freq`` of a scheme built under ``jax.set_mesh`` outside ``jit`` is committed to the
+mesh, and ``shard_map`` may not close over an array of a mesh with Explicit axes) go in
+as ``shard_map`` arguments, replicated. Grouped-query heads stay
 with their group: when the head shards do not divide ``N_kv``, each shard takes the one
 key/value head its query heads share. Gradients come back through ``shard_map``'s
 transpose (those of replicated inputs, such as a captured table, are summed over the
@@ -106,13 +112,20 @@ def _axis_type_name(t: Any) -> str:
     return str(getattr(t, "name", t)).lower()
 
 
-def _free_axes(mesh: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``(explicit, auto)`` axes of size > 1 of ``mesh`` that are not manual already."""
+def _free_axes(mesh: Any, named: frozenset = frozenset()
+               ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(explicit, auto)`` axes of ``mesh`` that are not manual already: those of size >
+    1, and Explicit axes of size 1 in ``named`` (the axes q, k and v's types name: an array
+    typed as sharded over a one-device axis keeps that axis in the types an engine builds
+    from it, which then differ from those of the constants it starts from, e.g. a loop's
+    carry; run per shard, the axis is manual and the types agree)."""
     types = getattr(mesh, "axis_types", None) or ("auto",) * len(mesh.axis_names)
     explicit, auto = [], []
     for name, size, t in zip(mesh.axis_names, mesh.axis_sizes, types):
         kind = _axis_type_name(t)
-        if size > 1 and kind != "manual":
+        if kind == "manual":
+            continue
+        if size > 1 or (kind == "explicit" and name in named):
             (explicit if kind == "explicit" else auto).append(name)
     return tuple(explicit), tuple(auto)
 
@@ -228,7 +241,8 @@ def plan_shards(engine: Any, call: AttentionCall) -> ShardPlan | None:
     mesh = _mesh_of(call.q)
     if mesh is None:
         return None
-    explicit, auto = _free_axes(mesh)
+    named = frozenset(a for x in (call.q, call.k, call.v) for e in _spec_of(x) for a in e)
+    explicit, auto = _free_axes(mesh, named)
     if not explicit and not auto:
         return None
     if varying_axes(call.q):  # inside a shard_map that checks varying types (context
@@ -402,10 +416,16 @@ def run_sharded(engine: Any, call: AttentionCall, run: Callable[..., Any],
                 arrays[f"bm_{name}"] = (x, P(b if x.shape[0] == B and B > 1 else None,
                                              h if x.shape[1] == N and N > 1 else None,
                                              *([None] * (x.ndim - 2))))
-    captured = [c for conv in (call.score_conv, call.mask_conv) if conv is not None
-                for c in conv.consts if not _checks.is_concrete(c)]
-    captured += [c for c in jax.tree_util.tree_leaves(call.scheme)  # the scheme's tables
-                 if not _checks.is_concrete(c) and all(c is not x for x in captured)]
+    consts = [c for conv in (call.score_conv, call.mask_conv) if conv is not None
+              for c in conv.consts]
+    consts += jax.tree_util.tree_leaves(call.scheme)  # the scheme's tables (RoPE's inv_freq)
+    # Traced arrays, and concrete JAX arrays too (a scheme built under jax.set_mesh outside
+    # jit holds arrays committed to the mesh, which shard_map may not close over when its
+    # axes are Explicit), go in as arguments, replicated; NumPy constants stay captured.
+    captured: list[Any] = []
+    for c in consts:
+        if isinstance(c, jax.Array) and all(c is not x for x in captured):
+            captured.append(c)
     for i, c in enumerate(captured):  # a score_mod's traced arrays, replicated
         arrays[f"captured{i}"] = (c, P())
     if not _concrete_scale(call.scale):

@@ -11,7 +11,8 @@ output kept q's batch and head sharding, and how many all-gathers of a rank-4 ar
 v or their gradients) the compiled forward+backward holds; the error text of a
 sequence-sharded call; the exported kernel's manual regions. The default runs one mesh
 (data=2, model=4) with the chunked engine under Explicit axes and the Pallas forward
-TPU export;
+TPU export; both runs check RoPE built under an Explicit mesh outside ``jit`` (closed
+over), with gradients, on (data=2, model=4) and on a one-device ``tensor`` axis;
 ``--full`` every engine on meshes (8,), (2, 4) and (2, 2, 2). Both run the paged, decode,
 export and DecoderLM checks of ``_partition_paged_checks.py`` (:func:`check_paged_and_decode`).
 """
@@ -56,9 +57,12 @@ def _scheme(name, table):
     return {"alibi": jaxpos.ALiBi(N), "rope": jaxpos.RoPE(rotary_dim=H)}[name]
 
 
-def _call(impl, scheme):
+def _call(impl, scheme, built=None):
+    """The attention call; ``built``: a scheme object built beforehand (closed over) in
+    place of the one built from the traced table inside the call."""
     def f(q, k, v, table, sinks, seg):
-        return jaxpos.attention(q, k, v, position=_scheme(scheme, table), causal=True,
+        position = _scheme(scheme, table) if built is None else built
+        return jaxpos.attention(q, k, v, position=position, causal=True,
                                 sinks=sinks if impl != "xla" else None, segment_ids=seg,
                                 mask_mod=_window if scheme == "rope" else None,
                                 implementation=impl, block_q=16, block_k=16)
@@ -69,19 +73,32 @@ def _grad(f):
     return jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2, 3, 4))
 
 
+_ONE_DEVICE: dict = {}
+
+
 def check_engine(res, mesh_shape, names, batch_axes, head_axes, kind, impl, scheme,
-                 grads=True):
+                 grads=True, under_mesh=False):
+    """``under_mesh``: the scheme is built once under ``jax.set_mesh``, outside ``jit``
+    (as a training script builds it), so its arrays are concrete and committed to the
+    mesh, and the call closes over them."""
     f = _call(impl, scheme)
     g = _grad(f)
     args = (Q, K, V, TABLE, SINKS, SEG)
-    want = np.asarray(jax.jit(f)(*args))
-    want_g = [np.asarray(x) for x in jax.jit(g)(*args)] if grads else []
+    key = (impl, scheme, grads)
+    if key not in _ONE_DEVICE:  # the single-device call, once per engine and scheme
+        _ONE_DEVICE[key] = (np.asarray(jax.jit(f)(*args)),
+                            [np.asarray(x) for x in jax.jit(g)(*args)] if grads else [])
+    want, want_g = _ONE_DEVICE[key]
     mesh = jax.make_mesh(mesh_shape, names, axis_types=(getattr(AxisType, kind),) * len(names))
     b = batch_axes if len(batch_axes) != 1 else batch_axes[0]
     h = head_axes if len(head_axes) != 1 else (head_axes[0] if head_axes else None)
     spec = P(b or None, None, h, None)
-    tag = f"{'x'.join(map(str, mesh_shape))}/{kind}/{impl}/{scheme}"
+    tag = f"{'x'.join(map(str, mesh_shape))}/{kind}/{impl}/{scheme}" + \
+        ("/built_under_mesh" if under_mesh else "")
     with jax.set_mesh(mesh):
+        if under_mesh:
+            f = _call(impl, scheme, built=_scheme(scheme, TABLE))
+            g = _grad(f)
         put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
         a = (put(Q, spec), put(K, spec), put(V, spec), put(TABLE, P()), put(SINKS, P()),
              put(SEG, P(b or None)))
@@ -193,6 +210,12 @@ def main(argv):
                         continue  # the window mask_mod: covered by the other engines
                     check_engine(res, shape, names, bax, hax, kind, impl, scheme,
                                  grads=full)
+    # RoPE built under an Explicit mesh (inv_freq committed to it, closed over), with
+    # gradients: on (data=2, model=4), and on a one-device axis that still types q's heads
+    check_engine(res, (2, 4), ("data", "model"), ("data",), ("model",), "Explicit",
+                 "chunked", "rope", grads=True, under_mesh=True)
+    check_engine(res, (1,), ("tensor",), (), ("tensor",), "Explicit", "chunked", "rope",
+                 grads=True, under_mesh=True)
     check_sequence_refused(res)
     check_context_parallel(res, ("ring", "ulysses") if full else ("ring",))
     for kind in ("Explicit", "Auto") if full else ("Explicit",):

@@ -7,7 +7,9 @@ is compared with the same call on one device: the output (and with ``-m slow`` t
 gradients of q, k, v, the table and the sinks) to 1e-5, the output's sharding equal to
 q's batch and head sharding, and no all-gather of a rank-4 array (q, k, v or their
 cotangents) in the compiled module. The default run covers the chunked engine under
-Explicit axes (which failed in ``vmap`` before), the refusal of a sequence-sharded q and
+Explicit axes (which failed in ``vmap`` before), RoPE built under an Explicit mesh outside
+``jit`` with gradients, on (data=2, model=4) and on a one-device ``tensor`` axis, the
+refusal of a sequence-sharded q and
 the Pallas kernel exported for TPU inside a manual region, and a ``DecoderLM`` with
 ``context_parallel="ring"`` under a mesh with an Explicit ``seq`` axis; ``-m slow`` covers every
 engine, ALiBi, T5 and RoPE with a window mask_mod, Auto and Explicit axes, meshes (8,),
@@ -82,6 +84,19 @@ def _check(res):
 
 def test_sharded_attention_equals_one_device_and_keeps_its_shards(quick):
     _check(quick)
+
+
+def test_rope_built_under_an_explicit_mesh_equals_one_device_with_gradients(quick):
+    """RoPE built under ``jax.set_mesh`` outside ``jit`` (its ``inv_freq`` a concrete array
+    committed to the mesh, closed over by the call; shard_map refuses to close over it) and
+    a one-device Explicit ``tensor`` axis that q's type still names (the chunked loop's
+    carry lost that axis and its branches' types differed): output and gradients equal
+    one device, q's sharding kept."""
+    for tag in ("2x4/Explicit/chunked/rope/built_under_mesh",
+                "1/Explicit/chunked/rope/built_under_mesh"):
+        assert quick[f"out/{tag}"] <= TOL, (tag, quick[f"out/{tag}"])
+        assert quick[f"grad/{tag}"] <= TOL, (tag, quick[f"grad/{tag}"])
+        assert quick[f"kept/{tag}"] is True and quick[f"gathers/{tag}"] == 0, tag
 
 
 def test_paged_and_decode_calls_run_per_shard(quick):
