@@ -44,7 +44,14 @@ from jaxpos.schemes.alibi import ALiBi, alibi_bias, alibi_score_mod, alibi_slope
 from jaxpos.schemes.base import REGISTRY, NoPE, PositionScheme, as_scheme, get_scheme
 from jaxpos.schemes.cope import CoPE
 from jaxpos.schemes.fire import FIRE, fire_bias, fire_normalized_distance
-from jaxpos.schemes.fox import FoX, forget_gate, fox_bias, fox_cumulative
+from jaxpos.schemes.fox import (
+    FoX,
+    FoXCacheRead,
+    forget_gate,
+    fox_bias,
+    fox_cumulative,
+    place_gates,
+)
 from jaxpos.schemes.irope import TemperatureTunedNoPE, attention_temperature, no_rope_layers
 from jaxpos.schemes.kerple import KERPLE, KERPLELog, KERPLEPower, kerple_bias
 from jaxpos.schemes.learned import learned_positions
@@ -123,6 +130,7 @@ __all__ = [
     "DynamicNTKScaling",
     "FIRE",
     "FoX",
+    "FoXCacheRead",
     "IMPLEMENTATIONS",
     "KERPLE",
     "KERPLELog",
@@ -181,6 +189,7 @@ __all__ = [
     "forget_gate",
     "fox_bias",
     "fox_cumulative",
+    "place_gates",
     "frequencies_for_length",
     "get_scheme",
     "half_to_interleaved",
