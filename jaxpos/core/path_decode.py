@@ -92,9 +92,14 @@ def move_keys(keys: jax.Array, slots: jax.Array, first: jax.Array, y: jax.Array,
     others as given (a block of slots for :meth:`jaxpos.layers.cache.Cache.update_keys`).
 
     Args:
-      keys: float ``[B, n, N_kv, H]`` the keys of ``slots`` (int32 ``[n]``) of every row;
-      first: int32 ``[B]`` each row's first slot of the step; y, w: ``[B, N_kv, T, H]``
-      (:func:`chunk_transforms`).
+      keys: float ``[B, n, N_kv, H]``, the keys of ``slots`` of every row.
+      slots: int32 ``[n]``, the slots of the block.
+      first: int32 ``[B]``, each row's first slot of the step.
+      y: ``[B, N_kv, T, H]``, from :func:`chunk_transforms`.
+      w: ``[B, N_kv, T, H]``, from :func:`chunk_transforms`.
+
+    Returns:
+      ``[B, n, N_kv, H]``, the moved keys.
     """
     proj = jnp.einsum("bsnh,bnth->bsnt", keys, y.astype(keys.dtype))
     new = keys - jnp.einsum("bsnt,bnth->bsnh", proj, w.astype(keys.dtype))
