@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _serving_reference import full_pass_logits
 from flax import nnx
 
 import jaxpos
-from jaxpos.layers.functional import embed_tokens, merge_heads, mlp, project_heads, rms_norm
 from jaxpos.nnx import DecoderLM
 from jaxpos.serving import PagedDecoder, Request, ServingEngine
 from jaxpos.serving.model import ModuleDecoder
@@ -25,22 +25,8 @@ from jaxpos.serving.scheduler import schedule_step, token_bucket
 def _full_pass_logits(model: PagedDecoder, seqs: np.ndarray) -> np.ndarray:
     """``[B, T, V]``: the causal forward pass over each row of ``seqs [B, T]`` (dense
     reference attention, no cache; jitted once: rows right-padded, the pass is causal)."""
-
-    def run(tokens):
-        p = model.params
-        x = embed_tokens(p["embed"], tokens, model.d_model, jnp.float32)
-        for lyr in p["layers"]:
-            h = rms_norm(x, lyr["attn_norm"])
-            q = project_heads(h, lyr["q"], model.num_heads, model.head_dim, jnp.float32)
-            k = project_heads(h, lyr["k"], model.kv_heads, model.head_dim, jnp.float32)
-            v = project_heads(h, lyr["v"], model.kv_heads, model.head_dim, jnp.float32)
-            o = jaxpos.attention(q, k, v, position=p["scheme"], causal=True,
-                                 implementation="reference")
-            x = x + merge_heads(o, lyr["o"], jnp.float32)
-            x = x + mlp(rms_norm(x, lyr["mlp_norm"]), lyr["w_in"], lyr["w_out"], jnp.float32)
-        return rms_norm(x, p["final_norm"]) @ p["embed"].T
-
-    return np.asarray(jax.jit(run)(jnp.asarray(seqs, jnp.int32)))
+    run = jax.jit(lambda tokens: full_pass_logits(model, tokens))
+    return np.asarray(run(jnp.asarray(seqs, jnp.int32)))
 
 
 def _assert_greedy_alone(full_pass, completions) -> None:

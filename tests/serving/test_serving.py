@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _serving_reference import full_pass_logits
 from flax import nnx
 
 import jaxpos
-from jaxpos.layers.functional import embed_tokens, merge_heads, mlp, project_heads, rms_norm
 from jaxpos.nnx import DecoderLM
 from jaxpos.serving import (
     PageAllocator,
@@ -119,18 +119,7 @@ def test_sampling_greedy_top_k_and_top_p():
 def _full_pass_logits(model: PagedDecoder, seq):
     """float32 ``[T, V]``: the whole causal forward pass over ``seq`` (dense reference
     attention, no cache)."""
-    p = model.params
-    x = embed_tokens(p["embed"], jnp.asarray([seq], jnp.int32), model.d_model, jnp.float32)
-    for lyr in p["layers"]:
-        h = rms_norm(x, lyr["attn_norm"])
-        q = project_heads(h, lyr["q"], model.num_heads, model.head_dim, jnp.float32)
-        k = project_heads(h, lyr["k"], model.kv_heads, model.head_dim, jnp.float32)
-        v = project_heads(h, lyr["v"], model.kv_heads, model.head_dim, jnp.float32)
-        o = jaxpos.attention(q, k, v, position=p["scheme"], causal=True,
-                             implementation="reference")
-        x = x + merge_heads(o, lyr["o"], jnp.float32)
-        x = x + mlp(rms_norm(x, lyr["mlp_norm"]), lyr["w_in"], lyr["w_out"], jnp.float32)
-    return np.asarray(rms_norm(x, p["final_norm"])[0] @ p["embed"].T)
+    return np.asarray(full_pass_logits(model, jnp.asarray([seq], jnp.int32))[0])
 
 
 def _assert_greedy(model, prompt, tokens):
