@@ -157,24 +157,34 @@ class PagedDecoder:
         """See :meth:`PagedModel.forward`. A row whose tokens find no page (the table is
         too short) gets NaN logits (its tokens are not written)."""
         scheme: PositionScheme = params["scheme"]
-        dt, N, Nk, H = self.dtype, self.num_heads, self.kv_heads, self.head_dim
+        dt = self.dtype
         x = embed_tokens(params["embed"], tokens, self.d_model, dt)
         new_pool, overflow = [], jnp.zeros(tokens.shape[:1], bool)
         for layer, (kp, vp) in zip(params["layers"], pool):
-            h = rms_norm(x, layer["attn_norm"])
-            q = project_heads(h, layer["q"], N, H, dt)
-            k = project_heads(h, layer["k"], Nk, H, dt)
-            v = project_heads(h, layer["v"], Nk, H, dt)
+            q, k, v = self._qkv(x, layer)
             q, k, read = scheme.cache_write(q, k, positions)
             kp, vp, filled, over = write_pages(kp, vp, k, v, page_table, lengths, mask)
             o = attention(q, kp, vp, page_table=page_table, kv_lengths=filled,
                           q_positions=positions, position=read, causal=True)
-            x = x + merge_heads(o, layer["o"], dt)
-            x = x + mlp(rms_norm(x, layer["mlp_norm"]), layer["w_in"], layer["w_out"], dt)
+            x = self._finish_block(x, o, layer)
             new_pool.append((kp, vp))
             overflow = overflow | over
         logits = tied_logits(rms_norm(x, params["final_norm"]), params["embed"])
         return poison_rows(logits, overflow), tuple(new_pool)
+
+    def _qkv(self, x: jax.Array, layer: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """A block's q ``[B, T, N, H]`` and k, v ``[B, T, N_kv, H]`` from its input."""
+        h = rms_norm(x, layer["attn_norm"])
+        return (project_heads(h, layer["q"], self.num_heads, self.head_dim, self.dtype),
+                project_heads(h, layer["k"], self.kv_heads, self.head_dim, self.dtype),
+                project_heads(h, layer["v"], self.kv_heads, self.head_dim, self.dtype))
+
+    def _finish_block(self, x: jax.Array, o: jax.Array, layer: dict) -> jax.Array:
+        """The block's output: the attention output ``o`` projected and added, then the
+        MLP's residual."""
+        dt = self.dtype
+        x = x + merge_heads(o, layer["o"], dt)
+        return x + mlp(rms_norm(x, layer["mlp_norm"]), layer["w_in"], layer["w_out"], dt)
 
     #: why :meth:`forward_ragged` cannot run this model (None: it can)
     ragged_refusal = None
@@ -192,23 +202,19 @@ class PagedDecoder:
         the output layer) and the pool with the new tokens written. A token that finds no
         page makes its row's logits NaN (the ragged call's rule)."""
         scheme: PositionScheme = params["scheme"]
-        dt, N, Nk, H = self.dtype, self.num_heads, self.kv_heads, self.head_dim
+        dt = self.dtype
         x = embed_tokens(params["embed"], tokens[None], self.d_model, dt)
         pos = positions[None]
         new_pool = []
         for layer, (kp, vp) in zip(params["layers"], pool):
-            h = rms_norm(x, layer["attn_norm"])
-            q = project_heads(h, layer["q"], N, H, dt)
-            k = project_heads(h, layer["k"], Nk, H, dt)
-            v = project_heads(h, layer["v"], Nk, H, dt)
+            q, k, v = self._qkv(x, layer)
             q, k, read = scheme.cache_write(q, k, pos)
             kp, vp, filled, _ = write_ragged(kp, vp, k[0], v[0], page_table, lengths,
                                              cu_q_lengths, mask)
             o = attention(q[0], kp, vp, page_table=page_table, kv_lengths=filled,
                           cu_q_lengths=cu_q_lengths, q_positions=positions, position=read,
                           causal=True)
-            x = x + merge_heads(o[None], layer["o"], dt)
-            x = x + mlp(rms_norm(x, layer["mlp_norm"]), layer["w_in"], layer["w_out"], dt)
+            x = self._finish_block(x, o[None], layer)
             new_pool.append((kp, vp))
         last = x[:, logits_at]  # [1, R, D]
         return tied_logits(rms_norm(last, params["final_norm"]), params["embed"])[0], \
