@@ -468,9 +468,9 @@ def run_module_decode(case: Case):
     cache = decode_state_cache(mha.init_cache(B, Tk + 3), (case.scheme, None), N, H)
     inner = getattr(cache, "inner", cache)
     if hasattr(inner, "_replace"):  # the empty slots hold NaN (never read into the result)
-        inner = inner._replace(k=jnp.full_like(inner.k, jnp.nan),
-                               v=jnp.full_like(inner.v, jnp.nan))
-        cache = dataclasses.replace(cache, inner=inner) if inner is not cache else inner
+        filled = inner._replace(k=jnp.full_like(inner.k, jnp.nan),
+                                v=jnp.full_like(inner.v, jnp.nan))
+        cache = filled if inner is cache else dataclasses.replace(cache, inner=filled)
     xx = jnp.asarray(x, dt)
     if Tk > Tq:
         _, cache = mha.decode(xx[:, :Tk - Tq], cache, positions=kvp[:, :Tk - Tq],

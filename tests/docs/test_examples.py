@@ -422,7 +422,7 @@ def test_registered_scheme_rows_evaluate_and_train(lg, name):
     if name not in lg.PACKED:
         pos, seg = lg.packed_positions(16, 8)
         x = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, 256)
-        with pytest.raises(ValueError, match="positions must be 0 .. 15"):
+        with pytest.raises(ValueError, match="positions 0 .. n-1 in order"):
             model(x, positions=jnp.asarray(pos)[None], segment_ids=jnp.asarray(seg)[None])
     else:
         x = _assert_packed_equals_separate(lg, model, P=16, L=8)
