@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 
 import jax
 import numpy as np
@@ -54,22 +55,57 @@ def rng() -> np.random.Generator:
 _SLOW_CASES = pathlib.Path(__file__).with_name("slow_cases.txt")
 
 
+_TESTS = pathlib.Path(__file__).parent
+_SHARED_FIXTURE = re.compile(r"""scope\s*=\s*["'](module|package|session)["']""")
+_CONTEXT_PARALLEL_CASE = re.compile(r"\[(ring|ulysses|usp)-")
+
+
+def _groups() -> dict[str, str]:
+    """``{test file: its xdist work unit}`` for the files whose cases share a costly
+    fixture: a module- or session-scoped fixture of the file's own (an 8-device
+    subprocess, a Hugging Face model), or the session's ``cp_quick`` subprocess
+    (tests/parallel/conftest.py; the files that use it form one unit)."""
+    groups = {}
+    for path in sorted(_TESTS.rglob("test_*.py")):
+        name = path.relative_to(_TESTS.parent).as_posix()
+        text = path.read_text()
+        if "cp_quick" in text:
+            groups[name] = "cp_quick"
+        elif _SHARED_FIXTURE.search(text):
+            groups[name] = name
+    return groups
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduler for ``--dist loadgroup``, with this suite's work units:
+    a test file whose cases share a costly fixture (see ``_groups``) runs whole in one
+    worker, so the fixture is built once and no worker waits on another's; the
+    conformance matrix's context-parallel cases (one 8-device subprocess) form one unit;
+    every other case is a unit of its own, dealt to whichever worker is free.
+
+    (xdist 3.8 marks a group by appending ``@name`` to ``item._nodeid``, which pytest
+    9.2's node ids no longer read, so ``xdist_group`` marks group nothing there; the
+    units are therefore set here, from the node ids.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    groups = _groups()
+
+    class _Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            if path.endswith("conformance/test_conformance.py"):
+                return path + ":context_parallel" if _CONTEXT_PARALLEL_CASE.search(nodeid) \
+                    else nodeid
+            return groups.get(path, nodeid)
+
+    return _Units(config, log)
+
+
 @pytest.hookimpl(tryfirst=True)  # before the -m 'not slow' deselection
 def pytest_collection_modifyitems(config, items):
-    """Marks the cases listed in ``tests/slow_cases.txt`` ``slow``, and groups the cases
-    for pytest-xdist's ``--dist loadgroup``: each test file's cases run in one worker (a
-    module's fixtures, such as an 8-device subprocess, run once), except the conformance
-    matrix, whose single-device cases (about 550 of the slow run's 1550) are dealt out
-    to the workers one by one; its context-parallel cases share one 8-device subprocess and stay
-    together."""
-    for item in items:
-        group = item.nodeid.split("::", 1)[0]
-        if group.endswith("conformance/test_conformance.py"):
-            callspec = getattr(item, "callspec", None)
-            if callspec is None or callspec.params.get("impl") not in ("ring", "ulysses",
-                                                                         "usp"):
-                continue
-        item.add_marker(pytest.mark.xdist_group(group))
+    """Marks the cases listed in ``tests/slow_cases.txt`` ``slow``."""
     if not _SLOW_CASES.is_file():
         return
     # "nodeid seconds" per line (a parametrised id may hold spaces)
