@@ -461,6 +461,7 @@ class ChunkedEngine:
     # (ALiBi); per shard it keeps them local.
     compiler_partitioned = False
     rotates_on_load = True  # the decode path rotates each key block as it slices it
+    replacing_form = "blocked"  # stick-breaking, PaTH, CoPE: key blocks, O(T) memory
 
     def refuses(self, call: AttentionCall) -> None:
         """Nothing: the chunked engine runs every validated call."""

@@ -24,10 +24,12 @@ last embedding are clamped to it (``npos`` embeddings, ``p_max = npos - 1``, the
 cache); visible keys are those at positions ``<= `` the query's in its segment; CoPE is
 causal here (``causal=False`` is refused).
 
-Implementations: ``"reference"`` (dense ``[B, N, Tq, Tk]``, JAX autodiff) and
-``"chunked"`` (key blocks right to left carrying each query's sum of the gates of the
-keys to the right, :mod:`jaxpos.core.carried`: ``O(T)`` memory besides the per-query
-position logits ``q . e`` ``[B, N, T, npos]``, custom VJP).
+Two forms, chosen by the engine's ``replacing_form`` capability
+(:func:`jaxpos.core.engines.replacing_form`; the Pallas kernel and ``"xla"`` declare none
+and are refused): dense (``implementation="reference"``: ``[B, N, Tq, Tk]``, JAX
+autodiff) and blocked (``"chunked"``, the default: key blocks right to left carrying each
+query's sum of the gates of the keys to the right, :mod:`jaxpos.core.carried`: ``O(T)``
+memory besides the per-query position logits ``q . e`` ``[B, N, T, npos]``, custom VJP).
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos._util import pad_axis
+from jaxpos.core import engines
 from jaxpos.core.carried import carried_attention, from_blocks, static_scale, to_blocks
 from jaxpos.core.path import compute_dtype, refuse_softmax_options, softmax_rows
-from jaxpos.schemes.base import REPLACING_IMPLEMENTATIONS, register_attention
+from jaxpos.schemes.base import register_attention
 
 __all__ = ["cope_attention", "cope_positions", "interpolate_logits", "scheme_attention"]
 
@@ -212,9 +215,11 @@ def cope_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, pos_emb: ArrayLike,
       segment_ids, kv_segment_ids: integer ``[B, Tq]`` / ``[B, Tk]`` (``kv_segment_ids``
         defaults to ``segment_ids``): only equal ids interact.
       scale: a static number, default ``1 / sqrt(H)``.
-      implementation: ``"reference"``, ``"chunked"`` or None (``"chunked"``). The Pallas
-        kernel and ``"xla"`` do not run CoPE (its position term depends on the gates of
-        the keys in between): ``ValueError``.
+      implementation: an engine that declares ``replacing_form``
+        (:func:`jaxpos.core.engines.replacing_form`): ``"reference"`` (dense),
+        ``"chunked"`` (blocked) or None (blocked). The Pallas kernel and ``"xla"`` do not
+        run CoPE (its position term depends on the gates of the keys in between):
+        ``ValueError``.
       block_size: the chunked tile size (default 128; any positive int).
       check_order: check the order of concrete ``kv_positions`` (default True). The Flax
         modules pass False: their padding queries see padding and empty cache slots out
@@ -225,7 +230,8 @@ def cope_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, pos_emb: ArrayLike,
 
     Raises:
       ValueError: bad ranks or shapes (naming the argument), ``pos_emb`` of another width
-        or head count, ``causal=False``, an unknown implementation, bad block size,
+        or head count, ``causal=False``, an unknown implementation or one that declares
+        no ``replacing_form`` (naming those that do), bad block size,
         concrete ``kv_positions`` out of order (see above).
       TypeError: float positions or segment ids, dtypes that differ, a traced scale.
     """
@@ -234,11 +240,10 @@ def cope_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, pos_emb: ArrayLike,
         raise ValueError(f"cope_attention counts the keys from the key up to the query "
                          f"(Golovneva et al. 2024, Eq. 3): causal only; got causal="
                          f"{causal!r}.")
-    if implementation not in REPLACING_IMPLEMENTATIONS + (None,):
-        raise ValueError(f"cope_attention runs on implementation 'reference' or 'chunked' "
-                         f"(or None: 'chunked'); got {implementation!r}. The Pallas kernel "
-                         f"and 'xla' do not take CoPE: its positions count the gates of the "
-                         f"keys in between, not a score_mod of positions.")
+    form = engines.replacing_form(
+        "cope_attention", implementation,
+        "CoPE's positions count the gates of the keys in between, not a score_mod of "
+        "positions.")
     B, Tq, N, H = _checks.shape_of(q)
     Tk, Nk = _checks.shape_of(k)[1:3]
     _checks.check_floating("pos_emb", pos_emb)
@@ -270,7 +275,7 @@ def cope_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, pos_emb: ArrayLike,
         jnp.einsum("bnqh,nhp->bnqp", qq, E)
     npos = es[-1]
     qp3, kp3 = jnp.broadcast_to(qp, (B, Tq))[:, None], jnp.broadcast_to(kp, (B, Tk))[:, None]
-    if implementation == "reference" or Tk == 0:
+    if form == "dense" or Tk == 0:
         out = _reference(qq, kk, vv, pos_logits, qp3, kp3, tuple(segs), scale, npos)
     else:
         bq, bk = min(block_size or _BLOCK, Tq), min(block_size or _BLOCK, Tk)
@@ -303,8 +308,8 @@ def scheme_attention(scheme, q: jax.Array, k: jax.Array, v: jax.Array, *,
 
     Raises:
       ValueError: a ``mask``, ``mask_mod``, ``sinks``, attention dropout; the errors of
-        :func:`cope_attention` (an implementation other than ``"reference"`` /
-        ``"chunked"``, naming the two).
+        :func:`cope_attention` (an implementation that declares no ``replacing_form``,
+        naming those that do).
     """
     refuse_softmax_options("CoPE attention", mask, mask_mod, sinks, extra)
     scheme.check_causal(causal)

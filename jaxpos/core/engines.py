@@ -44,6 +44,12 @@ and optionally
   kernel). Under a mesh, :func:`run` runs an engine per (batch, head) shard inside
   ``jax.shard_map`` (:mod:`jaxpos.core.partition`): always under Explicit axes, and under
   Auto axes unless it is ``compiler_partitioned``.
+* ``replacing_form``: the form an attention that replaces softmax's scores takes
+  when this engine is asked for (stick-breaking, PaTH, CoPE: their scores carry a state
+  along the keys, so no score_mod of positions expresses them): ``"dense"`` (the whole
+  ``[B, N, Tq, Tk]`` score matrix, JAX autodiff) or ``"blocked"`` (key blocks, ``O(T)``
+  memory, a recomputing backward); default None, an engine that computes softmax
+  attention only and is refused by those attentions (:func:`replacing_form`).
 
 A new engine is its own file and one :func:`register_engine` call. The built-in engines
 ("reference", "chunked", "xla" and the fused Pallas kernel "pallas") register in their own
@@ -67,10 +73,11 @@ from jaxpos._util import poison_rows
 if TYPE_CHECKING:
     from jaxpos.core.call import AttentionCall
 
-__all__ = ["BUILT_IN", "BUILT_IN_TILED", "PREFERENCE", "Engine", "capability",
-           "engine_names", "engines_with", "get_engine", "preference", "register_engine",
-           "register_engine_module", "run", "run_with_lse", "select_engine",
-           "takes_kv_lengths", "traced_scale", "unfusable_scheme", "fused_refusal"]
+__all__ = ["BUILT_IN", "BUILT_IN_TILED", "PREFERENCE", "REPLACING_FORMS", "Engine",
+           "capability", "engine_names", "engines_with", "get_engine", "preference",
+           "register_engine", "register_engine_module", "replacing_form", "run",
+           "run_with_lse", "select_engine", "takes_kv_lengths", "traced_scale",
+           "unfusable_scheme", "fused_refusal"]
 
 
 @runtime_checkable
@@ -117,6 +124,11 @@ PREFERENCE: dict[str, list[str]] = {
 }
 _BACKEND_ALIASES = {"cuda": "gpu"}
 
+#: The values of the ``replacing_form`` capability: how an attention that replaces
+#: softmax's scores runs on an engine (the module docstring). ``implementation=None``
+#: takes the second, ``"blocked"`` (``O(T)`` memory), whatever the backend.
+REPLACING_FORMS = ("dense", "blocked")
+
 
 def _backend_key(backend: str) -> str:
     b = _BACKEND_ALIASES.get(backend.lower(), backend.lower())
@@ -162,6 +174,11 @@ def register_engine(engine: Engine, *, backends: Iterable[str] = (),
     if name in _ENGINES and _ENGINES[name] is not engine and not replace:
         raise ValueError(f"an engine named {name!r} is registered already "
                          f"({type(_ENGINES[name]).__name__}); pass replace=True to replace it.")
+    form = getattr(engine, "replacing_form", None)
+    if form is not None and form not in REPLACING_FORMS:
+        raise ValueError(f"engine {name!r} declares replacing_form={form!r}; expected one of "
+                         f"{REPLACING_FORMS} or None (it runs no attention that replaces "
+                         f"softmax's scores).")
     keys = [_checked_backend(b) for b in ([backends] if isinstance(backends, str)
                                           else backends)]
     for key in keys:
@@ -232,6 +249,31 @@ def engines_with(attr: str, default: bool = False) -> tuple[str, ...]:
     true (``default`` where an engine does not declare it), e.g.
     ``engines_with("second_derivatives", True)``."""
     return tuple(n for n in engine_names() if getattr(get_engine(n), attr, default))
+
+
+def replacing_form(what: str, implementation: str | None, why: str = "") -> str:
+    """The form (:data:`REPLACING_FORMS`) in which ``what``, an attention that replaces
+    softmax's scores (``"path_attention"``, ...), runs for ``implementation=``: the
+    engine's ``replacing_form`` capability; None gives ``"blocked"``. ``why`` (a sentence)
+    says why an engine without the capability cannot run it.
+
+    Raises:
+      ValueError: an unknown engine name (listing them); an engine that declares no
+        ``replacing_form`` (naming ``implementation``, what it got and the engines that
+        declare one).
+    """
+    if implementation is None:
+        return REPLACING_FORMS[1]
+    form = getattr(get_engine(implementation), "replacing_form", None)
+    if form in REPLACING_FORMS:
+        return form
+    names = [repr(n) for n in engines_with("replacing_form", False)]
+    listed = " or ".join(names) if len(names) < 3 else \
+        ", ".join(names[:-1]) + " or " + names[-1]
+    raise ValueError(f"{what} runs on implementation {listed} (the engines that declare "
+                     f"replacing_form; or None: the blocked form); got implementation="
+                     f"{implementation!r}, an engine of softmax attention only." +
+                     (f" {why}" if why else ""))
 
 
 def takes_kv_lengths(name: str | None) -> bool:

@@ -15,13 +15,15 @@ the logit is ``scale * (s_ij + c_i - c_j)``; as in the authors' code
 (flash-linear-attention, ``fla/ops/path_attn/naive.py``, ``naive_path_attn``, where the
 gate's cumulative sum is added before the ``scale``), the forget term is scaled too.
 
-Implementations:
+Two forms, chosen by the engine's ``replacing_form`` capability
+(:func:`jaxpos.core.engines.replacing_form`; the Pallas kernel and ``"xla"`` declare none
+and are refused):
 
-* ``"reference"``: the scores by the explicit recurrence ``k_j <- H_t k_j`` applied to
-  every earlier key at each step ``t`` (the paper's inference rule, §3.2 "Efficient
-  inference"), dense ``[B, N, T, T]``, JAX autodiff;
-* ``"chunked"`` (default): the blockwise algorithm of §3.2: within a block of ``C``
-  tokens the product of the transforms has the compact WY / UT form (Joffrain et al.
+* dense (``implementation="reference"``): the scores by the explicit recurrence ``k_j <-
+  H_t k_j`` applied to every earlier key at each step ``t`` (the paper's inference rule,
+  §3.2 "Efficient inference"), dense ``[B, N, T, T]``, JAX autodiff;
+* blocked (``"chunked"``, the default): the blockwise algorithm of §3.2: within a block of
+  ``C`` tokens the product of the transforms has the compact WY / UT form (Joffrain et al.
   2006; Bischof & Van Loan 1987) ``H_C ... H_1 = I - W^T Y`` with ``Y = T diag(beta) W``,
   ``T = (I + diag(beta) strict_lower(W W^T))^{-1}``; queries absorb the transforms of
   their own block before them, keys those of their block after them, and a query block
@@ -46,8 +48,9 @@ from jax.typing import ArrayLike
 
 from jaxpos import _checks
 from jaxpos._util import pad_axis
+from jaxpos.core import engines
 from jaxpos.core.carried import carried_attention, from_blocks, static_scale, to_blocks
-from jaxpos.schemes.base import REPLACING_IMPLEMENTATIONS, register_attention
+from jaxpos.schemes.base import register_attention
 
 __all__ = ["compute_dtype", "group_heads", "path_attention",
            "path_scores", "refuse_softmax_options", "scheme_attention", "softmax_rows",
@@ -55,6 +58,9 @@ __all__ = ["compute_dtype", "group_heads", "path_attention",
 
 _BLOCK = 64
 _NEG_INF = -jnp.inf
+#: Why an engine of softmax attention only cannot run PaTH (its refusal's last sentence).
+PATH_REFUSAL = ("PaTH's scores depend on the transforms of the tokens in between, not on "
+                "a score_mod of positions.")
 
 
 def compute_dtype(x: ArrayLike) -> jnp.dtype:
@@ -253,9 +259,11 @@ def path_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, w: ArrayLike, beta:
         transforms between two tokens are those of every token in between); only equal ids
         attend. Concrete ids are checked; traced ones (under ``jit``) must keep it too.
       scale: a static number, default ``1 / sqrt(H)``.
-      implementation: ``"reference"`` (dense), ``"chunked"`` (blockwise, ``O(T)``
-        memory, custom VJP) or None (``"chunked"``). The Pallas kernel and ``"xla"`` do
-        not run PaTH (its scores are not a score_mod of positions): ``ValueError``.
+      implementation: an engine that declares ``replacing_form``
+        (:func:`jaxpos.core.engines.replacing_form`): ``"reference"`` (dense),
+        ``"chunked"`` (blockwise, ``O(T)`` memory, custom VJP) or None (blockwise). The
+        Pallas kernel and ``"xla"`` do not run PaTH (its scores are not a score_mod of
+        positions): ``ValueError``.
       block_size: the chunked block size ``C`` (default 64; any positive int).
 
     Returns:
@@ -263,9 +271,9 @@ def path_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, w: ArrayLike, beta:
 
     Raises:
       ValueError: bad ranks or shapes (naming the argument), ``q`` and ``k`` of different
-        lengths, ``causal=False``, an implementation other than ``"reference"`` /
-        ``"chunked"``, a non-positive block size, concrete ``segment_ids`` whose segment
-        comes back after another one (``[0, 1, 0, 1, ...]``).
+        lengths, ``causal=False``, an implementation that declares no ``replacing_form``
+        (naming those that do), a non-positive block size, concrete ``segment_ids`` whose
+        segment comes back after another one (``[0, 1, 0, 1, ...]``).
       TypeError: integer inputs, float segment ids, dtypes that differ, a traced scale.
     """
     _check_inputs(q, k, v, w, beta, log_forget, segment_ids)
@@ -274,11 +282,7 @@ def path_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, w: ArrayLike, beta:
         raise ValueError(f"path_attention is causal by definition (Yang et al. 2025, Eq. 2: "
                          f"the transforms from the key up to the query); got causal="
                          f"{causal!r}.")
-    if implementation not in REPLACING_IMPLEMENTATIONS + (None,):
-        raise ValueError(f"path_attention runs on implementation 'reference' or 'chunked' "
-                         f"(or None: 'chunked'); got {implementation!r}. The Pallas kernel "
-                         f"and 'xla' do not take PaTH: its scores depend on the transforms "
-                         f"of the tokens in between, not on a score_mod of positions.")
+    form = engines.replacing_form("path_attention", implementation, PATH_REFUSAL)
     if block_size is not None:
         _checks.check_positive_int("block_size", block_size)
     B, T, N, H = _checks.shape_of(q)
@@ -298,7 +302,7 @@ def path_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, w: ArrayLike, beta:
         G = jnp.cumsum(jnp.swapaxes(jnp.asarray(log_forget, ct), 1, 2), -1)
     seg = jnp.zeros((B, 1, T), jnp.int32) if segment_ids is None else \
         jnp.asarray(segment_ids, jnp.int32)[:, None, :]
-    if implementation == "reference":
+    if form == "dense":
         out = _reference(qq, kk, vv, ww, bb, G, seg, scale)
     else:
         C = min(block_size or _BLOCK, T)
@@ -340,7 +344,7 @@ def scheme_attention(scheme, q: jax.Array, k: jax.Array, v: jax.Array, *,
     :class:`jaxpos.schemes.path.PaTH`) gives the transforms (its ``directions`` from the
     call's segments, ``beta``, the forget gates), the rest are the keywords the modules
     pass to :func:`jaxpos.attention` (positions are not used: PaTH's position is the order
-    of the tokens). ``implementation`` ``"reference"`` or ``"chunked"`` (None: chunked).
+    of the tokens). ``implementation``: as :func:`path_attention`.
 
     Returns:
       ``[B, T, N, H_v]`` in q's dtype.
@@ -348,8 +352,8 @@ def scheme_attention(scheme, q: jax.Array, k: jax.Array, v: jax.Array, *,
     Raises:
       ValueError: a ``mask``, ``mask_mod``, ``sinks``, attention dropout; ``kv_segment_ids``
         other than ``segment_ids``; keys with other than the scheme's ``num_kv_heads``
-        heads; the errors of :func:`path_attention` (an implementation other than
-        ``"reference"`` / ``"chunked"``, naming the two).
+        heads; the errors of :func:`path_attention` (an implementation that declares no
+        ``replacing_form``, naming those that do).
     """
     refuse_softmax_options("PaTH attention", mask, mask_mod, sinks, extra)
     scheme.check_causal(causal)

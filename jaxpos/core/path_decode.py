@@ -39,15 +39,17 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxpos._util import over_blocks
+from jaxpos.core import engines
 from jaxpos.core.carried import static_scale
 from jaxpos.core.paged import gather_pages
 from jaxpos.core.path import (
+    PATH_REFUSAL,
     compute_dtype,
     group_heads,
     refuse_softmax_options,
     wy_blocks,
 )
-from jaxpos.schemes.base import REPLACING_IMPLEMENTATIONS, PositionScheme, register_attention
+from jaxpos.schemes.base import PositionScheme, register_attention
 
 __all__ = ["BLOCK_SLOTS", "PaTHCacheRead", "cached_path_attention", "chunk_transforms",
            "move_keys"]
@@ -177,22 +179,21 @@ def cached_path_attention(scheme: PaTHCacheRead, q: jax.Array, k: Any, v: Any, *
         before this step), or with ``scheme.page_table`` the pools ``[num_pages,
         page_size, N_kv, H]``; segment_ids: int ``[B, T]`` (1 token, 0 padding);
         kv_segment_ids: int ``[B, S]`` (nonzero: a slot holding a token).
-      implementation: ``"reference"``, ``"chunked"`` or None (a step is the same pass
-        for all).
+      implementation: an engine that declares ``replacing_form`` (``"reference"``,
+        ``"chunked"``) or None: a step is the same pass for all.
 
     Returns:
       ``[B, T, N, Hv]`` in q's dtype (zeros for a query that sees no key: padding).
 
     Raises:
       ValueError: a softmax-attention option (mask, mask_mod, sinks, dropout), a
-        non-causal call, another implementation.
+        non-causal call, an implementation that declares no ``replacing_form`` (naming
+        those that do).
     """
     refuse_softmax_options("PaTH attention", mask, mask_mod, sinks, extra)
     if causal is not True:
         raise ValueError(f"PaTH attention is causal by definition; got causal={causal!r}.")
-    if implementation not in REPLACING_IMPLEMENTATIONS + (None,):
-        raise ValueError(f"PaTH decoding runs on implementation 'reference' or 'chunked' (or "
-                         f"None); got {implementation!r}.")
+    engines.replacing_form("PaTH decoding", implementation, PATH_REFUSAL)  # either form
     B, T, N, H = q.shape
     ct = compute_dtype(q)
     scale = static_scale("PaTH attention", scale, H)

@@ -191,6 +191,7 @@ class ReferenceEngine:
 
     name = "reference"
     compiler_partitioned = True  # XLA operations: the compiler splits them under Auto axes
+    replacing_form = "dense"  # stick-breaking, PaTH, CoPE: their whole score matrix
 
     def refuses(self, call: AttentionCall) -> None:
         """Nothing: the reference runs every validated call."""

@@ -30,11 +30,14 @@ in the cache) have it; a query without one gets no remainder. "Between" follows 
 axis order, so keys must be sorted by position along their axis (as in a sequence or a
 cache). Stick-breaking is causal by definition: ``causal=False`` is refused.
 
-Implementations: ``"reference"`` (dense ``[B, N, Tq, Tk]`` log weights, JAX autodiff) and
-``"chunked"`` (tiles, key blocks visited right to left carrying the running sum of
-``softplus`` per query, ``O(T)`` memory; a custom VJP recomputes the tiles right to left
-again, with the running sums of ``softplus`` and of ``A_ij (do_i . v_j)``, the latter
-closed by ``do_i . o_i`` as FlashAttention's ``delta``). No Pallas kernel.
+Two forms, chosen by the engine's ``replacing_form`` capability
+(:func:`jaxpos.core.engines.replacing_form`): dense (``implementation="reference"``: the
+``[B, N, Tq, Tk]`` log weights, JAX autodiff) and blocked (``"chunked"``, the default:
+tiles, key blocks visited right to left carrying the running sum of ``softplus`` per
+query, ``O(T)`` memory; a custom VJP recomputes the tiles right to left again, with the
+running sums of ``softplus`` and of ``A_ij (do_i . v_j)``, the latter closed by ``do_i .
+o_i`` as FlashAttention's ``delta``). An engine without the capability (the Pallas
+kernel, ``"xla"``) is refused.
 
 The scheme object
 (:class:`jaxpos.schemes.stick_breaking.StickBreaking`, ``position="stick_breaking"`` in the
@@ -53,7 +56,8 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxpos import _checks
-from jaxpos.schemes.base import REPLACING_IMPLEMENTATIONS, register_attention
+from jaxpos.core import engines
+from jaxpos.schemes.base import register_attention
 
 __all__ = ["scheme_attention", "stick_breaking_attention", "stick_breaking_weights"]
 
@@ -251,8 +255,9 @@ def stick_breaking_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal
       attend_current: the query's own key takes a share first (default False, as the
         authors' ``sb_attn``).
       remainder: add ``rem_i v_i`` (default True, as the authors' models).
-      implementation: ``"reference"`` (dense), ``"chunked"`` (``O(T)`` memory, custom
-        VJP), or None (``"chunked"``).
+      implementation: an engine that declares ``replacing_form``
+        (:func:`jaxpos.core.engines.replacing_form`): ``"reference"`` (dense),
+        ``"chunked"`` (blocked: ``O(T)`` memory, custom VJP), or None (blocked).
       block_q, block_k: chunked tile sizes (default 128; any positive int).
 
     Returns:
@@ -260,7 +265,8 @@ def stick_breaking_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal
 
     Raises:
       ValueError: ``causal=False``; bad ranks or mismatched shapes; positions or segment
-        ids of the wrong shape; unknown implementation; non-positive block sizes.
+        ids of the wrong shape; an unknown implementation or one that declares no
+        ``replacing_form`` (naming those that do); non-positive block sizes.
       TypeError: float positions or segment ids; a non-real scale.
     """
     _checks.check_qkv(q, k, v)
@@ -268,7 +274,10 @@ def stick_breaking_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal
         raise ValueError(f"stick_breaking_attention is causal by definition (Tan et al. 2025, "
                          f"§2: the keys before the query break the stick); got causal="
                          f"{causal!r}.")
-    _checks.check_choice("implementation", implementation, REPLACING_IMPLEMENTATIONS + (None,))
+    form = engines.replacing_form(
+        "stick_breaking_attention", implementation,
+        "Its weights break a stick along the keys between the key and the query, which "
+        "no score_mod of positions expresses.")
     B, Tq, N, H = q.shape
     Tk = k.shape[1]
     qp, kp, qs, ks = _positions_and_segments(q_positions, kv_positions, segment_ids,
@@ -284,7 +293,7 @@ def stick_breaking_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal
     qq, kk, vv = to_bnth(q), to_bnth(k), to_bnth(v)
     if g > 1:
         kk, vv = jnp.repeat(kk, g, axis=1), jnp.repeat(vv, g, axis=1)
-    if implementation == "reference" or Tk == 0:
+    if form == "dense" or Tk == 0:
         s = jnp.einsum("bnqh,bnkh->bnqk", qq, kk) * scale
         w = stick_breaking_weights(s, qp, kp, segment_ids=jnp.broadcast_to(qs, (B, Tq)),
                                    kv_segment_ids=jnp.broadcast_to(ks, (B, Tk)),
@@ -360,7 +369,8 @@ def scheme_attention(scheme: Any, q: jax.Array, k: jax.Array, v: jax.Array, *,
     """:func:`stick_breaking_attention` with the diagonal conventions of ``scheme`` (a
     :class:`jaxpos.schemes.stick_breaking.StickBreaking`) and the keywords the Flax modules
     pass to :func:`jaxpos.attention` (``position`` is ignored: the scheme is ``scheme``);
-    ``implementation`` other than ``"reference"`` runs ``"chunked"``.
+    an ``implementation`` that declares no ``replacing_form`` (the modules' softmax
+    engine, e.g. the Pallas kernel) runs the blocked form, as None does.
 
     Returns:
       ``[B, Tq, N, H_v]`` in q's dtype.
@@ -378,4 +388,5 @@ def scheme_attention(scheme: Any, q: jax.Array, k: jax.Array, v: jax.Array, *,
         q, k, v, causal=True, q_positions=q_positions, kv_positions=kv_positions,
         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, scale=scale,
         attend_current=scheme.attend_current, remainder=scheme.remainder,
-        implementation="reference" if implementation == "reference" else "chunked")
+        implementation=implementation if implementation is not None and engines.capability(
+            implementation, "replacing_form") is not None else None)

@@ -35,20 +35,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-__all__ = ["ATTENTIONS", "REGISTRY", "REPLACING_IMPLEMENTATIONS", "NoPE", "PositionScheme",
+__all__ = ["ATTENTIONS", "REGISTRY", "NoPE", "PositionScheme",
            "as_scheme", "get_scheme", "register", "register_attention"]
 
 #: name -> scheme class; filled by :func:`register` in each scheme's module.
 REGISTRY: dict[str, type] = {}
 #: scheme name -> the attention that replaces softmax attention for that scheme
 #: (``replaces_softmax``); filled by :func:`register_attention` in the engine's module.
+#: The ``implementation=`` values they take are the engines that declare the
+#: ``replacing_form`` capability (:func:`jaxpos.core.engines.replacing_form`).
 ATTENTIONS: dict[str, Callable[..., Any]] = {}
-#: The ``implementation=`` values every attention of :data:`ATTENTIONS` takes (and
-#: ``None``, its default): the dense reference and the blocked ``O(T)`` path in plain JAX.
-#: The engines of :func:`jaxpos.attention` (``jaxpos.IMPLEMENTATIONS``) are another list:
-#: the Pallas kernel and ``"xla"`` take scores from a score_mod of positions, which these
-#: schemes do not have.
-REPLACING_IMPLEMENTATIONS = ("reference", "chunked")
 
 
 def register(name: str) -> Callable[[type], type]:

@@ -84,7 +84,7 @@ def test_bad_inputs_are_refused_naming_the_argument():
     q, k, v, E = inputs(4)
     with pytest.raises(ValueError, match="causal"):
         cope_attention(q, k, v, E, causal=False)
-    with pytest.raises(ValueError, match="'reference' or 'chunked'.*Pallas"):
+    with pytest.raises(ValueError, match="'reference' or 'chunked'.*got implementation='pallas'"):
         cope_attention(q, k, v, E, implementation="pallas")
     with pytest.raises(ValueError, match="pos_emb must have shape"):
         cope_attention(q, k, v, E[:2])

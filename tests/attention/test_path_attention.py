@@ -128,7 +128,7 @@ def test_bad_inputs_are_refused_naming_the_argument():
     q, k, v, w, beta, lf = inputs(6)
     with pytest.raises(ValueError, match="causal"):
         path_attention(q, k, v, w, beta, causal=False)
-    with pytest.raises(ValueError, match="'reference' or 'chunked'.*Pallas"):
+    with pytest.raises(ValueError, match="'reference' or 'chunked'.*got implementation='pallas'"):
         path_attention(q, k, v, w, beta, implementation="pallas")
     with pytest.raises(ValueError, match="w must have"):
         path_attention(q, k, v, w[:, :, :1], beta)
