@@ -83,7 +83,9 @@ __all__ = ["BUILT_IN", "BUILT_IN_TILED", "PREFERENCE", "REPLACING_FORMS", "Engin
 @runtime_checkable
 class Engine(Protocol):
     """What :func:`register_engine` takes (see the module docstring for the optional
-    members ``run_with_lse``, ``prefers``, ``rotates_on_load`` and ``takes_kv_lengths``)."""
+    members ``run_with_lse``, ``prefers``, ``rotates_on_load``, ``takes_kv_lengths`` and
+    the capabilities ``run_paged``, ``second_derivatives``, ``ring_tile``,
+    ``varying_types_on_cpu``, ``compiler_partitioned``, ``replacing_form``)."""
 
     name: str
 
@@ -160,8 +162,9 @@ def register_engine(engine: Engine, *, backends: Iterable[str] = (),
 
     Raises:
       TypeError: ``engine`` lacks ``name`` (a string), ``refuses`` or ``run``.
-      ValueError: the name is taken (without ``replace``), an unknown backend, or
-        ``before`` not on a list.
+      ValueError: the name is taken (without ``replace``), an unknown backend,
+        ``before`` not on a list, or a ``replacing_form`` other than None or one of
+        :data:`REPLACING_FORMS`.
     """
     name = getattr(engine, "name", None)
     if not isinstance(name, str) or not name:
