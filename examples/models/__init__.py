@@ -21,7 +21,8 @@ each with a converter from a Hugging Face PyTorch state dict (``from_hf``):
   (a mask_mod / block mask), YaRN RoPE, mixture of experts
   (``tests/parity/test_parity_gpt_oss.py``).
 * :mod:`examples.models.deepseek_v3`: DeepSeek-V3 decoder, multi-head latent attention with
-  decoupled RoPE (:mod:`jaxpos.schemes.mla`), YaRN softmax mscale, a latent KV cache, DeepSeekMoE
+  decoupled RoPE (:mod:`jaxpos.schemes.mla`), YaRN softmax mscale, a latent KV cache in the
+  library caches, DeepSeekMoE
   (``tests/parity/test_parity_deepseek_v3.py``).
 * :mod:`examples.models.common`: padding -> positions and segment ids, the shared decoder
   plumbing on the library's caches (:class:`~examples.models.common.DecoderCall`), and the

@@ -1,5 +1,6 @@
 """Pieces shared by the example models: checked token lookup, padding -> positions and
-segment ids, the KV cache, and loading a Hugging Face PyTorch state dict into an NNX
+segment ids, decoding on the library's KV caches (:class:`DecoderCall`,
+:class:`CachedDecoderMixin`), and loading a Hugging Face PyTorch state dict into an NNX
 module with every key and shape checked.
 
 Padding is expressed the jaxpos way, as position and segment arrays (docs/modules.md,
@@ -13,7 +14,7 @@ Face's key-padding masks do. Positions of real tokens are ``cumsum(attention_mas
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -23,14 +24,13 @@ from flax import nnx
 import jaxpos
 from jaxpos import _checks
 from jaxpos.core.engines import takes_kv_lengths
-from jaxpos.layers.cache import check_cache, new_cache, poison_rows
+from jaxpos.layers.cache import CacheRead, check_cache, new_cache, poison_rows
 from jaxpos.mods import ChunkedAttentionMask, SlidingWindowMask
 
 __all__ = [
     "CachedDecoderMixin",
     "ChunkedAttentionMask",
     "DecoderCall",
-    "KVCache",
     "SlidingWindowMask",
     "embed_tokens",
     "init_layer_caches",
@@ -130,63 +130,6 @@ def mask_kwargs(mask_mod, *, q_positions, kv_positions, implementation=None, blo
     return {"mask_mod": mask_mod, **blocks}
 
 
-# ------------------------------------------------------------------------------ cache
-class KVCache(NamedTuple):
-    """A fixed-size KV cache for incremental decoding (a pytree: jit/scan friendly).
-
-    Keys are stored **unrotated**: the position scheme (RoPE here) is applied inside
-    :func:`jaxpos.attention` from ``positions``, so a cached key never has to be
-    re-rotated and any scheme works unchanged.
-
-    Fields:
-      k, v: ``[num_layers, B, max_len, kv_heads, head_dim]``.
-      positions: int32 ``[B, max_len]``, the position of each written slot.
-      segments: int32 ``[B, max_len]``, 1 for a real token, 0 for padding or unwritten.
-      index: int32 scalar, the next slot to write.
-      next_position: int32 ``[B]``, the number of real tokens so far (next position).
-    """
-
-    k: jax.Array
-    v: jax.Array
-    positions: jax.Array
-    segments: jax.Array
-    index: jax.Array
-    next_position: jax.Array
-
-    @classmethod
-    def init(cls, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
-             dtype=jnp.float32) -> KVCache:
-        """An empty cache of ``max_len`` slots."""
-        for name, val in (("num_layers", num_layers), ("batch", batch), ("max_len", max_len),
-                          ("kv_heads", kv_heads), ("head_dim", head_dim)):
-            _checks.check_positive_int(name, val)
-        shape = (num_layers, batch, max_len, kv_heads, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                   jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((batch, max_len), jnp.int32),
-                   jnp.zeros((), jnp.int32), jnp.zeros((batch,), jnp.int32))
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[2]
-
-    def write(self, layer: int, k, v):
-        """Keys and values of ``layer`` with ``k``, ``v`` ``[B, T, kv_heads, head_dim]``
-        written at ``index``: returns the full ``[B, max_len, kv_heads, head_dim]`` pair."""
-        start = (0, self.index, 0, 0)
-        kl = jax.lax.dynamic_update_slice(self.k[layer], k.astype(self.k.dtype), start)
-        vl = jax.lax.dynamic_update_slice(self.v[layer], v.astype(self.v.dtype), start)
-        return kl, vl
-
-    def advance(self, new_k, new_v, positions, segments, attention_mask):
-        """The cache after writing ``T`` tokens: ``new_k``/``new_v`` are per-layer lists of
-        full ``[B, max_len, ...]`` arrays from :meth:`write`."""
-        T = positions.shape[1]
-        pos = jax.lax.dynamic_update_slice(self.positions, positions, (0, self.index))
-        seg = jax.lax.dynamic_update_slice(self.segments, segments, (0, self.index))
-        return KVCache(jnp.stack(new_k), jnp.stack(new_v), pos, seg, self.index + T,
-                       self.next_position + jnp.sum(attention_mask, axis=-1).astype(jnp.int32))
-
-
 # -------------------------------------------------------- decoding on the library caches
 def init_layer_caches(batch: int, max_len: int, layers, dtype=jnp.float32, *,
                       keep_first: int | None = None, **cache_options) -> tuple:
@@ -269,42 +212,85 @@ class DecoderCall:
         self._poison = jnp.zeros((B,), bool)
         self._masks: dict = {}
 
-    def _mask_kw(self, mask_mod, q_positions, kv_positions, paged: bool) -> dict:
+    def _mask_kw(self, mask_mod, q_positions, kv_positions, paged: bool,
+                 at_slots: bool = False) -> dict:
         if paged:  # a block mask of gathered rows would not index the pages
             blocks = {"block_q": self.block_q, "block_k": self.block_k}
             return blocks if mask_mod is None else {"mask_mod": mask_mod, **blocks}
-        if mask_mod not in self._masks:  # layers of one call share positions
-            self._masks[mask_mod] = mask_kwargs(
+        key = (mask_mod, at_slots)
+        if key not in self._masks:  # layers of one call share positions
+            self._masks[key] = mask_kwargs(
                 mask_mod, q_positions=q_positions, kv_positions=kv_positions,
                 implementation=self.implementation, block_q=self.block_q, block_k=self.block_k)
-        return self._masks[mask_mod]
+        return self._masks[key]
 
-    def attend(self, layer: int, q, k, v, *, scheme, mask_mod=None, sinks=None,
-               scale=None) -> jax.Array:
-        """Causal attention of layer ``layer``: ``q`` ``[B, T, N, H]``, ``k``, ``v``
-        ``[B, T, N_kv, H]`` raw projections of the new tokens, ``scheme`` the layer's
-        :class:`jaxpos.PositionScheme`; ``mask_mod``, ``sinks`` ``[N]`` and ``scale`` as in
-        :func:`jaxpos.attention`. Returns ``[B, T, N, H]`` (layers must be attended in
-        order, once each, when there is a cache)."""
+    def write(self, layer: int, scheme, q, k, v) -> CacheRead:
+        """Store layer ``layer``'s new tokens in its cache through the
+        :class:`~jaxpos.layers.cache.Cache` protocol and return what the cache hands
+        attention (:class:`~jaxpos.layers.cache.CacheRead`): for a port that runs its own
+        attention call on the cached keys and values (DeepSeek-V3's latent attention).
+        :meth:`attend` is this plus the one :func:`jaxpos.attention` call.
+
+        Args:
+          layer: the layer's index (layers are written in order, once each).
+          scheme: the :class:`jaxpos.PositionScheme` whose ``cache_write`` decides what is
+            stored (:class:`jaxpos.NoPE` stores ``k``, ``v`` as given).
+          q: ``[B, T, N, H]``; k, v: ``[B, T, N_kv, H]``, the new tokens (raw).
+
+        Raises:
+          ValueError: no cache; a layer out of order; the cache's own errors (overflow).
+        """
         if self.cache is None:
-            kw = self._mask_kw(mask_mod, self.positions, self.positions, False)
-            return jaxpos.attention(
-                q, k, v, position=scheme, q_positions=self.positions,
-                kv_positions=self.positions, causal=True,
-                segment_ids=query_segments(self.B, self.T),
-                kv_segment_ids=key_segments(self.mask, self.B, self.T), sinks=sinks,
-                scale=scale, implementation=self.implementation, **kw)
+            raise ValueError("DecoderCall.write needs a cache (the call was made without one).")
         if layer != len(self._new):
             raise ValueError(f"layer {layer} attended out of order (expected layer "
                              f"{len(self._new)}).")
         cache, read = self.cache[layer].write(scheme, q, k, v, self.positions, self.mask > 0)
         self._new.append(cache)
         self._poison = self._poison | read.poison
+        return read
+
+    def attend(self, layer: int, q, k, v, *, scheme, mask_mod=None, sinks=None,
+               scale=None, at_slots: bool = False) -> jax.Array:
+        """Causal attention of layer ``layer``: ``q`` ``[B, T, N, H]``, ``k``, ``v``
+        ``[B, T, N_kv, H]`` raw projections of the new tokens, ``scheme`` the layer's
+        :class:`jaxpos.PositionScheme`; ``mask_mod``, ``sinks`` ``[N]`` and ``scale`` as in
+        :func:`jaxpos.attention`. Returns ``[B, T, N, H]`` (layers must be attended in
+        order, once each, when there is a cache).
+
+        ``at_slots``: the layer attends at cache slot indices instead of the text's
+        positions: slot ``s`` of a row is the ``s``-th token it was handed, padding
+        counted (Hugging Face's ``cache_position``, ``arange(T)`` in a call without a
+        cache). Llama 4's NoPE layers take their causality and attention temperature from
+        them (HF ``Llama4TextAttention``); they differ from the text's positions by a row's
+        left padding. The slots come from the read: the new tokens are the last
+        ``T`` of the row's ``kv_lengths`` filled slots (every cache holding rows of slots
+        at the text's positions: dense, paged). A cache that re-numbers its tokens
+        (StreamingLLM) and a ragged step (whose rows hold no padding, so slots are the
+        positions) keep the read's positions.
+        """
+        if self.cache is None:
+            pos = (jnp.arange(self.T, dtype=jnp.int32)[None] if at_slots else self.positions)
+            kw = self._mask_kw(mask_mod, pos, pos, False, at_slots)
+            return jaxpos.attention(
+                q, k, v, position=scheme, q_positions=pos, kv_positions=pos, causal=True,
+                segment_ids=query_segments(self.B, self.T),
+                kv_segment_ids=key_segments(self.mask, self.B, self.T), sinks=sinks,
+                scale=scale, implementation=self.implementation, **kw)
+        text_positions = type(self.cache[layer]).text_positions
+        read = self.write(layer, scheme, q, k, v)
+        if at_slots and text_positions and read.cu_q_lengths is None:
+            S = read.kv_positions.shape[-1]
+            first = read.kv_lengths[:, None] - self.T  # the row's slots before this call
+            read = read._replace(
+                q_positions=first + jnp.arange(self.T, dtype=jnp.int32)[None],
+                kv_positions=jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32),
+                                              read.kv_positions.shape))
         extra = read.keywords()
         if takes_kv_lengths(self.implementation):  # a step costs the filled length
             extra["kv_lengths"] = read.kv_lengths
         extra.update(self._mask_kw(mask_mod, read.q_positions, read.kv_positions,
-                                   read.page_table is not None))
+                                   read.page_table is not None, at_slots))
         rq = read.q
         return jaxpos.attention(
             rq, read.k.astype(rq.dtype), read.v.astype(rq.dtype), position=read.scheme,
@@ -371,13 +357,6 @@ def check_head_groups(config) -> None:
     if config.num_attention_heads % config.num_key_value_heads:
         raise ValueError(f"num_attention_heads ({config.num_attention_heads}) must be a multiple "
                          f"of num_key_value_heads ({config.num_key_value_heads}).")
-
-
-def check_cache_room(cache: KVCache, T: int) -> None:
-    """Raise ``ValueError`` when ``T`` more tokens do not fit (concrete index only)."""
-    if _checks.is_concrete(cache.index) and int(cache.index) + T > cache.max_len:
-        raise ValueError(f"the KV cache holds {cache.max_len} slots and {int(cache.index)} are "
-                         f"used; cannot write {T} more tokens. Create a larger cache.")
 
 
 # ------------------------------------------------------------------------ conversion

@@ -24,7 +24,17 @@ Architecture (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", §2.1; HF
 The KV cache holds what MLA was designed to cache: the normalised latent ``c^KV`` and the
 **unrotated** shared rope key per token (``kv_lora_rank + qk_rope_head_dim`` numbers per
 token and layer instead of ``2 * N * head_dim``); every call up-projects the latents it
-reads and jaxpos rotates the rope keys from the cached positions.
+reads and jaxpos rotates the rope keys from the cached positions. The caches are the
+library's (:mod:`jaxpos.layers.cache`: dense, StreamingLLM, paged, through the cache
+protocol), so :class:`jaxpos.serving.ModuleDecoder` serves the port: a library cache holds
+keys and values of one head width, so each layer's cache has one KV head of
+``W = ceil((kv_lora_rank + qk_rope_head_dim) / 2)`` numbers and a token's ``[c^KV | k^R]``
+is stored split in two, ``W`` as its key and ``W`` as its value (:func:`pack_latent`;
+stored as given: the scheme of the write is :class:`jaxpos.NoPE`). A call reads its rows of
+slots (a paged cache's pages gathered, :meth:`jaxpos.layers.cache.CacheRead.unpaged`),
+up-projects them and runs :func:`jaxpos.mla_attention`; a ragged step (the serving loop's
+token budget) is refused, since it hands packed rows that this up-projection does not
+take.
 
 Example::
 
@@ -50,10 +60,12 @@ import jaxpos
 import jaxpos.hf
 from examples.models import common
 from jaxpos import _checks
+from jaxpos.core.engines import takes_kv_lengths
 from jaxpos.schemes import mla
 
-__all__ = ["DeepseekV3Config", "DeepseekV3ForCausalLM", "from_hf", "param_mapping",
-           "rope_from_config", "softmax_scale"]
+__all__ = ["DeepseekV3Config", "DeepseekV3ForCausalLM", "from_hf", "latent_width",
+           "pack_latent", "param_mapping", "rope_from_config", "softmax_scale",
+           "unpack_latent"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,8 +243,7 @@ class DeepseekV3Attention(nnx.Module):
         self.kv_b_proj = lin(c.kv_lora_rank, N * (c.qk_nope_head_dim + c.v_head_dim))
         self.o_proj = lin(N * c.v_head_dim, c.hidden_size, c.attention_bias)
 
-    def __call__(self, x, *, rope, scale, positions, segments, kv_segments, cache, layer,
-                 attn_kw):
+    def __call__(self, x, *, rope, scale, call: common.DecoderCall, layer: int, attn_kw):
         c = self.c
         B, T, _ = x.shape
         N = c.num_attention_heads
@@ -245,22 +256,66 @@ class DeepseekV3Attention(nnx.Module):
         ckv = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(ckv[..., :c.kv_lora_rank])
         k_rope = ckv[..., c.kv_lora_rank:]  # [B, T, Dr], one head, unrotated
-        kv_positions = positions
-        if cache is not None:  # cache the latent and the rope key, as MLA is designed to
-            latent, k_rope = cache.write(layer, latent[:, :, None], k_rope[:, :, None])
-            written = (latent, k_rope)
-            latent, k_rope = latent[:, :, 0], k_rope[:, :, 0]
-            kv_positions = jax.lax.dynamic_update_slice(cache.positions, positions,
-                                                        (0, cache.index))
-        else:
-            written = (latent, k_rope)
+        if call.cache is None:
+            where = {"q_positions": call.positions, "kv_positions": call.positions,
+                     "segment_ids": common.query_segments(B, T),
+                     "kv_segment_ids": common.key_segments(call.mask, B, T)}
+        else:  # cache the latent and the rope key, as MLA is designed to
+            k_half, v_half = pack_latent(latent, k_rope)
+            read = call.write(layer, jaxpos.NoPE(), q_rope, k_half, v_half)
+            if read.cu_q_lengths is not None:
+                raise ValueError("DeepSeek-V3's latent attention up-projects each row's "
+                                 "cached latents, which a ragged step (packed rows) does not "
+                                 "hand it; serve this model without max_num_batched_tokens.")
+            read = read.unpaged()  # rows of slots [B, S, 1, W] (a paged cache's gathered)
+            latent, k_rope = unpack_latent(read.k.astype(x.dtype), read.v.astype(x.dtype),
+                                           c.kv_lora_rank, c.qk_rope_head_dim)
+            where = {"q_positions": read.q_positions, "kv_positions": read.kv_positions,
+                     "segment_ids": read.segment_ids, "kv_segment_ids": read.kv_segment_ids}
+            if takes_kv_lengths(attn_kw["implementation"]):  # a step costs the filled length
+                where["kv_lengths"] = read.kv_lengths
         S = latent.shape[1]
         kv = self.kv_b_proj(latent).reshape(B, S, N, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kv[..., :c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
         out = jaxpos.mla_attention(q_nope, q_rope, k_nope, k_rope, v, rope=rope, scale=scale,
-                                   q_positions=positions, kv_positions=kv_positions, causal=True,
-                                   segment_ids=segments, kv_segment_ids=kv_segments, **attn_kw)
-        return self.o_proj(out.reshape(B, T, N * c.v_head_dim)), written
+                                   causal=True, **where, **attn_kw)
+        return self.o_proj(out.reshape(B, T, N * c.v_head_dim))
+
+
+def latent_width(config: DeepseekV3Config) -> int:
+    """``W = ceil((kv_lora_rank + qk_rope_head_dim) / 2)``: the head width of the library
+    cache each layer keeps (one KV head, ``W`` key and ``W`` value numbers a token)."""
+    return -(-(config.kv_lora_rank + config.qk_rope_head_dim) // 2)
+
+
+def pack_latent(latent, k_rope) -> tuple[jax.Array, jax.Array]:
+    """What one token of MLA's cache holds, as the ``k`` and ``v`` of a library cache
+    (:mod:`jaxpos.layers.cache`): ``[c^KV | k^R]`` (``kv_lora_rank + qk_rope_head_dim``
+    numbers, a zero appended when odd) cut into two halves of ``W`` numbers
+    (:func:`latent_width`). The library caches hold keys and values of one head width;
+    storing the latent as ``k`` and the narrower rope key as ``v`` would pad the rope key
+    to the latent's width and double MLA's cache, so both halves carry part of each.
+
+    Args:
+      latent: ``[B, T, kv_lora_rank]``; k_rope: ``[B, T, qk_rope_head_dim]`` (unrotated).
+
+    Returns:
+      ``(k, v)``, each ``[B, T, 1, W]``.
+    """
+    both = jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1)
+    pad = both.shape[-1] % 2
+    if pad:
+        both = jnp.pad(both, [(0, 0)] * (both.ndim - 1) + [(0, 1)])
+    k, v = jnp.split(both, 2, axis=-1)
+    return k[:, :, None], v[:, :, None]
+
+
+def unpack_latent(k, v, kv_lora_rank: int, qk_rope_head_dim: int
+                  ) -> tuple[jax.Array, jax.Array]:
+    """The inverse of :func:`pack_latent`: ``k``, ``v`` ``[B, S, 1, W]`` ->
+    ``(latent [B, S, kv_lora_rank], k_rope [B, S, qk_rope_head_dim])``."""
+    both = jnp.concatenate([k[:, :, 0], v[:, :, 0]], axis=-1)
+    return both[..., :kv_lora_rank], both[..., kv_lora_rank:kv_lora_rank + qk_rope_head_dim]
 
 
 class DeepseekV3MLP(nnx.Module):
@@ -353,12 +408,11 @@ class DeepseekV3Block(nnx.Module):
                     DeepseekV3MoE(c, dtype=dtype, rngs=rngs))
 
     def __call__(self, x, **kw):
-        h, kv = self.self_attn(self.input_layernorm(x), **kw)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+        x = x + self.self_attn(self.input_layernorm(x), **kw)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DeepseekV3ForCausalLM(nnx.Module):
+class DeepseekV3ForCausalLM(common.CachedDecoderMixin, nnx.Module):
     """DeepSeek-V3 decoder with a language-model head (no multi-token-prediction module:
     HF's ``DeepseekV3ForCausalLM`` has none either).
 
@@ -384,20 +438,12 @@ class DeepseekV3ForCausalLM(nnx.Module):
                         nnx.Linear(c.hidden_size, c.vocab_size, use_bias=False, dtype=dtype,
                                    rngs=rngs))
 
-    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> common.KVCache:
-        """An empty MLA cache for ``batch`` rows of up to ``max_len`` tokens: a
-        :class:`~examples.models.common.KVCache` whose ``k`` holds the normalised latents
-        ``[L, B, max_len, 1, kv_lora_rank]`` and ``v`` the unrotated shared rope keys
-        ``[L, B, max_len, 1, qk_rope_head_dim]``."""
-        c = self.config
-        for name, val in (("batch", batch), ("max_len", max_len)):
-            _checks.check_positive_int(name, val)
-        L = c.num_hidden_layers
-        return common.KVCache(
-            jnp.zeros((L, batch, max_len, 1, c.kv_lora_rank), dtype),
-            jnp.zeros((L, batch, max_len, 1, c.qk_rope_head_dim), dtype),
-            jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((batch, max_len), jnp.int32),
-            jnp.zeros((), jnp.int32), jnp.zeros((batch,), jnp.int32))
+    def cache_layers(self) -> list[tuple[int, int]]:
+        """One KV head of :func:`latent_width` numbers per layer: each token's latent
+        ``c^KV`` and unrotated rope key ``k^R`` (:func:`pack_latent`), ``kv_lora_rank +
+        qk_rope_head_dim`` numbers in all (:meth:`init_cache`: dense, StreamingLLM or
+        paged)."""
+        return [(1, latent_width(self.config))] * self.config.num_hidden_layers
 
     def __call__(self, input_ids, *, attention_mask=None, positions=None, cache=None,
                  implementation=None, block_q=None, block_k=None, rope=None, scale=None):
@@ -408,7 +454,10 @@ class DeepseekV3ForCausalLM(nnx.Module):
           attention_mask: 0/1 ``[B, T]``, 0 for padding (left padding). Default: all real.
           positions: int ``[B, T]``; default ``cumsum(attention_mask) - 1`` (plus the
             tokens already in ``cache``).
-          cache: an MLA cache from :meth:`init_cache` to write into, or ``None``.
+          cache: the tuple of layer caches from :meth:`init_cache` (dense, StreamingLLM or
+            paged, each holding latents and rope keys: :meth:`cache_layers`;
+            :class:`jaxpos.serving.ModuleDecoder` serves the model without a token budget),
+            or ``None``.
           implementation, block_q, block_k: passed to :func:`jaxpos.attention`.
           rope, scale: override the rotary scheme / softmax scale (experiments and
             negative controls); default :func:`rope_from_config` / :func:`softmax_scale`.
@@ -418,43 +467,23 @@ class DeepseekV3ForCausalLM(nnx.Module):
           meaningless; a traced call that overflows the cache gives NaN logits.
 
         Raises:
-          ValueError / TypeError: bad ids, mask shape, a full cache, bad implementation.
+          ValueError / TypeError: bad ids, mask shape, a full cache, bad implementation; a
+            ragged step's cache (the loop's ``max_num_batched_tokens``).
         """
         emb = self.embed_tokens.embedding[...]
         x = common.embed_tokens(emb, input_ids)
-        B, T = input_ids.shape
-        mask = common.check_attention_mask(attention_mask, B, T)
-        mask = jnp.ones((B, T), jnp.int32) if mask is None else mask
-        if positions is None:
-            positions = common.padding_positions(
-                mask, None if cache is None else cache.next_position)
-        positions = jnp.asarray(positions, jnp.int32)
-        segments = common.query_segments(B, T)
-        kv_segments = common.key_segments(mask, B, T)
-        if cache is not None:
-            common.check_cache_room(cache, T)
-            kv_segments = jax.lax.dynamic_update_slice(cache.segments, kv_segments,
-                                                       (0, cache.index))
+        call = common.DecoderCall(input_ids, attention_mask=attention_mask, positions=positions,
+                                  cache=cache, num_layers=self.config.num_hidden_layers,
+                                  implementation=implementation)
         attn_kw = {"implementation": implementation, "block_q": block_q, "block_k": block_k}
         if rope is None:
             rope = rope_from_config(self.config, angle_precision=self.angle_precision)
         if scale is None:
             scale = softmax_scale(self.config)
-        new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            x, (lat, kr) = layer(x, rope=rope, scale=scale, positions=positions,
-                                 segments=segments, kv_segments=kv_segments, cache=cache,
-                                 layer=i, attn_kw=attn_kw)
-            new_k.append(lat)
-            new_v.append(kr)
+            x = layer(x, rope=rope, scale=scale, call=call, layer=i, attn_kw=attn_kw)
         x = self.norm(x)
-        logits = x @ emb.T.astype(x.dtype) if self.lm_head is None else self.lm_head(x)
-        logits = logits.astype(jnp.float32)
-        if cache is not None:
-            overflow = cache.index + T > cache.max_len
-            logits = jnp.where(overflow, jnp.nan, logits)
-            cache = cache.advance(new_k, new_v, positions, common.key_segments(mask, B, T), mask)
-        return logits, cache
+        return call.finish(x @ emb.T.astype(x.dtype) if self.lm_head is None else self.lm_head(x))
 
 
 def param_mapping(config: DeepseekV3Config) -> dict:

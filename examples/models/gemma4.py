@@ -22,8 +22,8 @@ layers per ``"full_attention"`` one by default) with
 
 Refused (``ValueError``): per-layer embeddings (``hidden_size_per_layer_input > 0``, the
 E2B/E4B models), the MoE block, KV-shared layers, bidirectional attention. No KV cache:
-the layers' key widths differ, which :class:`examples.models.common.KVCache` (one width)
-does not hold.
+a full-pass example (the library caches are one per layer, so the layers' different key
+widths would fit them; decoding is not wired here).
 
 Example::
 

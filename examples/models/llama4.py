@@ -14,9 +14,13 @@ Architecture (Meta AI 2025, "The Llama 4 herd", and the reference code
 * **attention temperature tuning** on NoPE layers
   (:class:`jaxpos.schemes.irope.TemperatureTunedNoPE`):
   ``q *= 1 + attn_scale * log(floor((pos + 1) / floor_scale) + 1)``, where HF (and Meta's
-  code) take ``pos`` from the cache slot index, not from the position ids; this port does
-  the same, so NoPE layers receive slot indices as positions (they use positions only for
-  causality and the temperature, and slot order is position order for real tokens);
+  code) take ``pos`` from the cache slot index (``cache_position``: the tokens a row was
+  handed before, its left padding counted), not from the position ids; this port does
+  the same, so NoPE layers attend at slot indices
+  (:meth:`examples.models.common.DecoderCall.attend` with ``at_slots=True``: ``arange(T)``
+  without a cache, the row's filled slots before the call plus ``arange(T)`` with one; they
+  use positions only for causality and the temperature, and slot order is position order
+  for real tokens). Served by the loop (no padding in a row) slots and positions agree;
 * **QK L2-norm** (``use_qk_norm``, no weight) on RoPE layers after the rotation; the norm of
   a vector is invariant under rotation, so it is applied here before jaxpos rotates
   (equal up to float32 rounding);
@@ -45,7 +49,6 @@ from flax import nnx
 
 import jaxpos
 import jaxpos.hf
-import jaxpos.nnx
 from examples.models import common
 from jaxpos.schemes.irope import TemperatureTunedNoPE, no_rope_layers
 
@@ -169,21 +172,17 @@ class Llama4Attention(nnx.Module):
         self.v_proj = lin(c.hidden_size, c.num_key_value_heads * c.head_dim)
         self.o_proj = lin(c.num_attention_heads * c.head_dim, c.hidden_size)
 
-    def __call__(self, x, *, scheme, positions, kv_positions, segments, kv_segments, cache,
-                 layer, attn_kw):
+    def __call__(self, x, *, scheme, call: common.DecoderCall, layer: int, mask_mod):
         B, T, _ = x.shape
         q = self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(B, T, self.kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(B, T, self.kv_heads, self.head_dim)
         if self.qk_norm:  # HF: after the rotation; rotations keep the norm, so same result
             q, k = l2_norm(q, self.eps), l2_norm(k, self.eps)
-        if cache is not None:
-            q, k, scheme = jaxpos.nnx.rotate_at_write(scheme, q, k, positions)
-            k, v = cache.write(layer, k, v)
-        out = jaxpos.attention(q, k, v, position=scheme, q_positions=positions,
-                               kv_positions=kv_positions, causal=True, segment_ids=segments,
-                               kv_segment_ids=kv_segments, **attn_kw)
-        return self.o_proj(out.reshape(B, T, -1)), (k, v)
+        # NoPE layers: causality and the temperature at the cache slot index (HF's)
+        out = call.attend(layer, q, k, v, scheme=scheme, mask_mod=mask_mod,
+                          at_slots=not self.use_rope)
+        return self.o_proj(out.reshape(B, T, -1))
 
 
 class Llama4MLP(nnx.Module):
@@ -244,12 +243,11 @@ class Llama4Block(nnx.Module):
                                        rngs=rngs))
 
     def __call__(self, x, **kw):
-        h, kv = self.self_attn(self.input_layernorm(x), **kw)
-        x = x + h
-        return x + self.feed_forward(self.post_attention_layernorm(x)), kv
+        x = x + self.self_attn(self.input_layernorm(x), **kw)
+        return x + self.feed_forward(self.post_attention_layernorm(x))
 
 
-class Llama4ForCausalLM(nnx.Module):
+class Llama4ForCausalLM(common.CachedDecoderMixin, nnx.Module):
     """Llama 4 text decoder with a language-model head.
 
     Args:
@@ -278,13 +276,6 @@ class Llama4ForCausalLM(nnx.Module):
                         nnx.Linear(c.hidden_size, c.vocab_size, use_bias=False, dtype=dtype,
                                    rngs=rngs))
 
-    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> common.KVCache:
-        """An empty :class:`~examples.models.common.KVCache` of ``max_len`` slots (every layer
-        keeps all of them; the chunk mask hides what HF's chunked cache drops)."""
-        c = self.config
-        return common.KVCache.init(c.num_hidden_layers, batch, max_len, c.num_key_value_heads,
-                                   c.head_dim, dtype)
-
     def __call__(self, input_ids, *, attention_mask=None, positions=None, cache=None,
                  implementation=None, block_q=None, block_k=None,
                  attention_chunk_size: int | None = None, temperature_tuning: bool = True):
@@ -296,9 +287,12 @@ class Llama4ForCausalLM(nnx.Module):
           positions: int ``[B, T]``; default ``cumsum(attention_mask) - 1`` (plus the
             tokens already in ``cache``), as HF's ``generate`` uses. NoPE layers use the
             slot index instead (see the module docstring).
-          cache: a :class:`KVCache` from :meth:`init_cache`, or ``None``.
+          cache: the tuple of layer caches from :meth:`init_cache` (dense, StreamingLLM or
+            paged: :class:`jaxpos.serving.ModuleDecoder` serves the model), or ``None``.
+            Every layer keeps all its slots; the chunk mask hides what HF's chunked cache
+            drops.
           implementation, block_q, block_k: passed to :func:`jaxpos.attention` (with both
-            block sizes, chunked layers get a :class:`jaxpos.BlockMask`).
+            block sizes, chunked layers get a :class:`jaxpos.BlockMask` on dense reads).
           attention_chunk_size: overrides the config's (experiments, negative controls);
           temperature_tuning: ``False`` drops the NoPE layers' temperature (a control).
 
@@ -313,55 +307,21 @@ class Llama4ForCausalLM(nnx.Module):
         c = self.config
         emb = self.embed_tokens.embedding[...]
         x = common.embed_tokens(emb, input_ids)
-        B, T = input_ids.shape
-        mask = common.check_attention_mask(attention_mask, B, T)
-        mask = jnp.ones((B, T), jnp.int32) if mask is None else mask
-        if positions is None:
-            positions = common.padding_positions(
-                mask, None if cache is None else cache.next_position)
-        positions = jnp.asarray(positions, jnp.int32)
-        segments = common.query_segments(B, T)
-        kv_segments = common.key_segments(mask, B, T)
-        kv_positions = positions
-        start = jnp.zeros((), jnp.int32)
-        kv_len = T
-        if cache is not None:
-            common.check_cache_room(cache, T)
-            kv_segments = jax.lax.dynamic_update_slice(cache.segments, kv_segments,
-                                                       (0, cache.index))
-            kv_positions = jax.lax.dynamic_update_slice(cache.positions, positions,
-                                                        (0, cache.index))
-            start, kv_len = cache.index, cache.max_len
-        # HF's NoPE layers: causality and the temperature from the cache slot index.
-        q_slots = (start + jnp.arange(T, dtype=jnp.int32))[None]
-        kv_slots = jnp.arange(kv_len, dtype=jnp.int32)[None]
+        call = common.DecoderCall(input_ids, attention_mask=attention_mask, positions=positions,
+                                  cache=cache, num_layers=c.num_hidden_layers,
+                                  implementation=implementation, block_q=block_q,
+                                  block_k=block_k)
         chunk = c.attention_chunk_size if attention_chunk_size is None else attention_chunk_size
-        masks = {t: common.mask_kwargs(
-            common.ChunkedAttentionMask(chunk) if t == "chunked_attention" else None,
-            q_positions=positions, kv_positions=kv_positions, implementation=implementation,
-            block_q=block_q, block_k=block_k) for t in set(c.layer_types)}
+        chunked = common.ChunkedAttentionMask(chunk) if chunk is not None else None
         schemes = position_schemes(c, angle_precision=self.angle_precision)
-        new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            attn_kw = {"implementation": implementation, **masks[c.layer_types[i]]}
             scheme = schemes[i]
-            if c.no_rope_layers[i]:
-                pos_kw = {"positions": positions, "kv_positions": kv_positions}
-            else:
-                pos_kw = {"positions": q_slots, "kv_positions": kv_slots}
-                if not temperature_tuning and isinstance(scheme, TemperatureTunedNoPE):
-                    scheme = jaxpos.NoPE()
-            x, (k, v) = layer(x, scheme=scheme, segments=segments, kv_segments=kv_segments,
-                              cache=cache, layer=i, attn_kw=attn_kw, **pos_kw)
-            new_k.append(k)
-            new_v.append(v)
+            if not temperature_tuning and isinstance(scheme, TemperatureTunedNoPE):
+                scheme = jaxpos.NoPE()
+            mask_mod = chunked if c.layer_types[i] == "chunked_attention" else None
+            x = layer(x, scheme=scheme, call=call, layer=i, mask_mod=mask_mod)
         x = self.norm(x)
-        logits = x @ emb.T.astype(x.dtype) if self.lm_head is None else self.lm_head(x)
-        logits = logits.astype(jnp.float32)
-        if cache is not None:
-            logits = jnp.where(cache.index + T > cache.max_len, jnp.nan, logits)
-            cache = cache.advance(new_k, new_v, positions, common.key_segments(mask, B, T), mask)
-        return logits, cache
+        return call.finish(x @ emb.T.astype(x.dtype) if self.lm_head is None else self.lm_head(x))
 
 
 def param_mapping(config: Llama4Config) -> dict:

@@ -142,8 +142,11 @@ def test_latent_kv_cache_decoding_equals_hf_generation(pair, batch, implementati
     first, steps, cache = decode(model, ids, mask, prompt_len, implementation=implementation,
                                  **BLOCKS)
     c = model.config
-    # The cache holds kv_lora_rank + qk_rope_head_dim numbers per token and layer.
-    assert cache.k.shape[-2:] == (1, c.kv_lora_rank) and cache.v.shape[-2:] == (1, 8)
+    # Each layer's library cache holds kv_lora_rank + qk_rope_head_dim = 24 + 8 numbers per
+    # token: one KV head of 16 as its key and 16 as its value.
+    assert len(cache) == c.num_hidden_layers
+    assert all(lc.k.shape[-2:] == (1, 16) and lc.v.shape[-2:] == (1, 16) for lc in cache)
+    assert 2 * deepseek_v3.latent_width(c) == c.kv_lora_rank + 8
     real = mask[:, :prompt_len]
     assert max_diff(first, hf_first, real) <= TOL
     assert max_diff(first, ref[:, :prompt_len], real) <= TOL

@@ -171,14 +171,11 @@ def _decode(model, batch, implementation, **kw):
 
 def _tokens_held(cache):
     """Tokens held per row, padding excluded: the library caches' (one per layer, all
-    equal) or the port's own cache's count."""
-    if hasattr(cache, "next_position"):  # the port's own cache (a NamedTuple)
-        return np.asarray(cache.next_position)
-    if isinstance(cache, tuple):
-        counts = {tuple(np.asarray(c.token_count())[:, 0].tolist()) for c in cache}
-        assert len(counts) == 1, counts
-        return np.asarray(counts.pop())
-    raise TypeError(f"cache: expected the library caches or the port's KVCache, got {type(cache)}")
+    equal)."""
+    assert isinstance(cache, tuple), type(cache)
+    counts = {tuple(np.asarray(c.token_count())[:, 0].tolist()) for c in cache}
+    assert len(counts) == 1, counts
+    return np.asarray(counts.pop())
 
 
 MEASURED: dict = {}
