@@ -287,11 +287,18 @@ class DecoderCall:
                 kv_positions=jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32),
                                               read.kv_positions.shape))
         extra = read.keywords()
+        rq = read.q
+        if read.cu_q_lengths is not None:  # a ragged step: packed rows, no segment ids
+            return jaxpos.attention(
+                rq[0], read.k.astype(rq.dtype), read.v.astype(rq.dtype), position=read.scheme,
+                q_positions=read.q_positions[0], kv_positions=read.kv_positions, causal=True,
+                mask_mod=mask_mod, sinks=sinks, scale=scale,
+                implementation=self.implementation,
+                **dict(extra, kv_lengths=read.kv_lengths))[None]
         if takes_kv_lengths(self.implementation):  # a step costs the filled length
             extra["kv_lengths"] = read.kv_lengths
         extra.update(self._mask_kw(mask_mod, read.q_positions, read.kv_positions,
                                    read.page_table is not None, at_slots))
-        rq = read.q
         return jaxpos.attention(
             rq, read.k.astype(rq.dtype), read.v.astype(rq.dtype), position=read.scheme,
             q_positions=read.q_positions, kv_positions=read.kv_positions, causal=True,

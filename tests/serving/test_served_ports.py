@@ -1,6 +1,7 @@
 """The Llama 4 and DeepSeek-V3 example ports, served by the continuous-batching loop
-(:class:`jaxpos.serving.ModuleDecoder` over paged caches), generate exactly the greedy
-tokens of the port's own full pass.
+(:class:`jaxpos.serving.ModuleDecoder` over paged caches), and the Llama port served by the
+token-budget loop (``max_num_batched_tokens``: a ragged step of packed rows), generate
+exactly the greedy tokens of the port's own full pass.
 
 Llama 4: a chunked RoPE layer (chunks of 4) and a NoPE layer with attention temperature
 tuning at ``floor_scale`` 2, so the temperature changes every two positions of the served
@@ -21,7 +22,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from examples.models import deepseek_v3, llama4
+from examples.models import deepseek_v3, llama, llama4
+from examples.models.pretrained import CheckpointConfig
 from jaxpos.serving import ModuleDecoder, Request, ServingEngine
 
 VOCAB, NEW_TOKENS, PROMPTS = 32, 3, ((5, 11, 19, 2, 7, 3), (9, 1, 30))
@@ -47,6 +49,13 @@ def _deepseek():
     return deepseek_v3.DeepseekV3ForCausalLM(cfg, rngs=nnx.Rngs(4))
 
 
+def _llama():
+    cfg = llama.LlamaConfig.from_hf(CheckpointConfig(dict(
+        model_type="llama", vocab_size=VOCAB, hidden_size=16, intermediate_size=16,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8)))
+    return llama.LlamaForCausalLM(cfg, rngs=nnx.Rngs(5))
+
+
 def _full_pass_greedy(model, prompts, steps):
     """Greedy tokens of the port's full pass (no cache), all rows at once."""
     graphdef, state = nnx.split(model)
@@ -64,12 +73,13 @@ def _full_pass_greedy(model, prompts, steps):
     return [s[len(p):] for s, p in zip(seqs, prompts)]
 
 
-@pytest.mark.parametrize("build", [_llama4, _deepseek], ids=["llama4", "deepseek_v3"])
-def test_port_served_with_paged_caches_gives_its_full_pass_greedy_tokens(build):
+@pytest.mark.parametrize("build, budget", [(_llama4, None), (_deepseek, None), (_llama, 6)],
+                         ids=["llama4", "deepseek_v3", "llama_token_budget"])
+def test_port_served_with_paged_caches_gives_its_full_pass_greedy_tokens(build, budget):
     model = build()
     want = _full_pass_greedy(model, PROMPTS, NEW_TOKENS)
     engine = ServingEngine(ModuleDecoder(model), num_slots=2, num_pages=8, page_size=4,
-                           max_len=12, prefill_chunk=4)
+                           max_len=12, prefill_chunk=4, max_num_batched_tokens=budget)
     done, _ = engine.run([Request(list(p), max_new_tokens=NEW_TOKENS) for p in PROMPTS])
     got = {c.request.id: c.tokens for c in done}
     assert [got[i] for i in range(len(PROMPTS))] == want
