@@ -18,6 +18,10 @@ Usage::
 
     python benchmarks/prefix_sharing.py --out benchmarks/results/prefix_sharing_cpu.md
     python benchmarks/prefix_sharing.py --quick        # 16 requests, a 128-token prompt
+    python benchmarks/serve.py --prefix-sharing ...    # the same table after serve.py's
+
+:func:`bench` runs the engines and :func:`render` gives the table;
+``benchmarks/serve.py --prefix-sharing`` appends it.
 """
 
 from __future__ import annotations
@@ -85,7 +89,10 @@ def bench(requests: int, system: int, repeats: int) -> dict[str, list[dict]]:
     return res
 
 
-def render(res: dict[str, list[dict]], args, load_start) -> str:
+def render(res: dict[str, list[dict]], args, load_start, command: str | None = None) -> str:
+    """The markdown table of :func:`bench`'s runs (``args``: ``requests``, ``system``,
+    ``quick``); ``command`` names the command line that ran it (default this script's);
+    ``benchmarks/serve.py --prefix-sharing`` appends it to its own output."""
     a, s = res["alone"], res["shared"]
     med = lambda runs, k: float(np.median([x[k] for x in runs]))
     span = lambda runs, k, f: (f"{f.format(med(runs, k))} [{f.format(min(x[k] for x in runs))}"
@@ -104,7 +111,8 @@ def render(res: dict[str, list[dict]], args, load_start) -> str:
     lines = [
         "# Prefix sharing on CPU: requests with a common system prompt",
         "",
-        f"`python benchmarks/prefix_sharing.py{' --quick' if args.quick else ''}` on "
+        f"`{command or 'python benchmarks/prefix_sharing.py' + (' --quick' if args.quick else '')}`"
+        f" on "
         f"{platform.machine()} ({os.cpu_count()} cores, JAX {jax.__version__}, "
         f"{jax.default_backend()}). Load average (1 / 5 / 15 min) "
         f"{' / '.join(f'{x:.1f}' for x in load_start)} at the start, "

@@ -16,6 +16,9 @@ Usage::
 
     python benchmarks/quantised_pages.py --out benchmarks/results/quantised_pages_cpu.md
     python benchmarks/quantised_pages.py --quick
+    python benchmarks/serve.py --quantised-pages ...   # the same table after serve.py's
+
+:func:`report` gives the table; ``benchmarks/serve.py --quantised-pages`` appends it.
 """
 
 from __future__ import annotations
@@ -91,6 +94,45 @@ def _accuracy(H: int, kind: str, seeds=(0, 1, 2), T: int = 256) -> tuple[float, 
     return max(errs), min(agree), max(top)
 
 
+def report(head_dims=(64, 128), fill: int = 2048, steps: int = 20, repeats: int = 5,
+           quick: bool = False) -> str:
+    """The markdown table of this benchmark (bytes, decode step, accuracy per head_dim and
+    page kind), with its description and the load average; ``benchmarks/serve.py
+    --quantised-pages`` appends it to its own output."""
+    load0 = os.getloadavg()[0]
+    lines = [f"# Quantised pages ({jax.default_backend()}, {jax.devices()[0].device_kind})", "",
+             f"{platform.processor() or platform.machine()}; jax {jax.__version__}; decode: B={B}, "
+             f"N={N}, N_kv={NK}, page {PAGE}, fill {fill}, {steps} steps x {repeats} "
+             f"repeats round-robin (median [min]); accuracy: 2-layer RoPE DecoderLM, 256 "
+             f"teacher-forced tokens, seeds " + ("0" if quick else "0-2") + ".", "",
+             "| head_dim | pages | bytes/token (K+V, 1 layer) | vs float32 | vs bfloat16 | "
+             "decode step ms | step vs float32 | step vs bfloat16 | max abs logit err | "
+             "greedy agreement |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for H in head_dims:
+        cases = {k: _step_case(H, fill, k) for k in KINDS}
+        times: dict[str, list[float]] = {k: [] for k in KINDS}
+        for r in range(repeats):
+            order = KINDS[r % len(KINDS):] + KINDS[:r % len(KINDS)]
+            for k in order:
+                times[k].append(_time(*cases[k], steps))
+        med = {k: float(np.median(v)) for k, v in times.items()}
+        for k in KINDS:
+            nb = _bytes_per_token(H, k)
+            if k in ("float32", "bfloat16"):
+                acc = "(reference)" if k == "float32" else ""
+                err, agree = (acc, "") if k == "float32" else _fmt_acc(H, k, quick)
+            else:
+                err, agree = _fmt_acc(H, k, quick)
+            lines.append(
+                f"| {H} | {k} | {nb:.0f} | {nb / _bytes_per_token(H, 'float32'):.3f}x | "
+                f"{nb / _bytes_per_token(H, 'bfloat16'):.3f}x | {med[k]:.3f} "
+                f"[{min(times[k]):.3f}] | {med[k] / med['float32']:.2f}x | "
+                f"{med[k] / med['bfloat16']:.2f}x | {err} | {agree} |")
+    lines += ["", f"Load average at start / end: {load0:.1f} / {os.getloadavg()[0]:.1f}."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
@@ -102,38 +144,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.quick:
         a.fill, a.repeats, a.steps = 512, 2, 5
-    load0 = os.getloadavg()[0]
-    lines = [f"# Quantised pages ({jax.default_backend()}, {jax.devices()[0].device_kind})", "",
-             f"{platform.processor() or platform.machine()}; jax {jax.__version__}; decode: B={B}, "
-             f"N={N}, N_kv={NK}, page {PAGE}, fill {a.fill}, {a.steps} steps x {a.repeats} "
-             f"repeats round-robin (median [min]); accuracy: 2-layer RoPE DecoderLM, 256 "
-             f"teacher-forced tokens, seeds " + ("0" if a.quick else "0-2") + ".", "",
-             "| head_dim | pages | bytes/token (K+V, 1 layer) | vs float32 | vs bfloat16 | "
-             "decode step ms | step vs float32 | step vs bfloat16 | max abs logit err | "
-             "greedy agreement |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for H in a.head_dims:
-        cases = {k: _step_case(H, a.fill, k) for k in KINDS}
-        times: dict[str, list[float]] = {k: [] for k in KINDS}
-        for r in range(a.repeats):
-            order = KINDS[r % len(KINDS):] + KINDS[:r % len(KINDS)]
-            for k in order:
-                times[k].append(_time(*cases[k], a.steps))
-        med = {k: float(np.median(v)) for k, v in times.items()}
-        for k in KINDS:
-            nb = _bytes_per_token(H, k)
-            if k in ("float32", "bfloat16"):
-                acc = "(reference)" if k == "float32" else ""
-                err, agree = (acc, "") if k == "float32" else _fmt_acc(H, k, a.quick)
-            else:
-                err, agree = _fmt_acc(H, k, a.quick)
-            lines.append(
-                f"| {H} | {k} | {nb:.0f} | {nb / _bytes_per_token(H, 'float32'):.3f}x | "
-                f"{nb / _bytes_per_token(H, 'bfloat16'):.3f}x | {med[k]:.3f} "
-                f"[{min(times[k]):.3f}] | {med[k] / med['float32']:.2f}x | "
-                f"{med[k] / med['bfloat16']:.2f}x | {err} | {agree} |")
-    lines += ["", f"Load average at start / end: {load0:.1f} / {os.getloadavg()[0]:.1f}."]
-    text = "\n".join(lines) + "\n"
+    text = report(a.head_dims, a.fill, a.steps, a.repeats, a.quick)
     print(text)
     if a.out:
         with open(a.out, "w") as f:

@@ -29,12 +29,24 @@
    in, served by today's loop and by the token-budget loop (``--budget``,
    ``max_num_batched_tokens``): p50 / p90 inter-token latency of the running requests
    (goal: p90 with the prompt <= 1.5x without) and tokens/s, runs interleaved.
+5. **Prefix sharing** (``--prefix-sharing``, appended): ``--prefix-requests`` requests
+   (64) sharing a ``--prefix-system``-token system prompt (512), served with and without
+   ``prefix_caching=True``: pages in use, prompt tokens prefilled and read from shared
+   pages (the prefill saved), time to first token, tokens/s
+   (``benchmarks/prefix_sharing.py``'s ``bench`` and ``render``).
+6. **Quantised pages** (``--quantised-pages``, appended): int8 and float8 pages against
+   float32 and bfloat16 ones at head_dim 64 and 128 (``--quant-head-dims``): KV bytes per
+   token with the scales, a paged decode step at ``--quant-fill``, logit error and greedy
+   agreement over 256 teacher-forced tokens (``benchmarks/quantised_pages.py``'s
+   ``report``).
 
 Usage::
 
     python benchmarks/serve.py --out benchmarks/results/serve_cpu.md   # ~6-9 min on 2 cores
     python benchmarks/serve.py --quick                                  # ~1-2 min look
     python benchmarks/serve.py --long-prompt 4096 --requests 32 --budget 256
+    python benchmarks/serve.py --prefix-sharing --quantised-pages   # sections 1-3, 5, 6
+    python benchmarks/serve.py --no-decode --no-serve --prefix-sharing   # section 5 only
 """
 
 from __future__ import annotations
@@ -316,19 +328,9 @@ def _mr(x) -> str:
     return f"{np.median(x):.2f} [{x.min():.2f}-{x.max():.2f}]"
 
 
-def render(dec, serve, args, load_start) -> str:
-    load = os.getloadavg()
-    la = lambda t: " / ".join(f"{x:.1f}" for x in t)
+def _decode_lines(dec, args) -> list[str]:
+    """The decode-step table (section 1) of :func:`render`."""
     lines = [
-        "# Serving on CPU: paged vs dense KV cache, continuous vs static batching",
-        "",
-        f"`python benchmarks/serve.py {' '.join(args.argv)}` on {platform.machine()} "
-        f"({os.cpu_count()} cores, JAX {jax.__version__}, {jax.default_backend()}). Load "
-        f"average (1 / 5 / 15 min) {la(load_start)} at the start, {la(load)} at the end: "
-        f"the machine is shared, so single timings are noisy; every ratio is taken "
-        f"between back-to-back measurements and given as median [min-max] over repeats.",
-        "",
-        "<!-- --8<-- [start:serve-table] -->",
         f"## Decode step: paged vs dense cache (batch {B}, {N} query / {NK} KV heads, "
         f"head_dim {H}, pages of {PS}; ms per call, medians of {args.repeats} repeats of "
         f"{args.steps} calls)",
@@ -367,6 +369,25 @@ def render(dec, serve, args, load_start) -> str:
         f"cache that rotates at write is the `none` row).",
         "",
     ]
+    return lines
+
+
+def render(dec, serve, args, load_start) -> str:
+    load = os.getloadavg()
+    la = lambda t: " / ".join(f"{x:.1f}" for x in t)
+    lines = [
+        "# Serving on CPU: paged vs dense KV cache, continuous vs static batching",
+        "",
+        f"`python benchmarks/serve.py {' '.join(args.argv)}` on {platform.machine()} "
+        f"({os.cpu_count()} cores, JAX {jax.__version__}, {jax.default_backend()}). Load "
+        f"average (1 / 5 / 15 min) {la(load_start)} at the start, {la(load)} at the end: "
+        f"the machine is shared, so single timings are noisy; every ratio is taken "
+        f"between back-to-back measurements and given as median [min-max] over repeats.",
+        "",
+        "<!-- --8<-- [start:serve-table] -->",
+    ]
+    if dec:
+        lines += _decode_lines(dec, args)
     if serve:
         c, s = serve["continuous"], serve["static"]
         col = lambda runs, key, fmt: fmt.format(float(np.median([x[key] for x in runs])))
@@ -408,7 +429,47 @@ def render(dec, serve, args, load_start) -> str:
     return "\n".join(lines)
 
 
-QUICK = {"fills": [1024, 4096], "repeats": 3, "steps": 3, "requests": 16, "serve_repeats": 1}
+QUICK = {"fills": [1024, 4096], "repeats": 3, "steps": 3, "requests": 16, "serve_repeats": 1,
+         "prefix_requests": 16, "prefix_system": 128, "quant_fill": 512, "quant_repeats": 2,
+         "quant_steps": 5}
+
+
+# ---------------------------------- 5, 6. prefix sharing and quantised pages (other scripts)
+def _benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module (this folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "benchmarks" /
+                                                  f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _section(text: str) -> str:
+    """Another script's report as a section of this one (its ``#`` title one level down)."""
+    return "\n".join("#" + line if line.startswith("# ") else line
+                     for line in text.splitlines())
+
+
+def extra_sections(args) -> list[str]:
+    """The tables of ``--prefix-sharing`` (``benchmarks/prefix_sharing.py``: requests
+    sharing a system prompt, with and without ``prefix_caching=True``) and
+    ``--quantised-pages`` (``benchmarks/quantised_pages.py``: bytes, decode step and
+    accuracy of int8 / float8 pages), run by those scripts' own functions."""
+    out = []
+    if args.prefix_sharing:
+        ps = _benchmark("prefix_sharing")
+        load = os.getloadavg()
+        res = ps.bench(args.prefix_requests, args.prefix_system, args.serve_repeats)
+        ns = argparse.Namespace(requests=args.prefix_requests, system=args.prefix_system,
+                                quick=args.quick)
+        out.append(_section(ps.render(res, ns, load, command=(
+            f"python benchmarks/serve.py {' '.join(args.argv)}"))))
+    if args.quantised_pages:
+        qp = _benchmark("quantised_pages")
+        out.append(_section(qp.report(args.quant_head_dims, args.quant_fill, args.quant_steps,
+                                      args.quant_repeats, args.quick)))
+    return out
 
 
 def main(argv=None):
@@ -429,6 +490,21 @@ def main(argv=None):
                     help="instead: the long-tail workload plus one prompt of this many tokens "
                          "arriving mid-run, today's loop vs the token-budget loop (--budget)")
     ap.add_argument("--budget", type=int, default=256, help="max_num_batched_tokens")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode-step table")
+    ap.add_argument("--prefix-sharing", action="store_true",
+                    help="append benchmarks/prefix_sharing.py's table: requests sharing a "
+                         "system prompt, with and without prefix_caching=True "
+                         "(--serve-repeats runs of each)")
+    ap.add_argument("--prefix-requests", type=int, default=64)
+    ap.add_argument("--prefix-system", type=int, default=512,
+                    help="tokens of the shared system prompt")
+    ap.add_argument("--quantised-pages", action="store_true",
+                    help="append benchmarks/quantised_pages.py's table: int8 / float8 pages "
+                         "against float32 and bfloat16 ones")
+    ap.add_argument("--quant-head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--quant-fill", type=int, default=2048)
+    ap.add_argument("--quant-steps", type=int, default=20)
+    ap.add_argument("--quant-repeats", type=int, default=5)
     args = ap.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     if args.quick:
@@ -446,10 +522,11 @@ def main(argv=None):
         if args.out:
             Path(args.out).write_text(text + "\n")
         return
-    dec = bench_decode(args.schemes, args.fills, args.repeats, args.steps)
+    dec = None if args.no_decode else bench_decode(args.schemes, args.fills, args.repeats,
+                                                   args.steps)
     serve = None if args.no_serve else bench_serving(args.serve_repeats, args.requests,
                                                      args.slots)
-    text = render(dec, serve, args, load_start)
+    text = "\n\n".join([render(dec, serve, args, load_start)] + extra_sections(args))
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
