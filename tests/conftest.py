@@ -23,7 +23,12 @@ import os
 import pathlib
 import re
 
-import jax
+from _xla_flags import suite_xla_flags
+
+# before JAX starts its CPU client (see tests/_xla_flags.py)
+os.environ["XLA_FLAGS"] = suite_xla_flags(os.environ.get("XLA_FLAGS", ""))
+
+import jax  # noqa: E402
 import numpy as np
 import pytest
 

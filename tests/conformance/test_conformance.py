@@ -29,6 +29,7 @@ from _conformance_cases import (
     run_attention,
     tolerance,
 )
+from _xla_flags import suite_xla_flags
 
 CASES = dict(all_cases())
 #: The context-parallel paths, run by the 8-device worker.
@@ -109,7 +110,7 @@ WORKER = _FsPath(__file__).with_name("_ring_conformance_worker.py")
 def _ring_results():
     """Run every ring, Ulysses and USP case in one 8-device subprocess;
     ``{path: {case_id: {"out", "grads"}}}``."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=suite_xla_flags("--xla_force_host_platform_device_count=8"),
                JAX_PLATFORMS="cpu")
     tests_dir = str(WORKER.parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent), tests_dir,

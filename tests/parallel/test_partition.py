@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _xla_flags import suite_xla_flags
 
 WORKER = Path(__file__).with_name("_partition_worker.py")
 TOL = 1e-5
@@ -42,7 +43,7 @@ TOL = 1e-5
 def _run(tmp_path_factory, *flags):
     out = tmp_path_factory.mktemp("partition") / "result.json"
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = suite_xla_flags()
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run([sys.executable, str(WORKER), *flags, str(out)], env=env,
                           capture_output=True, text=True, timeout=3600)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _xla_flags import suite_xla_flags
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -49,7 +50,7 @@ def _run_worker(tmp_path_factory, *flags):
     flags = tuple(f for f in flags if f != "--modules")
     out = tmp_path_factory.mktemp("ring") / "result.json"
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the worker sets its own device count
+    env["XLA_FLAGS"] = suite_xla_flags()  # the worker adds its own device count
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run([sys.executable, str(worker), *flags, str(out)], check=False, env=env,
                           capture_output=True, text=True, timeout=3000)
@@ -307,7 +308,7 @@ def test_memory_benchmark_runs(tmp_path):
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "ring_attention_memory.py"
     out = tmp_path / "ring.md"
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = suite_xla_flags()
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run([sys.executable, str(path), "--tiny", "--output", str(out)],
                           check=False, env=env,

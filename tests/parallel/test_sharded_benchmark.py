@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _xla_flags import suite_xla_flags
 
 
 @pytest.mark.slow  # four compilations on 8 CPU devices
@@ -22,7 +23,7 @@ def test_sharded_benchmark_reads_memory_and_collectives_per_device(tmp_path):
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "sharded.py"
     out = tmp_path / "sharded.md"
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = suite_xla_flags()
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run([sys.executable, str(path), "--quick", "--tensor", "1", "2",
                            "--programs", "attention", "layer", "--output", str(out)],

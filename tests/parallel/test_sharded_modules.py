@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _xla_flags import suite_xla_flags
 
 WORKER = Path(__file__).with_name("_logical_axes_worker.py")
 TOL = 1e-5
@@ -28,7 +29,7 @@ TOL = 1e-5
 def _run(tmp_path, *flags):
     out = tmp_path / "axes.json"
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = suite_xla_flags()
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run([sys.executable, str(WORKER), *flags, str(out)], env=env,
                           capture_output=True, text=True, timeout=1800)

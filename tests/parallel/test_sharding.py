@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _xla_flags import suite_xla_flags
 
 WORKER = Path(__file__).with_name("_sharding_worker.py")
 TOL = 1e-5  # float32 forward; gradients: relative to max(1, max |gradient|) (see the worker)
@@ -35,7 +36,7 @@ TOL = 1e-5  # float32 forward; gradients: relative to max(1, max |gradient|) (se
 def _run_worker(tmp_path_factory, *flags):
     out = tmp_path_factory.mktemp("sharding") / "result.json"
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the worker sets its own device count
+    env["XLA_FLAGS"] = suite_xla_flags()  # the worker adds its own device count
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run([sys.executable, str(WORKER), *flags, str(out)], env=env,
                           capture_output=True, text=True, timeout=1800)

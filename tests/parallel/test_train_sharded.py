@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _xla_flags import suite_xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_sharded.py"
@@ -29,7 +30,7 @@ TINY = ["--d-model", "32", "--layers", "1", "--heads", "4", "--kv-heads", "2",
 
 def _env():
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = suite_xla_flags()
     env["JAX_PLATFORMS"] = "cpu"
     return env
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _xla_flags import suite_xla_flags
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from test_ring import TOL
@@ -159,7 +160,7 @@ def test_two_process_distributed_ring_and_usp(tmp_path):
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = suite_xla_flags()
     env["JAX_PLATFORMS"] = "cpu"
     outs = [tmp_path / f"p{i}.json" for i in range(2)]
     procs = [subprocess.Popen([sys.executable, str(worker), str(i), "2", str(port), str(out)],
@@ -190,7 +191,7 @@ def test_context_parallel_benchmark_tiny(tmp_path):
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "context_parallel.py"
     out = tmp_path / "cp.md"
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = suite_xla_flags()
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run([sys.executable, str(path), "--tiny", "--kv-heads", "2", "--output",
                            str(out)], check=False, env=env, capture_output=True, text=True,
