@@ -10,7 +10,12 @@ Architecture (Meta AI 2025, "The Llama 4 herd", and the reference code
   scaling) and attend **within chunks** of ``attention_chunk_size`` positions
   (:class:`examples.models.common.ChunkedAttentionMask`, a ``mask_mod``; a
   :class:`jaxpos.BlockMask` on tiled implementations so off-chunk tiles are skipped);
-  the per-layer schemes come from :func:`jaxpos.hf.rope_per_layer_from_hf_config`;
+  the per-layer schemes come from :func:`jaxpos.hf.rope_per_layer_from_hf_config`.
+  :func:`from_hf` permutes each RoPE layer's ``q_proj`` / ``k_proj`` output features head
+  by head (:func:`jaxpos.interleaved_to_half`) and the port rotates in the ``"half"``
+  layout: the same scores (``q . k`` is unchanged by one permutation of both, and so is
+  the QK L2-norm below), and every library cache serves it, the StreamingLLM cache's
+  rotation on load included (it takes the half layout);
 * **attention temperature tuning** on NoPE layers
   (:class:`jaxpos.schemes.irope.TemperatureTunedNoPE`):
   ``q *= 1 + attn_scale * log(floor((pos + 1) / floor_scale) + 1)``, where HF (and Meta's
@@ -131,16 +136,28 @@ class Llama4Config:
 
 
 def position_schemes(config: Llama4Config, *, angle_precision: str = "float32") -> list:
-    """Per layer: :class:`jaxpos.RoPE` (interleaved layout, the config's scaling) on RoPE
+    """The port's scheme per layer: :class:`jaxpos.RoPE` (the config's scaling) on RoPE
     layers, :class:`jaxpos.schemes.irope.TemperatureTunedNoPE` (or plain NoPE when
     ``attn_temperature_tuning`` is off) on NoPE layers
-    (:func:`jaxpos.hf.rope_per_layer_from_hf_config`).
+    (:func:`jaxpos.hf.rope_per_layer_from_hf_config`). The RoPE layers rotate in the
+    ``"half"`` layout, not Llama 4's interleaved one: the port's ``q_proj`` / ``k_proj``
+    hold the checkpoint's features permuted by :func:`jaxpos.interleaved_to_half`
+    (:func:`param_mapping`), which gives the same attention.
 
     Raises:
       ValueError: an unknown ``rope_type``; a bad ``no_rope_layers``.
     """
-    return jaxpos.hf.rope_per_layer_from_hf_config(config.hf_dict,
-                                                           angle_precision=angle_precision)
+    schemes = jaxpos.hf.rope_per_layer_from_hf_config(config.hf_dict,
+                                                      angle_precision=angle_precision)
+    return [s.replace(layout="half") if isinstance(s, jaxpos.RoPE) else s for s in schemes]
+
+
+def _rope_rotary_dims(config: Llama4Config) -> list:
+    """Per layer: the rotated features per head of an interleaved RoPE layer in the
+    checkpoint, else None (the layers whose q/k features :func:`param_mapping` permutes)."""
+    schemes = jaxpos.hf.rope_per_layer_from_hf_config(config.hf_dict)
+    return [s.rotary_dim if isinstance(s, jaxpos.RoPE) and s.layout == "interleaved" else None
+            for s in schemes]
 
 
 def l2_norm(x, eps: float):
@@ -325,8 +342,17 @@ class Llama4ForCausalLM(common.CachedDecoderMixin, nnx.Module):
 
 
 def param_mapping(config: Llama4Config) -> dict:
-    """``{nnx path: (HF key, transform)}`` for ``Llama4ForCausalLM`` checkpoints."""
+    """``{nnx path: (HF key, transform)}`` for ``Llama4ForCausalLM`` checkpoints. On a RoPE
+    layer the ``q_proj`` / ``k_proj`` weights (and biases) are permuted from the interleaved
+    to the half layout per head (:func:`jaxpos.interleaved_to_half`; see
+    :func:`position_schemes`)."""
     np_ = common.to_numpy
+    rotary = _rope_rotary_dims(config)
+    H = config.head_dim
+
+    def to_half(transform, r):
+        return lambda w: jaxpos.interleaved_to_half(transform(w), head_dim=H, rotary_dim=r,
+                                                    axis=-1)
     m = {("embed_tokens", "embedding"): ("model.embed_tokens.weight", np_),
          ("norm", "scale"): ("model.norm.weight", np_)}
     if not config.tie_word_embeddings:
@@ -336,10 +362,13 @@ def param_mapping(config: Llama4Config) -> dict:
         for name in ("input_layernorm", "post_attention_layernorm"):
             m[("layers", i, name, "scale")] = (f"{hf}{name}.weight", np_)
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            permute = rotary[i] is not None and name in ("q_proj", "k_proj")
+            kernel, bias = ((to_half(common.linear_kernel, rotary[i]), to_half(np_, rotary[i]))
+                            if permute else (common.linear_kernel, np_))
             m[("layers", i, "self_attn", name, "kernel")] = (f"{hf}self_attn.{name}.weight",
-                                                             common.linear_kernel)
+                                                             kernel)
             if config.attention_bias:
-                m[("layers", i, "self_attn", name, "bias")] = (f"{hf}self_attn.{name}.bias", np_)
+                m[("layers", i, "self_attn", name, "bias")] = (f"{hf}self_attn.{name}.bias", bias)
         ff = ("layers", i, "feed_forward")
         mlp_prefix, mlp_path = f"{hf}feed_forward.", ff
         if i in config.moe_layers:

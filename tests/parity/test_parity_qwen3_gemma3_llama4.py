@@ -345,13 +345,15 @@ def test_llama4_chunk_size_off_by_one(llama4_family):
 
 
 @pytest.mark.slow  # the layout alone is checked against HF's rotary in test_rope_layers_hf.py
-def test_llama4_needs_interleaved_rope(llama4_family, monkeypatch):
-    """Negative control: Llama 1-3's ``"half"`` (rotate_half) layout on the RoPE layer."""
+def test_llama4_needs_its_q_k_features_in_the_half_layout(llama4_family, monkeypatch):
+    """Negative control: the converter permutes the RoPE layer's q/k features from Llama 4's
+    interleaved layout to the half one, and the port rotates in the half layout; rotating
+    the converted features in the interleaved layout misses HF."""
     _, model, batch = llama4_family
     schemes = llama4.position_schemes(model.config)
-    assert schemes[0].layout == "interleaved"
-    half = [schemes[0].replace(layout="half"), schemes[1]]
-    monkeypatch.setattr(llama4, "position_schemes", lambda config, **kw: half)
+    assert schemes[0].layout == "half"
+    wrong_layout = [schemes[0].replace(layout="interleaved"), schemes[1]]
+    monkeypatch.setattr(llama4, "position_schemes", lambda config, **kw: wrong_layout)
     ids, mask, ref = batch
     wrong, _ = _jit(model, fresh=True)(jnp.asarray(ids), attention_mask=jnp.asarray(mask),
                                        implementation="reference")

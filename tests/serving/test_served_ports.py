@@ -83,3 +83,22 @@ def test_port_served_with_paged_caches_gives_its_full_pass_greedy_tokens(build, 
     done, _ = engine.run([Request(list(p), max_new_tokens=NEW_TOKENS) for p in PROMPTS])
     got = {c.request.id: c.tokens for c in done}
     assert [got[i] for i in range(len(PROMPTS))] == want
+
+
+def test_llama4_port_on_a_streaming_cache_equals_its_full_pass_before_eviction():
+    """StreamingLLM caches (``init_cache(..., keep_first=2)``) rotate the RoPE layer's keys
+    on load, which takes the half layout (the port holds its q/k features permuted from
+    Llama 4's interleaved layout). While nothing is evicted (12 slots, 8 tokens) two calls
+    of 4 tokens give the logits of the full pass over all 8 (NoPE temperature included:
+    the cache's positions are the slots)."""
+    model = _llama4()
+    graphdef, state = nnx.split(model)
+    run = jax.jit(lambda s, ids, cache: nnx.merge(graphdef, s)(ids, cache=cache))
+    ids = jnp.asarray([[5, 11, 19, 2, 7, 3, 30, 9]], jnp.int32)
+    want, _ = run(state, ids, None)
+    cache = model.init_cache(1, 12, keep_first=2)
+    steps = []
+    for a, b in ((0, 4), (4, 8)):  # one compiled shape
+        step, cache = run(state, ids[:, a:b], cache)
+        steps.append(step)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), want, atol=2e-5, rtol=0)
