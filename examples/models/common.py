@@ -266,8 +266,11 @@ class DecoderCall:
         left padding. The slots come from the read: the new tokens are the last
         ``T`` of the row's ``kv_lengths`` filled slots (every cache holding rows of slots
         at the text's positions: dense, paged). A cache that re-numbers its tokens
-        (StreamingLLM) and a ragged step (whose rows hold no padding, so slots are the
-        positions) keep the read's positions.
+        (StreamingLLM) keeps the read's positions. A ragged step (the token-budget loop)
+        never reaches Llama 4's NoPE layers: the ragged cache refuses their
+        ``TemperatureTunedNoPE`` scheme (it refuses every scheme with its own
+        ``transform_qk``), so :class:`jaxpos.serving.ServingEngine` refuses the port's
+        token budget when it is built.
         """
         if self.cache is None:
             pos = (jnp.arange(self.T, dtype=jnp.int32)[None] if at_slots else self.positions)

@@ -20,6 +20,7 @@ written at each row's fill and read by the ragged call (``cu_q_lengths``,
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Protocol
 
 import jax
@@ -263,12 +264,43 @@ class ModuleDecoder:
                                  f"{type(c).__name__}.")
             self._state_names.append(c.scheme_name if isinstance(c, SchemeStateCache)
                                      else None)
-        #: why the loop cannot run this model with a token budget (None: it can)
-        self.ragged_refusal = _ragged_refusal(self._state_names, inner)
+        #: the refusal of the pool's own kind (scheme states, quantised pages), or None
+        self._pool_refusal = _ragged_refusal(self._state_names, inner)
+        self._traced_refusal: list[str | None] = []  # the ragged trace's, once computed
         self._graphdef, self.params = nnx.split(model)
         vocab = getattr(model, "vocab_size", None)  # DecoderLM and the example ports
         self.vocab_size = int(vocab if vocab is not None else model.embed.embedding.shape[0])
         self._model = model
+
+    @property
+    def ragged_refusal(self) -> str | None:
+        """Why the loop cannot run this model with a token budget (None: it can), read when
+        a :class:`jaxpos.serving.ServingEngine` is built with ``max_num_batched_tokens``.
+
+        The pool's own reasons first (a scheme's decode state: FoX, PaTH; quantised pages);
+        else the ``ValueError`` that tracing :meth:`forward_ragged` once on one token raises
+        (``jax.eval_shape``: no compilation, no device work), so the refusals a module's
+        layers raise only while a ragged step is traced (DeepSeek-V3's latent attention,
+        schemes the ragged cache refuses) come when the engine is built, with the same
+        message. The trace runs on first access and is remembered."""
+        if self._pool_refusal is not None:
+            return self._pool_refusal
+        if not self._traced_refusal:
+            self._traced_refusal.append(self._trace_ragged())
+        return self._traced_refusal[0]
+
+    def _trace_ragged(self) -> str | None:
+        """The message of the ``ValueError`` a ragged step of one token (one row of one
+        page slot) raises while it is traced, or None."""
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+        pool = jax.eval_shape(lambda: self.init_pool(1, 1))
+        try:
+            jax.eval_shape(self.forward_ragged, self.params, i32(1), i32(1), pool, i32(1, 1),
+                           i32(1), i32(2), jax.ShapeDtypeStruct((1,), jnp.bool_), i32(1))
+        except ValueError as e:  # the engine adds its own "serve without a budget"
+            return re.sub(r"[.;]\s*serve this model without max_num_batched_tokens\.?$", "",
+                          str(e).strip(), flags=re.IGNORECASE).removesuffix(".")
+        return None
 
     def page_sharing_key(self) -> str:
         """What a page of this model's pool depends on besides its tokens and their

@@ -105,7 +105,8 @@ class RaggedLoop:
     Raises:
       ValueError / TypeError: a budget that is not an int ``>= num_slots``; a model without
         ``forward_ragged`` or one that gives a ``ragged_refusal`` (PaTH, FoX: their decode
-        state is not carried by a ragged step).
+        state is not carried by a ragged step; a module whose layers refuse a traced
+        ragged step: :attr:`jaxpos.serving.ModuleDecoder.ragged_refusal`).
     """
 
     def __init__(self, engine: Any, budget: int):

@@ -102,3 +102,18 @@ def test_llama4_port_on_a_streaming_cache_equals_its_full_pass_before_eviction()
         step, cache = run(state, ids[:, a:b], cache)
         steps.append(step)
     np.testing.assert_allclose(np.concatenate(steps, axis=1), want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("build, reason", [
+    (_llama4, r"TemperatureTunedNoPE has its own transform_qk"),
+    (_deepseek, r"DeepSeek-V3's latent attention up-projects")], ids=["llama4", "deepseek_v3"])
+def test_ports_the_ragged_step_cannot_run_are_refused_when_the_engine_is_built(build, reason):
+    """A token budget for a port whose layers refuse a ragged step while it is traced is
+    refused by ServingEngine's constructor (ModuleDecoder.ragged_refusal traces one ragged
+    token), with the layer's own reason, not first inside engine.run."""
+    decoder = ModuleDecoder(build())
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens: " + reason):
+        ServingEngine(decoder, num_slots=1, num_pages=4, page_size=4, max_len=8,
+                      max_num_batched_tokens=4)
+    # without a budget the same decoder serves (the refusal is the ragged step's only)
+    ServingEngine(decoder, num_slots=1, num_pages=4, page_size=4, max_len=8)

@@ -117,9 +117,11 @@ class RaggedPagedCache(Cache):
         ragged call (key positions: the slots; RoPE stored raw is rotated on load).
 
         Raises:
-          ValueError: a batch other than one packed row; a scheme that transforms the
-            whole call's q and k from its positions at once (xPos), which packed rows at
-            unrelated positions cannot share.
+          ValueError: a batch other than one packed row; a scheme with its own
+            ``transform_qk`` (not rotated on load): some (xPos) scale q and k from the whole
+            call's positions at once, which packed rows at unrelated positions cannot
+            share, so every such scheme is refused, Llama 4's ``TemperatureTunedNoPE``
+            (a per-query temperature) included.
         """
         if q.shape[0] != 1:
             raise ValueError(f"a ragged step packs every row's tokens into one batch row "
@@ -127,9 +129,10 @@ class RaggedPagedCache(Cache):
         q, k, scheme = rotate_at_write(scheme, q, k, positions)
         on_load = rotates_on_load(scheme)
         if not on_load and type(scheme).transform_qk is not PositionScheme.transform_qk:
-            raise ValueError(f"{type(scheme).__name__} transforms the whole call's q and k "
-                             f"from the call's positions; a ragged step packs rows at "
-                             f"unrelated positions and cannot run it. Serve this model "
+            raise ValueError(f"{type(scheme).__name__} has its own transform_qk, which a "
+                             f"ragged step refuses for every scheme (some, like xPos, scale "
+                             f"q and k from the whole call's positions, which rows packed "
+                             f"at unrelated positions cannot share). Serve this model "
                              f"without max_num_batched_tokens.")
         keep = None if mask is None else jnp.asarray(mask, bool)[0]
         kp, vp, kv_lengths, _ = write_ragged(self.k_pages, self.v_pages, k[0], v[0],
