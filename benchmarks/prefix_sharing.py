@@ -89,6 +89,23 @@ def bench(requests: int, system: int, repeats: int) -> dict[str, list[dict]]:
     return res
 
 
+def _runs(n: int) -> str:
+    return f"{n} run" if n == 1 else f"{n} runs"
+
+
+def _shared_pages_sentence(system: int) -> str:
+    """How the requests share a ``system``-token prompt: only whole pages are shared."""
+    pages = system // PS
+    if pages == 0:
+        return (f"the {system}-token system prompt fills no whole page of {PS} tokens, and "
+                f"only whole pages are shared: every request prefills the system prompt "
+                f"itself.")
+    return (f"the first request computes the system prompt's {pages} "
+            f"{'page' if pages == 1 else 'pages'}, every later one maps "
+            f"{'it' if pages == 1 else 'them'} into its page table and prefills its own part "
+            f"only.")
+
+
 def render(res: dict[str, list[dict]], args, load_start, command: str | None = None) -> str:
     """The markdown table of :func:`bench`'s runs (``args``: ``requests``, ``system``,
     ``quick``); ``command`` names the command line that ran it (default this script's);
@@ -123,7 +140,7 @@ def render(res: dict[str, list[dict]], args, load_start, command: str | None = N
         f"{args.requests} requests arriving together, a {args.system}-token system prompt "
         f"then 16-64 user tokens each, {NEW} new tokens; {SLOTS} slots, pages of {PS}, "
         f"prefill chunks of {CHUNK}; RoPE `PagedDecoder` (d_model 256, 4 layers, 8 / 2 "
-        f"heads, float32). {len(a)} runs of each engine, interleaved; medians [min-max]. "
+        f"heads, float32). {_runs(len(a))} of each engine, interleaved; medians [min-max]. "
         f"The generated tokens are the same with and without sharing in every run.",
         "",
         "| | without sharing | `prefix_caching=True` | shared / without |",
@@ -136,9 +153,7 @@ def render(res: dict[str, list[dict]], args, load_start, command: str | None = N
     lines += [
         "",
         f"Prefill tokens saved: {med(s, 'cached'):.0f} of {total} "
-        f"({med(s, 'cached') / total:.0%}): the first request computes the system prompt's "
-        f"{args.system // PS} pages, every later one maps them into its page table and "
-        f"prefills its own part only.",
+        f"({med(s, 'cached') / total:.0%}): " + _shared_pages_sentence(args.system),
         "<!-- --8<-- [end:prefix-table] -->",
         "",
     ]
@@ -151,11 +166,13 @@ def main(argv=None):
     ap.add_argument("--system", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true",
-                    help="16 requests, a 128-token system prompt, one run each")
+                    help="smaller defaults: 16 requests, a 128-token system prompt, one run "
+                         "each (--requests, --system, --repeats given explicitly win)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.quick:
-        args.requests, args.system, args.repeats = 16, 128, 1
+        ap.set_defaults(requests=16, system=128, repeats=1)
+        args = ap.parse_args(argv)
     load_start = os.getloadavg()
     res = bench(args.requests, args.system, args.repeats)
     text = render(res, args, load_start)

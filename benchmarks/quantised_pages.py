@@ -100,7 +100,9 @@ def report(head_dims=(64, 128), fill: int = 2048, steps: int = 20, repeats: int 
     page kind), with its description and the load average; ``benchmarks/serve.py
     --quantised-pages`` appends it to its own output."""
     load0 = os.getloadavg()[0]
-    lines = [f"# Quantised pages ({jax.default_backend()}, {jax.devices()[0].device_kind})", "",
+    backend, kind = jax.default_backend(), jax.devices()[0].device_kind
+    where = backend if kind.lower() == backend else f"{backend}, {kind}"
+    lines = [f"# Quantised pages ({where})", "",
              f"{platform.processor() or platform.machine()}; jax {jax.__version__}; decode: B={B}, "
              f"N={N}, N_kv={NK}, page {PAGE}, fill {fill}, {steps} steps x {repeats} "
              f"repeats round-robin (median [min]); accuracy: 2-layer RoPE DecoderLM, 256 "
@@ -139,11 +141,14 @@ def main(argv=None):
     ap.add_argument("--fill", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="fill 512, 2 repeats, one seed")
+    ap.add_argument("--quick", action="store_true",
+                    help="smaller defaults: fill 512, 2 repeats of 5 steps, one accuracy seed "
+                         "(--fill, --repeats, --steps given explicitly win)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.quick:
-        a.fill, a.repeats, a.steps = 512, 2, 5
+        ap.set_defaults(fill=512, repeats=2, steps=5)
+        a = ap.parse_args(argv)
     text = report(a.head_dims, a.fill, a.steps, a.repeats, a.quick)
     print(text)
     if a.out:

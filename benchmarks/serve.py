@@ -472,61 +472,110 @@ def extra_sections(args) -> list[str]:
     return out
 
 
-def main(argv=None):
+def _quick_help() -> str:
+    names = {"fills": "--fills", "serve_repeats": "--serve-repeats"}
+    flag = lambda k: names.get(k, "--" + k.replace("_", "-"))
+    val = lambda v: " ".join(map(str, v)) if isinstance(v, list) else str(v)
+    return ("a quick look: smaller defaults (" + ", ".join(
+        f"{flag(k)} {val(v)}" for k, v in QUICK.items()) + "); flags given explicitly win")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of :func:`main` (``--quick`` is applied by :func:`parse_args`)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--schemes", nargs="+", default=["none", "rope", "alibi", "t5"])
-    ap.add_argument("--fills", nargs="+", type=int, default=[1024, 4096, 16384])
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--slots", type=int, default=8)
-    ap.add_argument("--serve-repeats", type=int, default=3)
-    ap.add_argument("--no-serve", action="store_true")
-    ap.add_argument("--quick", action="store_true",
-                    help="a quick look: fills 1024 4096, 3 repeats of 3 calls, 16 requests, "
-                         "one run of each schedule")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--schemes", nargs="+", default=["none", "rope", "alibi", "t5"],
+                    help="schemes of the decode-step table (section 1)")
+    ap.add_argument("--fills", nargs="+", type=int, default=[1024, 4096, 16384],
+                    help=f"cache fills of the decode-step table (multiples of {PS})")
+    ap.add_argument("--repeats", type=int, default=7,
+                    help="round-robin repeats of the decode-step table")
+    ap.add_argument("--steps", type=int, default=5,
+                    help="decode calls timed per repeat (their mean)")
+    ap.add_argument("--requests", type=int, default=64,
+                    help="requests of the long-tail workload (sections 2-4)")
+    ap.add_argument("--slots", type=int, default=8, help="batch slots of the engines")
+    ap.add_argument("--serve-repeats", type=int, default=3,
+                    help="runs of each engine in the serving sections (2-5)")
+    ap.add_argument("--no-serve", action="store_true",
+                    help="skip the long-tail workload (sections 2 and 3)")
+    ap.add_argument("--quick", action="store_true", help=_quick_help())
+    ap.add_argument("--out", default=None,
+                    help="also write the output to this file (refused when neither the "
+                         "decode-step table nor the long-tail workload runs)")
     ap.add_argument("--long-prompt", type=int, default=0,
-                    help="instead: the long-tail workload plus one prompt of this many tokens "
-                         "arriving mid-run, today's loop vs the token-budget loop (--budget)")
+                    help="instead of sections 1-3: the long-tail workload plus one prompt of "
+                         "this many tokens arriving mid-run, today's loop vs the token-budget "
+                         "loop (--budget); --prefix-sharing / --quantised-pages are appended")
     ap.add_argument("--budget", type=int, default=256, help="max_num_batched_tokens")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode-step table")
     ap.add_argument("--prefix-sharing", action="store_true",
                     help="append benchmarks/prefix_sharing.py's table: requests sharing a "
                          "system prompt, with and without prefix_caching=True "
                          "(--serve-repeats runs of each)")
-    ap.add_argument("--prefix-requests", type=int, default=64)
+    ap.add_argument("--prefix-requests", type=int, default=64,
+                    help="requests of --prefix-sharing, each the system prompt then 16-64 "
+                         "tokens of its own")
     ap.add_argument("--prefix-system", type=int, default=512,
-                    help="tokens of the shared system prompt")
+                    help="tokens of --prefix-sharing's shared system prompt")
     ap.add_argument("--quantised-pages", action="store_true",
                     help="append benchmarks/quantised_pages.py's table: int8 / float8 pages "
                          "against float32 and bfloat16 ones")
-    ap.add_argument("--quant-head-dims", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--quant-fill", type=int, default=2048)
-    ap.add_argument("--quant-steps", type=int, default=20)
-    ap.add_argument("--quant-repeats", type=int, default=5)
+    ap.add_argument("--quant-head-dims", type=int, nargs="+", default=[64, 128],
+                    help="head_dim of each --quantised-pages row group")
+    ap.add_argument("--quant-fill", type=int, default=2048,
+                    help="filled slots of --quantised-pages' timed decode step")
+    ap.add_argument("--quant-steps", type=int, default=20,
+                    help="decode steps timed per repeat of --quantised-pages")
+    ap.add_argument("--quant-repeats", type=int, default=5,
+                    help="round-robin repeats of --quantised-pages' timing (median [min])")
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """:func:`build_parser`'s arguments; ``--quick`` replaces the defaults of
+    :data:`QUICK`'s options only (an option given on the command line keeps its value).
+    Exits with a usage error for fills that are not positive multiples of the page size,
+    and for ``--out`` when neither of this script's own tables runs (``--no-decode
+    --no-serve``: the file's ``serve-table``, which docs/serving.md includes, would be
+    empty)."""
+    ap = build_parser()
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if ap.parse_args(argv).quick:
+        ap.set_defaults(**QUICK)
     args = ap.parse_args(argv)
-    args.argv = list(argv if argv is not None else sys.argv[1:])
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
+    args.argv = argv
     for fill in args.fills:
         if fill <= 0 or fill % PS:
             ap.error(f"--fills must be positive multiples of the page size {PS}; got {fill}")
+    if args.out and args.no_decode and args.no_serve and not args.long_prompt:
+        ap.error(f"--out {args.out}: with --no-decode --no-serve none of serve.py's own "
+                 f"tables runs, and the file's serve-table section (which docs/serving.md "
+                 f"includes from benchmarks/results/serve_cpu.md) would be empty; leave out "
+                 f"--out, or write the appended tables with benchmarks/prefix_sharing.py / "
+                 f"benchmarks/quantised_pages.py --out")
+    if args.no_decode and args.no_serve and not args.long_prompt and not (
+            args.prefix_sharing or args.quantised_pages):
+        ap.error("--no-decode --no-serve leaves nothing to run; add --prefix-sharing or "
+                 "--quantised-pages")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     load_start = os.getloadavg()
     if args.long_prompt:
-        text = render_long_prompt(*bench_long_prompt(args.serve_repeats, args.requests,
-                                                     args.slots, args.long_prompt, args.budget),
-                                  args, load_start)
-        print(text)
-        if args.out:
-            Path(args.out).write_text(text + "\n")
-        return
-    dec = None if args.no_decode else bench_decode(args.schemes, args.fills, args.repeats,
-                                                   args.steps)
-    serve = None if args.no_serve else bench_serving(args.serve_repeats, args.requests,
-                                                     args.slots)
-    text = "\n\n".join([render(dec, serve, args, load_start)] + extra_sections(args))
+        own = [render_long_prompt(*bench_long_prompt(args.serve_repeats, args.requests,
+                                                     args.slots, args.long_prompt,
+                                                     args.budget), args, load_start)]
+    elif args.no_decode and args.no_serve:  # the appended tables alone
+        own = []
+    else:
+        dec = None if args.no_decode else bench_decode(args.schemes, args.fills, args.repeats,
+                                                       args.steps)
+        serve = None if args.no_serve else bench_serving(args.serve_repeats, args.requests,
+                                                         args.slots)
+        own = [render(dec, serve, args, load_start)]
+    text = "\n\n".join(own + extra_sections(args))
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
