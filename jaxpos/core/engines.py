@@ -49,7 +49,10 @@ and optionally
   along the keys, so no score_mod of positions expresses them): ``"dense"`` (the whole
   ``[B, N, Tq, Tk]`` score matrix, JAX autodiff) or ``"blocked"`` (key blocks, ``O(T)``
   memory, a recomputing backward); default None, an engine that computes softmax
-  attention only and is refused by those attentions (:func:`replacing_form`).
+  attention only and is refused by those attentions (:func:`replacing_form`). The
+  capability only picks which of the library's two programs runs (each attention's own
+  dense or blocked code); the engine's ``refuses`` and ``run`` are not consulted for
+  these attentions.
 
 A new engine is its own file and one :func:`register_engine` call. The built-in engines
 ("reference", "chunked", "xla" and the fused Pallas kernel "pallas") register in their own
@@ -247,11 +250,23 @@ def capability(name: str | None, attr: str, default=None):
     return getattr(get_engine(name), attr, default)
 
 
+def _loaded(name: str) -> Engine | ImportError:
+    """The engine ``name``, or the ``ImportError`` its module (:func:`register_engine_module`)
+    raised."""
+    try:
+        return get_engine(name)
+    except ImportError as e:
+        return e
+
+
 def engines_with(attr: str, default: bool = False) -> tuple[str, ...]:
     """The names of the engines (built-in and registered) whose capability ``attr`` is
     true (``default`` where an engine does not declare it), e.g.
-    ``engines_with("second_derivatives", True)``."""
-    return tuple(n for n in engine_names() if getattr(get_engine(n), attr, default))
+    ``engines_with("second_derivatives", True)``. An engine whose module
+    (:func:`register_engine_module`) fails to import is left out, so one broken
+    registration does not turn a refusal that lists engines into an ``ImportError``."""
+    return tuple(n for n in engine_names()
+                 if not isinstance(e := _loaded(n), ImportError) and getattr(e, attr, default))
 
 
 def replacing_form(what: str, implementation: str | None, why: str = "") -> str:
@@ -259,6 +274,12 @@ def replacing_form(what: str, implementation: str | None, why: str = "") -> str:
     softmax's scores (``"path_attention"``, ...), runs for ``implementation=``: the
     engine's ``replacing_form`` capability; None gives ``"blocked"``. ``why`` (a sentence)
     says why an engine without the capability cannot run it.
+
+    The capability picks one of the library's two programs for ``what`` (its dense or its
+    blocked form, written in the attention's own module); the engine's ``refuses`` and
+    ``run`` are not consulted, so an engine that declares ``replacing_form`` runs these
+    attentions exactly as the built-in engine of that form does. Engines whose module
+    fails to import are named in the refusal as not loaded.
 
     Raises:
       ValueError: an unknown engine name (listing them); an engine that declares no
@@ -273,10 +294,14 @@ def replacing_form(what: str, implementation: str | None, why: str = "") -> str:
     names = [repr(n) for n in engines_with("replacing_form", False)]
     listed = " or ".join(names) if len(names) < 3 else \
         ", ".join(names[:-1]) + " or " + names[-1]
+    broken = [f"{n!r} ({type(e).__name__}: {e})" for n in engine_names()
+              if isinstance(e := _loaded(n), ImportError)]
     raise ValueError(f"{what} runs on implementation {listed} (the engines that declare "
                      f"replacing_form; or None: the blocked form); got implementation="
                      f"{implementation!r}, an engine of softmax attention only." +
-                     (f" {why}" if why else ""))
+                     (f" {why}" if why else "") +
+                     (f" Engines whose module failed to import, not listed: "
+                      f"{', '.join(broken)}." if broken else ""))
 
 
 def takes_kv_lengths(name: str | None) -> bool:

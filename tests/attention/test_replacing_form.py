@@ -114,3 +114,19 @@ def test_registering_an_unknown_form_is_refused():
                                          r"'tiled'; expected one of \('dense', 'blocked'\)"):
         jaxpos.register_engine(_UserEngine("user_odd", "tiled"))
     assert "user_odd" not in engines.engine_names()
+
+
+def test_an_engine_module_that_fails_to_import_does_not_hide_the_refusal():
+    """One broken register_engine_module entry: the refusal is still the ValueError naming
+    the engines that can, and names the broken one as not loaded; engines_with skips it."""
+    engines.register_engine_module("user_broken", "jaxpos_no_such_engine_module")
+    try:
+        q = jnp.ones((1, 3, 1, 4))
+        with pytest.raises(ValueError, match=r"stick_breaking_attention runs on "
+                           r"implementation 'reference'.*'chunked'.*got implementation="
+                           r"'xla'.* not listed: 'user_broken' \(ModuleNotFoundError"):
+            jaxpos.stick_breaking_attention(q, q, q, implementation="xla")
+        names = engines.engines_with("replacing_form")
+        assert {"reference", "chunked"} <= set(names) and "user_broken" not in names
+    finally:
+        engines._ENGINE_MODULES.pop("user_broken", None)
