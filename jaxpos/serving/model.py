@@ -291,7 +291,8 @@ class ModuleDecoder:
 
     def _trace_ragged(self) -> str | None:
         """The message of the ``ValueError`` a ragged step of one token (one row of one
-        page slot) raises while it is traced, or None."""
+        page slot) raises while it is traced, or None (also for any other error of this
+        one-token trace, which the loop's real steps then raise themselves)."""
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
         pool = jax.eval_shape(lambda: self.init_pool(1, 1))
         try:
@@ -300,6 +301,8 @@ class ModuleDecoder:
         except ValueError as e:  # the engine adds its own "serve without a budget"
             return re.sub(r"[.;]\s*serve this model without max_num_batched_tokens\.?$", "",
                           str(e).strip(), flags=re.IGNORECASE).removesuffix(".")
+        except Exception:  # noqa: BLE001 - not a refusal: the real step reports it
+            return None
         return None
 
     def page_sharing_key(self) -> str:
