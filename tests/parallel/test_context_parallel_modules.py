@@ -8,8 +8,9 @@ jitted training step of ``DecoderLM`` built with ``context_parallel`` under
 parameter's gradient, NNX and Linen; the compiled step holds the method's collectives
 (so it did run sequence-parallel); and ``decode_step`` of a context-parallel model
 equals the plain model's. The default run covers RoPE with the zigzag ring (NNX) and T5
-with Ulysses (Linen); ``-m slow`` every scheme the modules build with both methods, and
-a 2 x 4 (data x seq) mesh. Option errors are checked here, in this process.
+with Ulysses (Linen); ``-m slow`` every scheme the modules build once, the ring and
+Ulysses taking turns, and a 2 x 4 (data x seq) mesh. Option errors are checked here, in
+this process.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def test_context_parallel_every_scheme_the_modules_build(tmp_path_factory):
     res = _run_worker(tmp_path_factory, "--modules", "--full")
     _check(res)
     assert any("mesh2x4" in k for k in res)
+    methods = [k.split("/")[3] for k in res if k.startswith("loss/nnx/")]
+    assert methods.count("ring") >= 5 and methods.count("ulysses") >= 5, methods
     # the schemes replacing softmax attention are refused, by name
     assert {"refusal/nnx/stick_breaking", "refusal/nnx/cope", "refusal/nnx/path"} <= set(res)
 

@@ -141,8 +141,15 @@ def test_paged_decode_and_pallas_decoder_step_on_every_axis_type(full):
 def test_every_engine_mesh_and_axis_type_with_gradients(full):
     _check(full)
     tags = {k.split("/", 1)[1] for k in full if k.startswith("out/")}
+    runs = {}  # every engine on every mesh and axis type, each scheme on two of them
     for mesh in ("8", "2x4", "2x2x2"):
         for kind in ("Explicit", "Auto"):
             for impl in ("reference", "chunked", "xla", "pallas"):
-                assert f"{mesh}/{kind}/{impl}/t5" in tags
+                found = [t for t in tags if t.startswith(f"{mesh}/{kind}/{impl}/")
+                         and not t.endswith("/built_under_mesh")]
+                assert len(found) == 1, (mesh, kind, impl, found)
+                runs.setdefault(impl, []).append(found[0].rsplit("/", 1)[1])
+    for impl, schemes in runs.items():
+        want = {"alibi", "t5"} if impl == "xla" else {"alibi", "t5", "rope"}
+        assert set(schemes) == want, (impl, schemes)
     assert {k for k in full if k.startswith("grad/")}
