@@ -805,3 +805,30 @@ def cached_reference(case_id: str, kv_dtype: str | None = None):
     """The float64 contract's ``(out, grads)`` of a case (``kv_dtype``: on the values
     quantised pages of that dtype hold; :func:`reference_case`)."""
     return reference_case(dict(all_cases())[case_id], kv_dtype)
+
+
+#: Families of paths that deal their slow cases out among themselves (a case runs on one
+#: of them, in turn) rather than each running all of them: the call forms that wrap an
+#: engine (unfilled cache slots, pages; the engines themselves run every case) and the
+#: context-parallel methods (USP's inner loop is the ring). The whole product cost about
+#: 7 minutes of CI.
+COVERING = (("reference_kv_lengths", "chunked_kv_lengths", "pallas_kv_lengths"),
+            ("paged_reference", "paged_chunked", "paged_pallas"),
+            ("ring", "ulysses", "usp"))
+
+
+@functools.lru_cache(maxsize=1)
+def _case_order() -> tuple[dict, dict]:
+    cases = dict(all_cases())
+    return cases, {cid: i for i, cid in enumerate(cases)}
+
+
+def covered_elsewhere(impl: str, cid: str) -> bool:
+    """Whether case ``cid`` runs on another path of ``impl``'s family (see COVERING)."""
+    cases, index = _case_order()
+    for family in COVERING:
+        if impl in family:
+            able = [m for m in family if IMPLEMENTATIONS[m].takes is None
+                    or IMPLEMENTATIONS[m].takes(cases[cid])]
+            return able[index[cid] % len(able)] != impl
+    return False

@@ -6,8 +6,8 @@ The axes are the module-level tables of ``_conformance_cases.py`` (``IMPLEMENTAT
 ``CALL_SHAPES``, ``SCHEMES``): a new path, call shape or scheme joins by adding one entry.
 The 8-device ring runs in one subprocess (``_ring_conformance_worker.py``) whose results
 every ring case reads; it, the module's cached decode and most Pallas-interpreter cases
-are ``slow``. The call forms that wrap an engine (unfilled cache slots, pages) deal their
-cases out among the engines (``COVERING``).
+are ``slow``. The call forms that wrap an engine (unfilled cache slots, pages) and the
+context-parallel methods deal their cases out among themselves (``COVERING``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from _conformance_cases import (
     IMPLEMENTATIONS,
     all_cases,
     cached_reference,
+    covered_elsewhere,
     empty_rows,
     run_attention,
     tolerance,
@@ -37,34 +38,13 @@ CASES = dict(all_cases())
 CONTEXT_PARALLEL = ("ring", "ulysses", "usp")
 
 
-#: Call forms that wrap an engine: each family's cases are dealt out among its engines
-#: (a case runs on one of them, in turn) rather than run on all three; the engines
-#: themselves run every case above. The whole product cost about 5 minutes of CI.
-COVERING = (("reference_kv_lengths", "chunked_kv_lengths", "pallas_kv_lengths"),
-            ("paged_reference", "paged_chunked", "paged_pallas"))
-
-
-def _takes(impl, case):
-    path = IMPLEMENTATIONS[impl]
-    return path.takes is None or path.takes(case)
-
-
-def _covered_elsewhere(impl, cid):
-    """Whether the case runs on another engine of ``impl``'s family (see COVERING)."""
-    for family in COVERING:
-        if impl in family:
-            able = [m for m in family if _takes(m, CASES[cid])]
-            return able[list(CASES).index(cid) % len(able)] != impl
-    return False
-
-
 def _params():
     out = []
     for impl, path in IMPLEMENTATIONS.items():
         for cid, case in CASES.items():
-            if not _takes(impl, case):
+            if path.takes is not None and not path.takes(case):
                 continue
-            if not path.default(cid) and _covered_elsewhere(impl, cid):
+            if not path.default(cid) and covered_elsewhere(impl, cid):
                 continue
             marks = [] if path.default(cid) else [pytest.mark.slow]
             out.append(pytest.param(impl, cid, marks=marks, id=f"{impl}-{cid}"))
