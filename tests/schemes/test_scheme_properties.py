@@ -26,7 +26,7 @@ OTHERS = [i for i in IMPLS if i != "reference"]
 SCHEMES = ("nope", "rope", "alibi", "t5", "shaw")
 FAST = settings(max_examples=3, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-SLOW = settings(max_examples=60, deadline=None,
+SLOW = settings(max_examples=25, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -160,7 +160,7 @@ def test_every_implementation_gradient_agrees_with_reference(p):
 
 
 @pytest.mark.slow
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_every_implementation_gradient_agrees_with_reference_many(p):
     check_gradients(p)
