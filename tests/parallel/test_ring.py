@@ -61,9 +61,7 @@ def _run_worker(tmp_path_factory, *flags):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """The worker's full case list (``--full``), shared by every slow test below: one
-    8-device subprocess of a few minutes (its default list ran besides it, 80 s more)."""
-    return _run_worker(tmp_path_factory, "--full")
+    return _run_worker(tmp_path_factory)
 
 
 def _check_equal(res):
@@ -72,12 +70,12 @@ def _check_equal(res):
 
 
 # ------------------------------------------------------------------- 8 CPU devices
-@pytest.mark.slow  # one 8-device subprocess shared by these six tests
+@pytest.mark.slow  # one 8-device subprocess (~25 s) shared by these five tests
 def test_eight_devices(results):
     assert results["num_devices"] == 8
 
 
-@pytest.mark.slow  # one 8-device subprocess shared by these six tests
+@pytest.mark.slow  # one 8-device subprocess (~25 s) shared by these five tests
 def test_ring_equals_single_device(results):
     """Forward and every gradient equal the single-device call (see the worker)."""
     _check_equal(results)
@@ -94,21 +92,21 @@ def test_ring_equals_single_device(results):
         assert results[f"grad_norm/{name}"] > 1.0, name
 
 
-@pytest.mark.slow  # one 8-device subprocess shared by these six tests
+@pytest.mark.slow  # one 8-device subprocess (~25 s) shared by these five tests
 def test_ring_covers_kerple_when_present(results):
     if "kerple" not in next(k for k in results if k.startswith("available/")):
         pytest.skip("jaxpos.schemes.kerple not in this checkout")
     assert any(k.startswith("grad/kerple/") for k in results)
 
 
-@pytest.mark.slow  # one 8-device subprocess shared by these six tests
+@pytest.mark.slow  # one 8-device subprocess (~25 s) shared by these five tests
 def test_ring_needs_global_positions(results):
     """Negative control: every device passing a local arange(T / P) gets another answer."""
     for name in ("local_positions/rope_yarn", "local_positions/t5"):
         assert results[name] > 0.1, (name, results[name])
 
 
-@pytest.mark.slow  # one 8-device subprocess shared by these six tests
+@pytest.mark.slow  # one 8-device subprocess (~25 s) shared by these five tests
 def test_ring_skips_hidden_blocks(results):
     """NaN values in the last device's keys/values never reach earlier rows under a causal
     mask: hidden blocks (and tiles) are skipped, not computed and masked."""
@@ -117,8 +115,8 @@ def test_ring_skips_hidden_blocks(results):
 
 
 @pytest.mark.slow
-def test_ring_every_scheme_layout_and_mesh(results):
-    res = results
+def test_ring_every_scheme_layout_and_mesh(tmp_path_factory):
+    res = _run_worker(tmp_path_factory, "--full")
     _check_equal(res)
     for name in ("local_positions/rope_yarn", "local_positions/t5"):
         assert res[name] > 0.1
