@@ -342,13 +342,9 @@ def test_reference_matches_torch_sdpa_with_float_mask(rng):
 # ----------------------------------------------------------------- the benchmark
 def test_cpu_benchmark_tiny_mode_runs(tmp_path):
     """``benchmarks/attention_cpu.py --tiny`` runs end to end and writes its table."""
-    import importlib.util
-    import pathlib
+    from _scripts import load_script
 
-    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "attention_cpu.py"
-    spec = importlib.util.spec_from_file_location("attention_cpu", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("benchmarks/attention_cpu.py", "attention_cpu")
     out = tmp_path / "table.md"
     rows = mod.main(["--tiny", "--no-torch", "--schemes", "alibi", "--output", str(out)])
     text = out.read_text()

@@ -8,7 +8,6 @@ the mathematics of the argument (permutation equivariance); none is a recorded o
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -24,11 +24,7 @@ EXAMPLES = ROOT / "examples"
 
 def _load(name: str):
     """Import ``examples/<name>.py`` as a module (the examples are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"_example_{name}", EXAMPLES / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(EXAMPLES / f"{name}.py", f"_example_{name}")
 
 
 @pytest.fixture(scope="module")

@@ -5,26 +5,17 @@ leaves the model's output unchanged."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _scripts import load_script
 
 pytest.importorskip("optax")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_example_{name}",
-                                                  ROOT / "examples" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(f"examples/{name}.py", f"_example_{name}")
 
 
 @pytest.fixture(scope="module")

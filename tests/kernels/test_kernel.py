@@ -451,13 +451,9 @@ def test_bad_input_raises_clear_errors():
 def test_gpu_benchmark_script_runs_tiny(tmp_path):
     """benchmarks/gpu_attention.py keeps working on CPU (interpret mode, tiny shapes);
     its own correctness check raises SystemExit if the kernel disagrees."""
-    import importlib.util
-    import pathlib
+    from _scripts import load_script
 
-    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "gpu_attention.py"
-    spec = importlib.util.spec_from_file_location("gpu_attention", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmarks/gpu_attention.py", "gpu_attention")
     out = tmp_path / "bench.md"
     rows = bench.main(["--tiny", "--variants", "t5", "rope+alibi", "--no-torch",
                        "--out", str(out)])

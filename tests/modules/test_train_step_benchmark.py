@@ -3,10 +3,8 @@ side by side."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from _scripts import load_script
 
 
 @pytest.mark.slow  # two DecoderLM gradient compilations
@@ -14,11 +12,7 @@ def test_train_step_benchmark_times_every_scheme_against_nope(tmp_path):
     """``--quick`` runs the schemes round-robin (NoPE first, as the baseline, whatever the
     order asked) and writes one row per scheme with its ratios to NoPE (NoPE's own
     exactly 1)."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "train_step.py"
-    spec = importlib.util.spec_from_file_location("train_step_benchmark", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("benchmarks/train_step.py", "train_step_benchmark")
     out = tmp_path / "train_step.md"
     rows = mod.main(["--quick", "--schemes", "rope", "nope", "--output", str(out)])
     assert [r["scheme"] for r in rows] == ["nope", "rope"]

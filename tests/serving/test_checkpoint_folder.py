@@ -168,13 +168,10 @@ def test_a_truncated_or_foreign_weights_file_raises_a_value_error_naming_it(tmp_
 def test_serve_example_serves_a_checkpoint_folder(tmp_path):
     """``examples/serve.py --checkpoint DIR``: the long-tail workload over the folder's
     model (its vocabulary), every request its token budget."""
-    import importlib.util
+    from _scripts import load_script
 
     folder = _folder(tmp_path / "ckpt", _tensors(2), shards=2)
-    spec = importlib.util.spec_from_file_location("_serve_ckpt", ROOT / "examples" / "serve.py")
-    serve = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = serve
-    spec.loader.exec_module(serve)
+    serve = load_script("examples/serve.py", "_serve_ckpt")
     sizes = dict(prompt_median=5, output_median=4, max_prompt=12, max_output=12)
     out = serve.main(["--checkpoint", str(folder), "--requests", "5", "--slots", "2",
                       "--page-size", "4", "--max-len", "24", "--prefill-chunk", "4",

@@ -7,22 +7,13 @@ system prompt shorter than a page."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from _scripts import load_script
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_test_bench_{name}",
-                                                  ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(f"benchmarks/{name}.py", f"_test_bench_{name}")
 
 
 class _PrefixStub:

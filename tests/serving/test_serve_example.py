@@ -5,24 +5,20 @@ per token; the paged pool's peak below the dense cache's bytes)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "serve.py"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("_example_serve", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT, "_example_serve")
 
 
 def test_long_tail_workload_lengths_are_clipped_log_normal_draws():
