@@ -26,3 +26,13 @@ def suite_xla_flags(base: str = "") -> str:
     if os.environ.get("JAXPOS_TESTS_OPTIMIZED"):
         return base.strip()
     return f"{base} {FAST_COMPILE}".strip()
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment for a CPU subprocess the suite starts (an 8-device worker, a
+    benchmark, a ``jax.distributed`` process): this one's, with the suite's compile flags
+    as its only XLA flags (the worker adds its own device count) and JAX on the CPU."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = suite_xla_flags()
+    env["JAX_PLATFORMS"] = "cpu"
+    return env

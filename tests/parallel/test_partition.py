@@ -28,13 +28,12 @@ training step of that ``DecoderLM`` against one device.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _xla_flags import suite_xla_flags
+from _xla_flags import subprocess_env
 
 WORKER = Path(__file__).with_name("_partition_worker.py")
 TOL = 1e-5
@@ -42,9 +41,7 @@ TOL = 1e-5
 
 def _run(tmp_path_factory, *flags):
     out = tmp_path_factory.mktemp("partition") / "result.json"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = suite_xla_flags()
-    env["JAX_PLATFORMS"] = "cpu"
+    env = subprocess_env()
     proc = subprocess.run([sys.executable, str(WORKER), *flags, str(out)], env=env,
                           capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:

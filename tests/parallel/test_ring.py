@@ -17,7 +17,6 @@ device, a one-device mesh where a mesh is needed).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _xla_flags import suite_xla_flags
+from _xla_flags import subprocess_env
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -49,9 +48,7 @@ def _run_worker(tmp_path_factory, *flags):
     worker = WORKER.with_name("_modules_worker.py") if "--modules" in flags else WORKER
     flags = tuple(f for f in flags if f != "--modules")
     out = tmp_path_factory.mktemp("ring") / "result.json"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = suite_xla_flags()  # the worker adds its own device count
-    env["JAX_PLATFORMS"] = "cpu"
+    env = subprocess_env()
     proc = subprocess.run([sys.executable, str(worker), *flags, str(out)], check=False, env=env,
                           capture_output=True, text=True, timeout=3000)
     if proc.returncode != 0:
@@ -307,9 +304,7 @@ def test_memory_benchmark_runs(tmp_path):
     layout and its memory falls with P."""
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "ring_attention_memory.py"
     out = tmp_path / "ring.md"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = suite_xla_flags()
-    env["JAX_PLATFORMS"] = "cpu"
+    env = subprocess_env()
     proc = subprocess.run([sys.executable, str(path), "--tiny", "--output", str(out)],
                           check=False, env=env,
                           capture_output=True, text=True, timeout=1800)

@@ -4,13 +4,12 @@ programs."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _xla_flags import suite_xla_flags
+from _xla_flags import subprocess_env
 
 
 @pytest.mark.slow  # four compilations on 8 CPU devices
@@ -22,9 +21,7 @@ def test_sharded_benchmark_reads_memory_and_collectives_per_device(tmp_path):
     0.25 MiB, 1.000 MiB at P = 2."""
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "sharded.py"
     out = tmp_path / "sharded.md"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = suite_xla_flags()
-    env["JAX_PLATFORMS"] = "cpu"
+    env = subprocess_env()
     proc = subprocess.run([sys.executable, str(path), "--quick", "--tensor", "1", "2",
                            "--programs", "attention", "layer", "--output", str(out)],
                           check=False, env=env, capture_output=True, text=True, timeout=1800)

@@ -14,13 +14,12 @@ slow`` every scheme (RoPE, ALiBi, T5, FoX), twin, mesh and axis type.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _xla_flags import suite_xla_flags
+from _xla_flags import subprocess_env
 
 WORKER = Path(__file__).with_name("_logical_axes_worker.py")
 TOL = 1e-5
@@ -28,9 +27,7 @@ TOL = 1e-5
 
 def _run(tmp_path, *flags):
     out = tmp_path / "axes.json"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = suite_xla_flags()
-    env["JAX_PLATFORMS"] = "cpu"
+    env = subprocess_env()
     proc = subprocess.run([sys.executable, str(WORKER), *flags, str(out)], env=env,
                           capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-6000:]

@@ -21,13 +21,12 @@ The default run covers the chunked implementation (the CPU default) on a subset
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _xla_flags import suite_xla_flags
+from _xla_flags import subprocess_env
 
 WORKER = Path(__file__).with_name("_sharding_worker.py")
 TOL = 1e-5  # float32 forward; gradients: relative to max(1, max |gradient|) (see the worker)
@@ -35,9 +34,7 @@ TOL = 1e-5  # float32 forward; gradients: relative to max(1, max |gradient|) (se
 
 def _run_worker(tmp_path_factory, *flags):
     out = tmp_path_factory.mktemp("sharding") / "result.json"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = suite_xla_flags()  # the worker adds its own device count
-    env["JAX_PLATFORMS"] = "cpu"
+    env = subprocess_env()
     proc = subprocess.run([sys.executable, str(WORKER), *flags, str(out)], env=env,
                           capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:

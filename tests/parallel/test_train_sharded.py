@@ -12,14 +12,13 @@ under ``jax.distributed`` with a local coordinator.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _xla_flags import suite_xla_flags
+from _xla_flags import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_sharded.py"
@@ -27,12 +26,6 @@ TOL = 1e-5
 TINY = ["--d-model", "32", "--layers", "1", "--heads", "4", "--kv-heads", "2",
         "--batch-size", "4", "--seq-len", "16", "--vocab-size", "64", "--check"]
 
-
-def _env():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = suite_xla_flags()
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
 
 
 def _check(res, *, steps):
@@ -51,7 +44,7 @@ def _check(res, *, steps):
 def test_rope_step_on_a_data_fsdp_tensor_mesh_equals_one_device(tmp_path):
     out = tmp_path / "rope.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--scheme", "rope", "--steps", "1",
-                           *TINY, "--json", str(out)], env=_env(), capture_output=True,
+                           *TINY, "--json", str(out)], env=subprocess_env(), capture_output=True,
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     res = json.loads(out.read_text())
@@ -88,7 +81,7 @@ def test_alibi_t5_fox_and_context_parallel_steps_equal_one_device(tmp_path):
     for name, argv in cp.items():
         runs[str(tmp_path / f"cp_{name}.json")] = [*argv, "--steps", "2", *TINY]
     code = _DRIVER.format(examples=str(ROOT / "examples"))
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(runs)], env=_env(),
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(runs)], env=subprocess_env(),
                           capture_output=True, text=True, timeout=1800, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     for path in runs:
@@ -113,7 +106,7 @@ def test_two_processes_under_jax_distributed_give_the_single_device_loss(tmp_pat
             "--cpu-devices", "4", "--num-processes", "2", "--coordinator",
             f"localhost:{port}"]
     procs = [subprocess.Popen([*base, "--process-id", str(i), "--json",
-                               str(tmp_path / f"p{i}.json")], env=_env(), cwd=ROOT,
+                               str(tmp_path / f"p{i}.json")], env=subprocess_env(), cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
     outs = [p.communicate(timeout=1200) for p in procs]

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _xla_flags import suite_xla_flags
+from _xla_flags import subprocess_env
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from test_ring import TOL
@@ -149,7 +149,6 @@ def test_two_process_distributed_ring_and_usp(tmp_path):
     ring over all 8 devices and USP (the ring across the processes, Ulysses inside each)
     give each process its shards of the single-device output and gradients."""
     import json
-    import os
     import socket
     import subprocess
     import sys
@@ -159,9 +158,7 @@ def test_two_process_distributed_ring_and_usp(tmp_path):
     with socket.socket() as s:  # a free port for the coordinator
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = suite_xla_flags()
-    env["JAX_PLATFORMS"] = "cpu"
+    env = subprocess_env()
     outs = [tmp_path / f"p{i}.json" for i in range(2)]
     procs = [subprocess.Popen([sys.executable, str(worker), str(i), "2", str(port), str(out)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -183,16 +180,13 @@ def test_context_parallel_benchmark_tiny(tmp_path):
     docs/parallel.md says: zigzag balances the ring (max / mean <= 1.1), Ulysses is
     balanced in any order, the HLO's collective bytes equal each layout's formula, and
     the ring's and Ulysses' temporary memory falls with P while all-gather's does not."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "context_parallel.py"
     out = tmp_path / "cp.md"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = suite_xla_flags()
-    env["JAX_PLATFORMS"] = "cpu"
+    env = subprocess_env()
     proc = subprocess.run([sys.executable, str(path), "--tiny", "--kv-heads", "2", "--output",
                            str(out)], check=False, env=env, capture_output=True, text=True,
                           timeout=1800)
