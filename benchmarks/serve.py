@@ -19,11 +19,14 @@
    log-normal prompt and output lengths): pages in use x page size / tokens held,
    averaged over decode steps (goal <= 1.1), beside a dense ``[slots, max_len]`` cache /
    tokens held.
-3. **Continuous batching vs a static padded batch** on the same workload (the same
-   engine, ``schedule="static"``: a batch is admitted only when every slot is idle):
-   generated tokens/s (goal: ratio >= 2) and time to first token. The two schedules'
-   runs are interleaved (continuous, static, then static, continuous, ...), and the
-   ratio is taken per pair of runs: median and [min-max].
+3. **Continuous batching vs a static padded batch** on the same workload: the loop with a
+   token budget (``--budget``, ``max_num_batched_tokens``: one ragged step per iteration),
+   the loop that prefills each admitted prompt in 16-token calls before its decode step,
+   and ``schedule="static"`` (a batch admitted only when every slot is idle): generated
+   tokens/s (goal: budgeted continuous / static >= 2) and time to first token. Each engine
+   first serves the workload once (compiling every shape); then the three loops' runs are
+   interleaved, their order rotating per repeat, and each ratio is taken within one
+   repeat: median and [min-max].
 4. **A long prompt arriving mid-run** (``--long-prompt N``, run instead of 1-3): the
    long-tail workload alone and with one ``N``-token prompt arriving a third of the way
    in, served by today's loop and by the token-budget loop (``--budget``,
@@ -224,21 +227,28 @@ def bench_decode(schemes, fills, repeats: int, steps: int):
 
 
 # ------------------------------------------------------- 2, 3. the long-tail workload
-def bench_serving(repeats: int, requests: int, slots: int):
-    """``{schedule: [summary per run]}``: the two schedules' runs interleaved (continuous
-    first in even repeats, static first in odd ones), each engine compiled once."""
+def bench_serving(repeats: int, requests: int, slots: int, budget: int):
+    """``{loop: [summary per run]}`` for three loops: continuous batching with a token
+    budget (one ragged step per iteration, ``max_num_batched_tokens=budget``), continuous
+    batching with prefill calls before each decode step, and the static padded batch. Runs
+    interleaved (the loops' order rotating per repeat), every engine first run once on the
+    whole workload (every shape compiled)."""
     ex = _example()
     model = PagedDecoder(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
                          position=jaxpos.RoPE(rotary_dim=16), seed=0)
     reqs = ex.long_tail_requests(requests, vocab_size=256, seed=0)
     max_len = 512
     per_seq = -(-max_len // PS)
-    engines = {s: ServingEngine(model, num_slots=slots, num_pages=slots * per_seq // 2,
-                                page_size=PS, max_len=max_len, schedule=s)
-               for s in ("continuous", "static")}
+    kw = dict(num_slots=slots, num_pages=slots * per_seq // 2, page_size=PS, max_len=max_len)
+    engines = {"budget": ServingEngine(model, max_num_batched_tokens=budget, **kw),
+               "continuous": ServingEngine(model, **kw),
+               "static": ServingEngine(model, schedule="static", **kw)}
+    for name, eng in engines.items():  # compile every shape the workload meets
+        ex.serve(eng, reqs, progress=False, label=name)
     res: dict[str, list[dict]] = {s: [] for s in engines}
+    names = list(engines)
     for r in range(repeats):
-        for s in (("continuous", "static") if r % 2 == 0 else ("static", "continuous")):
+        for s in names[r % 3:] + names[:r % 3]:
             done, stats = ex.serve(engines[s], reqs, progress=False, label=s)
             res[s].append(ex.summarize(done, stats, engines[s], model))
     return res
@@ -389,40 +399,46 @@ def render(dec, serve, args, load_start) -> str:
     if dec:
         lines += _decode_lines(dec, args)
     if serve:
-        c, s = serve["continuous"], serve["static"]
+        g, c, s = serve["budget"], serve["continuous"], serve["static"]
+        loops = (g, c, s)
         col = lambda runs, key, fmt: fmt.format(float(np.median([x[key] for x in runs])))
         span = lambda runs, key: (f"{np.median([x[key] for x in runs]):.0f} "
                                   f"[{min(x[key] for x in runs):.0f}-"
                                   f"{max(x[key] for x in runs):.0f}]")
-        tps = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(c, s)]
+        row = lambda label, key, fmt: (f"| {label} | "
+                                       + " | ".join(col(x, key, fmt) for x in loops) + " |")
+        ratio = lambda a: [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(a, s)]
         lines += [
             f"## Long-tail workload ({args.requests} requests, {args.slots} slots, "
-            f"examples/serve.py's log-normal lengths; {len(c)} runs of each schedule, "
-            f"interleaved; medians [min-max])",
+            f"examples/serve.py's log-normal lengths; {len(c)} runs of each loop, "
+            f"interleaved, after one run each that compiles; medians [min-max])",
             "",
-            "| | continuous | static padded batch |",
-            "|---|---:|---:|",
-            f"| generated tokens/s | {span(c, 'tokens_per_s')} | {span(s, 'tokens_per_s')} |",
-            f"| median time to first token (s) | {col(c, 'ttft_median_s', '{:.3f}')} | "
-            f"{col(s, 'ttft_median_s', '{:.3f}')} |",
-            f"| p90 time to first token (s) | {col(c, 'ttft_p90_s', '{:.3f}')} | "
-            f"{col(s, 'ttft_p90_s', '{:.3f}')} |",
-            f"| decode steps | {col(c, 'decode_steps', '{:.0f}')} | "
-            f"{col(s, 'decode_steps', '{:.0f}')} |",
-            f"| pages in use x page size / tokens held | "
-            f"{col(c, 'pages_per_token_held', '{:.3f}')} | "
-            f"{col(s, 'pages_per_token_held', '{:.3f}')} |",
-            f"| dense [slots, max_len] / tokens held | "
-            f"{col(c, 'dense_slots_per_token_held', '{:.2f}')} | "
-            f"{col(s, 'dense_slots_per_token_held', '{:.2f}')} |",
-            f"| peak KV MiB (paged) / dense cache MiB | {col(c, 'peak_kv_mib_paged', '{:.2f}')}"
-            f" / {col(c, 'kv_mib_dense', '{:.2f}')} | {col(s, 'peak_kv_mib_paged', '{:.2f}')}"
-            f" / {col(s, 'kv_mib_dense', '{:.2f}')} |",
+            f"`continuous, budget {args.budget}`: one ragged step per iteration holding the "
+            f"decode tokens and prompt chunks up to the budget (`max_num_batched_tokens`); "
+            f"`continuous, prefill calls`: each admitted prompt prefilled in 16-token calls, "
+            f"then one decode step; `static`: a batch admitted only when every slot is idle "
+            f"(prefill calls, then decode steps until its longest request ends).",
             "",
-            f"Continuous / static tokens/s, per pair of back-to-back runs: {_mr(tps)} "
-            f"(goal >= 2); paged memory per token held "
-            f"{col(c, 'pages_per_token_held', '{:.3f}')} (goal <= 1.1) against "
-            f"{col(c, 'dense_slots_per_token_held', '{:.2f}')} for the dense cache.",
+            f"| | continuous, budget {args.budget} | continuous, prefill calls | static "
+            f"padded batch |",
+            "|---|---:|---:|---:|",
+            "| generated tokens/s | " + " | ".join(span(x, "tokens_per_s") for x in loops)
+            + " |",
+            row("median time to first token (s)", "ttft_median_s", "{:.3f}"),
+            row("p90 time to first token (s)", "ttft_p90_s", "{:.3f}"),
+            row("jitted steps (decode, or ragged)", "decode_steps", "{:.0f}"),
+            row("pages in use x page size / tokens held", "pages_per_token_held", "{:.3f}"),
+            row("dense [slots, max_len] / tokens held", "dense_slots_per_token_held",
+                "{:.2f}"),
+            "| peak KV MiB (paged) / dense cache MiB | " + " | ".join(
+                f"{col(x, 'peak_kv_mib_paged', '{:.2f}')} / {col(x, 'kv_mib_dense', '{:.2f}')}"
+                for x in loops) + " |",
+            "",
+            f"Tokens/s against the static batch, per set of back-to-back runs: continuous with "
+            f"budget {args.budget} {_mr(ratio(g))} (goal >= 2), continuous with prefill calls "
+            f"{_mr(ratio(c))}; paged memory per token held "
+            f"{col(g, 'pages_per_token_held', '{:.3f}')} (goal <= 1.1) against "
+            f"{col(g, 'dense_slots_per_token_held', '{:.2f}')} for the dense cache.",
             "",
         ]
     lines.append("<!-- --8<-- [end:serve-table] -->")
@@ -573,7 +589,7 @@ def main(argv=None):
         dec = None if args.no_decode else bench_decode(args.schemes, args.fills, args.repeats,
                                                        args.steps)
         serve = None if args.no_serve else bench_serving(args.serve_repeats, args.requests,
-                                                         args.slots)
+                                                         args.slots, args.budget)
         own = [render(dec, serve, args, load_start)]
     text = "\n\n".join(own + extra_sections(args))
     print(text)

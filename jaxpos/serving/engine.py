@@ -195,16 +195,18 @@ class ServingEngine:
         of an engine without it; :attr:`prefix_cache` is then the
         :class:`~jaxpos.serving.prefix.PrefixCache` (else None).
       max_num_batched_tokens: None (prefill in ``prefill_chunk`` calls, then a decode step),
-        or the token budget of one ragged step per iteration: decode tokens and prompt
-        chunks together (:mod:`jaxpos.serving.scheduler`; vLLM's option).
+        or the token budget of one step per iteration: decode tokens and prompt chunks
+        together (:mod:`jaxpos.serving.scheduler`; vLLM's option). The step is the packed
+        ragged step where the model has one, else one padded ``[num_slots, T]`` step with
+        at most ``prefill_chunk`` prompt tokens per request
+        (:class:`~jaxpos.serving.scheduler.RaggedLoop`: FoX, PaTH, quantised pages).
 
     Raises:
       ValueError: ``prefix_caching`` for a model whose pages cannot be shared (PaTH, FoX,
         StreamingLLM: :func:`~jaxpos.serving.prefix.check_shareable`) or that has no
         ``page_sharing_key``.
       ValueError / TypeError: sizes that are not positive ints, an unknown schedule, a
-        ``detokenize`` that is not callable, a token budget below ``num_slots`` or for a
-        model without a ragged step (:class:`jaxpos.serving.scheduler.RaggedLoop`).
+        ``detokenize`` that is not callable, a token budget below ``num_slots``.
     """
 
     def __init__(self, model: PagedModel, *, num_slots: int, num_pages: int, page_size: int,
@@ -225,8 +227,13 @@ class ServingEngine:
         self.model, self.params = model, model.params
         self.num_slots, self.page_size, self.max_len = num_slots, page_size, max_len
         self.prefill_chunk, self.schedule = prefill_chunk, schedule
-        # wide enough for a prompt padded to whole prefill chunks
-        self.pages_per_seq = pages_for(-(-max_len // prefill_chunk) * prefill_chunk, page_size)
+        #: the :class:`~jaxpos.serving.scheduler.RaggedLoop` running the token budget
+        #: (``.packed``, ``.padded_because``), or None without ``max_num_batched_tokens``
+        self.scheduler = None if max_num_batched_tokens is None else \
+            RaggedLoop(self, max_num_batched_tokens)
+        # wide enough for a prompt padded to whole prefill chunks, or for a padded budgeted
+        # step's padding after a request's last token
+        self.pages_per_seq = pages_for(self._slots_needed(max_len, max_len), page_size)
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = None if not prefix_caching else PrefixCache(  # whole chunks shared
             self.allocator, page_size, sharing_key(model),  # (a budget's chunks: any pages)
@@ -235,8 +242,6 @@ class ServingEngine:
         self._pages = self.allocator if self.prefix_cache is None else self.prefix_cache
         self.pool = model.init_pool(num_pages, page_size)
         self._step = jax.jit(self._forward_and_sample, donate_argnums=(1,))
-        self._ragged = None if max_num_batched_tokens is None else \
-            RaggedLoop(self, max_num_batched_tokens)  # the iterations with a token budget
 
     # ------------------------------------------------------------------ device step
     def _forward_and_sample(self, params, pool, tokens, table, lengths, mask, temperature,
@@ -321,11 +326,21 @@ class ServingEngine:
                              f"{r.arrival!r}.")
         check_stop_fields(who, r.stop_token_ids, r.stop_strings, V, self.detokenize)
 
+    def _slots_needed(self, prompt: int, total: int) -> int:
+        """Slots a request of a ``prompt``-token prompt and ``total`` tokens in all may write:
+        its tokens, or its prompt padded to whole prefill chunks (a model may write the
+        padding), whichever is more; with padded budgeted steps
+        (:class:`~jaxpos.serving.scheduler.RaggedLoop`), a step's padding after its last
+        token too."""
+        C = self.prefill_chunk
+        if self.scheduler is not None and not self.scheduler.packed:
+            return total - 1 + C
+        return max(total, -(-prompt // C) * C)
+
     def _pages_needed(self, r: Request) -> int:
-        """Pages a request may hold: its prompt and budget, or its prompt padded to whole
-        prefill chunks (a model may write the padding), whichever is more."""
-        padded = -(-len(r.prompt) // self.prefill_chunk) * self.prefill_chunk
-        return pages_for(max(len(r.prompt) + r.max_new_tokens, padded), self.page_size)
+        """Pages a request may hold (:meth:`_slots_needed`)."""
+        slots = self._slots_needed(len(r.prompt), len(r.prompt) + r.max_new_tokens)
+        return pages_for(slots, self.page_size)
 
     def _grow(self, run: _Running, slots: int) -> None:
         """Hand ``run`` the pages for ``slots`` filled slots (its run of pages extended in
@@ -451,8 +466,8 @@ class ServingEngine:
         page it holds."""
         try:
             while loop.waiting or any(s is not None for s in loop.slots):
-                if self._ragged is not None:
-                    yield from self._ragged.iteration(loop)
+                if self.scheduler is not None:
+                    yield from self.scheduler.iteration(loop)
                     continue
                 yield from self._admit(loop)
                 active = [b for b, s in enumerate(loop.slots) if s is not None]

@@ -19,6 +19,10 @@ unwritten tokens of one extra row; the rows are always the ``num_slots`` batch s
 (idle ones with no tokens) plus that padding row. So a loop compiles at most ``1 +
 log2(next_pow2(N) / 8)`` steps, whatever its requests.
 
+A model without a packed ragged step (FoX and PaTH, whose decode state is per request;
+quantised pages; see :class:`RaggedLoop`) runs the same schedule as one padded step per
+iteration, ``[num_slots, 1]`` or ``[num_slots, prefill_chunk]``: two compiled shapes.
+
 A request samples its first token in the step that holds the end of its prompt; steps
 holding an earlier chunk sample nothing for it.
 """
@@ -38,7 +42,8 @@ from jaxpos import _checks
 from jaxpos.serving.sampling import sample_tokens
 from jaxpos.serving.stream import StopCondition, StreamEvent
 
-__all__ = ["SMALLEST_BUCKET", "RaggedLoop", "Scheduled", "schedule_step", "token_bucket"]
+__all__ = ["SMALLEST_BUCKET", "RaggedLoop", "Scheduled", "padded_reason", "schedule_step",
+           "token_bucket"]
 
 #: the smallest padded token count of a ragged step
 SMALLEST_BUCKET = 8
@@ -63,7 +68,8 @@ class Scheduled:
     samples: bool
 
 
-def schedule_step(slots: Sequence[Any], budget: int) -> list[Scheduled]:
+def schedule_step(slots: Sequence[Any], budget: int,
+                  max_chunk: int | None = None) -> list[Scheduled]:
     """Which tokens of which running requests go into the next step: first one decode token
     per request whose prompt is written (slot order), then prompt chunks, the request
     that arrived first first, while ``budget`` tokens remain.
@@ -72,6 +78,7 @@ def schedule_step(slots: Sequence[Any], budget: int) -> list[Scheduled]:
       slots: per batch slot a running request (``.request.prompt``, ``.tokens`` generated,
         ``.length`` slots written, ``.arrival``) or None.
       budget: the most new tokens of the step.
+      max_chunk: the most prompt tokens of one request in the step (None: the budget).
 
     Returns:
       the scheduled rows in slot order (requests with nothing to run are left out).
@@ -88,7 +95,8 @@ def schedule_step(slots: Sequence[Any], budget: int) -> list[Scheduled]:
             break
         run = slots[b]
         prompt = run.request.prompt
-        chunk = tuple(int(t) for t in prompt[run.length:run.length + left])
+        take = left if max_chunk is None else min(left, max_chunk)
+        chunk = tuple(int(t) for t in prompt[run.length:run.length + take])
         rows[b] = Scheduled(b, run.length, chunk, run.length + len(chunk) == len(prompt))
         left -= len(chunk)
     return [rows[b] for b in sorted(rows)]
@@ -98,15 +106,24 @@ class RaggedLoop:
     """The iterations of a :class:`jaxpos.serving.ServingEngine` with a token budget (module
     docstring); the engine owns the pages, the slots and the events.
 
+    A model that can run the ragged step (a ``forward_ragged`` and no ``ragged_refusal``)
+    runs each iteration packed (:attr:`packed`). Any other model (FoX and PaTH, whose decode
+    state a packed row does not carry; quantised pages; a module whose layers refuse a
+    traced ragged step, :attr:`jaxpos.serving.ModuleDecoder.ragged_refusal`; a
+    :class:`~jaxpos.serving.PagedModel` with ``forward`` only) runs the same schedule as
+    one padded step: its ``forward`` over ``[num_slots, T]`` tokens, each running request
+    in its own batch slot, masked after its scheduled tokens, with ``T = 1`` when the
+    step holds decode tokens only and ``T = prefill_chunk`` otherwise (a request's prompt
+    then goes at most ``prefill_chunk`` tokens a step). The tokens are the same; a padded
+    step computes ``num_slots * T`` tokens where a packed one computes the next power of
+    two of the scheduled ones. :attr:`padded_because` says why a loop runs padded.
+
     Args:
       engine: the engine; budget: ``max_num_batched_tokens``, an int ``>= num_slots`` (a
         step holds every running request's decode token, as vLLM requires).
 
     Raises:
-      ValueError / TypeError: a budget that is not an int ``>= num_slots``; a model without
-        ``forward_ragged`` or one that gives a ``ragged_refusal`` (PaTH, FoX: their decode
-        state is not carried by a ragged step; a module whose layers refuse a traced
-        ragged step: :attr:`jaxpos.serving.ModuleDecoder.ragged_refusal`).
+      ValueError / TypeError: a budget that is not an int ``>= num_slots``.
     """
 
     def __init__(self, engine: Any, budget: int):
@@ -115,19 +132,18 @@ class RaggedLoop:
             raise ValueError(f"max_num_batched_tokens must be >= num_slots (every running "
                              f"request's decode token fits one step); got {budget} < "
                              f"{engine.num_slots}.")
-        model = engine.model
-        if not callable(getattr(model, "forward_ragged", None)):
-            raise ValueError(f"max_num_batched_tokens needs a model with forward_ragged (a "
-                             f"ragged step, jaxpos.serving.model); {type(model).__name__} has "
-                             f"none. Serve it without a token budget.")
-        refusal = getattr(model, "ragged_refusal", None)
-        if refusal:
-            raise ValueError(f"max_num_batched_tokens: {refusal}. Serve this model without a "
-                             f"token budget (max_num_batched_tokens=None).")
         self.engine, self.budget = engine, budget
+        #: why this loop runs padded steps (None: it runs packed ragged steps)
+        self.padded_because = padded_reason(engine.model)
         self.rows = engine.num_slots + 1  # the batch slots and the padding row
         self._step = jax.jit(self._forward_and_sample, donate_argnums=(1,))
         self._cached: dict[int, int] = {}  # id(run) -> prompt tokens read from shared pages
+
+    @property
+    def packed(self) -> bool:
+        """Whether each step is the packed ragged step (else the padded ``[num_slots, T]``
+        step: class docstring)."""
+        return self.padded_because is None
 
     def _forward_and_sample(self, params, pool, tokens, positions, table, lengths, cu, mask,
                             last, temperature, top_k, top_p, seeds, counters):
@@ -172,13 +188,57 @@ class RaggedLoop:
         """Admit, schedule and run one step; yield the events of the tokens it sampled."""
         eng = self.engine
         self._admit(loop)
-        plan = schedule_step(loop.slots, self.budget)
+        plan = schedule_step(loop.slots, self.budget,
+                             None if self.packed else eng.prefill_chunk)
         if not plan:
             if loop.waiting:  # the next request has not arrived yet
                 time.sleep(max(0.0, min(loop.waiting[0].arrival - loop.now(), 0.01)))
             return
-        R, n = self.rows, sum(len(s.tokens) for s in plan)
-        Tb = token_bucket(n, self.budget)
+        n = sum(len(s.tokens) for s in plan)
+        out = self._run_packed(loop, plan, n) if self.packed else self._run_padded(loop, plan)
+        loop.stats.decode_steps += 1
+        held = sum(r.length for r in loop.slots if r is not None) + n
+        pages = getattr(eng, "_pages", eng.allocator)  # (the prefix cache, if any)
+        loop.page_ratios.append(pages.in_use * eng.page_size / held)
+        loop.dense_ratios.append(eng.num_slots * eng.max_len / held)
+        runs = [(s, loop.slots[s.slot]) for s in plan]
+        for s, run in runs:
+            run.length = s.start + len(s.tokens)
+        for s, run in runs:
+            if not s.samples or loop.slots[s.slot] is not run:  # cancelled meanwhile
+                continue
+            run.tokens.append(int(out[s.slot]))
+            if len(run.tokens) == 1:  # its prompt is written
+                run.first_token = loop.now()
+                cached = self._cached.pop(id(run), 0)
+                if hasattr(eng, "_prefilled"):
+                    eng._prefilled(loop, run, cached)
+            yield from eng._emit(loop, s.slot)
+
+    def _run_padded(self, loop: Any, plan: list[Scheduled]) -> np.ndarray:
+        """The step ``plan`` as the model's ``forward`` over ``[num_slots, T]`` (class
+        docstring); the sampled token of every batch slot."""
+        eng = self.engine
+        S, T = eng.num_slots, max(len(s.tokens) for s in plan)
+        T = 1 if T == 1 else eng.prefill_chunk
+        tokens, mask = np.zeros((S, T), np.int32), np.zeros((S, T), bool)
+        lengths, counters = np.zeros(S, np.int32), np.zeros(S, np.int32)
+        for b, run in enumerate(loop.slots):  # a running request not in the step: unwritten
+            if run is not None:
+                lengths[b] = run.length
+        for s in plan:
+            run = loop.slots[s.slot]
+            eng._grow(run, s.start + T)  # the padding takes slots too (overwritten later)
+            tokens[s.slot, :len(s.tokens)], mask[s.slot, :len(s.tokens)] = s.tokens, True
+            counters[s.slot] = len(run.tokens)
+        return eng._run_step(tokens, eng._table(loop.slots), lengths, mask,
+                             [None if r is None else r.request for r in loop.slots], counters)
+
+    def _run_packed(self, loop: Any, plan: list[Scheduled], n: int) -> np.ndarray:
+        """The step ``plan`` as one packed ragged step of ``token_bucket(n)`` tokens; the
+        sampled token of every row (the batch slots, then the padding row)."""
+        eng = self.engine
+        R, Tb = self.rows, token_bucket(n, self.budget)
         tokens, positions = np.zeros(Tb, np.int32), np.zeros(Tb, np.int32)
         counts, lengths = np.zeros(R, np.int64), np.zeros(R, np.int32)
         last, counters = np.zeros(R, np.int32), np.zeros(R, np.int32)
@@ -208,22 +268,13 @@ class RaggedLoop:
             jnp.asarray(samp(lambda r: r.top_p, 1.0, np.float32)),
             jnp.asarray(samp(lambda r: r.seed, 0, np.int64).astype(np.uint32)),
             jnp.asarray(counters))
-        out = np.asarray(out)
-        loop.stats.decode_steps += 1
-        held = sum(r.length for r in loop.slots if r is not None) + n
-        pages = getattr(eng, "_pages", eng.allocator)  # (the prefix cache, if any)
-        loop.page_ratios.append(pages.in_use * eng.page_size / held)
-        loop.dense_ratios.append(eng.num_slots * eng.max_len / held)
-        runs = [(s, loop.slots[s.slot]) for s in plan]
-        for s, run in runs:
-            run.length = s.start + len(s.tokens)
-        for s, run in runs:
-            if not s.samples or loop.slots[s.slot] is not run:  # cancelled meanwhile
-                continue
-            run.tokens.append(int(out[s.slot]))
-            if len(run.tokens) == 1:  # its prompt is written
-                run.first_token = loop.now()
-                cached = self._cached.pop(id(run), 0)
-                if hasattr(eng, "_prefilled"):
-                    eng._prefilled(loop, run, cached)
-            yield from eng._emit(loop, s.slot)
+        return np.asarray(out)
+
+
+def padded_reason(model: Any) -> str | None:
+    """Why a budgeted loop runs ``model`` in padded steps (:class:`RaggedLoop`), or None
+    when it runs packed ragged steps: a model without ``forward_ragged``, or the model's
+    ``ragged_refusal``."""
+    if not callable(getattr(model, "forward_ragged", None)):
+        return f"{type(model).__name__} has no forward_ragged"
+    return getattr(model, "ragged_refusal", None) or None

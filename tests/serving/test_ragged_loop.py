@@ -7,6 +7,7 @@ prompt lengths, and the scheduler must keep to the budget with decode tokens fir
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -137,8 +138,7 @@ def test_schedule_puts_decode_tokens_first_and_chunks_prompts_to_the_budget():
 
 
 def test_token_budget_refusals_name_the_problem():
-    """A budget below num_slots, and a model whose decoding keeps a scheme state (PaTH)
-    that the ragged step does not carry, are refused before any device work."""
+    """A budget below num_slots or not a positive int is refused before any device work."""
     model = PagedDecoder(vocab_size=16, d_model=8, num_layers=1, num_heads=2)
     with pytest.raises(ValueError, match="max_num_batched_tokens must be >= num_slots"):
         ServingEngine(model, num_slots=4, num_pages=8, page_size=4, max_len=8,
@@ -146,8 +146,36 @@ def test_token_budget_refusals_name_the_problem():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         ServingEngine(model, num_slots=1, num_pages=8, page_size=4, max_len=8,
                       max_num_batched_tokens=0)
-    lm = DecoderLM(16, d_model=8, num_layers=1, num_heads=2, position="path",
+
+
+@pytest.mark.parametrize("position, kv_dtype", [("fox", None), ("path", None),
+                                                ("rope", "int8")])
+def test_budgeted_loop_serves_scheme_states_and_quantised_pages_in_padded_steps(position,
+                                                                                kv_dtype):
+    """FoX (a cumulative log forget gate per slot), PaTH (every cached key moved by each
+    step's Householder transforms) and int8 pages have no packed ragged step: under a token
+    budget they run padded [slots, chunk] steps, prompts in chunks beside the other
+    request's decode tokens, and each request gets the greedy tokens it gets alone (the
+    module's full pass; for int8 pages, the loop without a budget, which quantises the
+    same keys)."""
+    lm = DecoderLM(16, d_model=8, num_layers=1, num_heads=2, position=position,
                    rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"max_num_batched_tokens: .*decode state.*'path'"):
-        ServingEngine(ModuleDecoder(lm), num_slots=1, num_pages=8, page_size=2, max_len=8,
-                      max_num_batched_tokens=8)
+    decoder = ModuleDecoder(lm, kv_dtype=kv_dtype)
+    reqs = _requests(16, seed=3)
+    kw = dict(num_slots=2, num_pages=24, page_size=2, max_len=20, prefill_chunk=4)
+    eng = ServingEngine(decoder, max_num_batched_tokens=5, **kw)
+    assert not eng.scheduler.packed
+    assert re.search("decode state" if kv_dtype is None else "quantised",
+                     eng.scheduler.padded_because)
+    done, stats = eng.run(reqs)
+    assert sorted(len(c.tokens) for c in done) == sorted(_BUDGETS)
+    if kv_dtype is None:
+        _assert_greedy_alone(lambda seqs: np.asarray(nnx.jit(lambda m, t: m(t))(lm, seqs)),
+                             done)
+    else:
+        alone, _ = ServingEngine(decoder, **kw).run(reqs)
+        want = {c.request.id: c.tokens for c in alone}
+        assert {c.request.id: c.tokens for c in done} == want
+    # the 13-token prompt goes in chunks of at most 4 beside decode tokens
+    assert stats.decode_steps >= max(_BUDGETS) + 3
+    assert eng.allocator.in_use == 0 and eng.allocator.reserved == 0

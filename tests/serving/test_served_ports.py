@@ -16,6 +16,8 @@ argmax at its last real token.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,9 +75,15 @@ def _full_pass_greedy(model, prompts, steps):
     return [s[len(p):] for s, p in zip(seqs, prompts)]
 
 
-@pytest.mark.parametrize("build, budget", [(_llama4, None), (_deepseek, None), (_llama, 6)],
-                         ids=["llama4", "deepseek_v3", "llama_token_budget"])
+@pytest.mark.parametrize("build, budget", [
+    (_llama4, None), (_deepseek, None), (_llama, 6), (_llama4, 6), (_deepseek, 6)],
+    ids=["llama4", "deepseek_v3", "llama_token_budget", "llama4_token_budget",
+         "deepseek_v3_token_budget"])
 def test_port_served_with_paged_caches_gives_its_full_pass_greedy_tokens(build, budget):
+    """Without a budget (prefill calls, then decode steps) and with one: packed ragged steps
+    for Llama, padded [slots, chunk] steps for the ports whose layers refuse a traced
+    ragged step (Llama 4's temperature-tuned NoPE has its own transform_qk; DeepSeek-V3's
+    latent attention up-projects the cache's latents)."""
     model = build()
     want = _full_pass_greedy(model, PROMPTS, NEW_TOKENS)
     engine = ServingEngine(ModuleDecoder(model), num_slots=2, num_pages=8, page_size=4,
@@ -83,6 +91,21 @@ def test_port_served_with_paged_caches_gives_its_full_pass_greedy_tokens(build, 
     done, _ = engine.run([Request(list(p), max_new_tokens=NEW_TOKENS) for p in PROMPTS])
     got = {c.request.id: c.tokens for c in done}
     assert [got[i] for i in range(len(PROMPTS))] == want
+    if budget is not None:
+        assert engine.scheduler.packed == (build is _llama)
+
+
+@pytest.mark.parametrize("build, reason", [
+    (_llama4, r"TemperatureTunedNoPE has its own transform_qk"),
+    (_deepseek, r"DeepSeek-V3's latent attention up-projects")], ids=["llama4", "deepseek_v3"])
+def test_ports_the_ragged_step_cannot_run_say_why_they_run_padded_steps(build, reason):
+    """A token budget for a port whose layers refuse a ragged step while it is traced runs
+    padded steps, and the engine says why when it is built (ModuleDecoder.ragged_refusal
+    traces one ragged token), with the layer's own reason."""
+    engine = ServingEngine(ModuleDecoder(build()), num_slots=1, num_pages=4, page_size=4,
+                           max_len=8, max_num_batched_tokens=4)
+    assert not engine.scheduler.packed
+    assert re.search(reason, engine.scheduler.padded_because)
 
 
 def test_llama4_port_on_a_streaming_cache_equals_its_full_pass_before_eviction():
@@ -102,18 +125,3 @@ def test_llama4_port_on_a_streaming_cache_equals_its_full_pass_before_eviction()
         step, cache = run(state, ids[:, a:b], cache)
         steps.append(step)
     np.testing.assert_allclose(np.concatenate(steps, axis=1), want, atol=2e-5, rtol=0)
-
-
-@pytest.mark.parametrize("build, reason", [
-    (_llama4, r"TemperatureTunedNoPE has its own transform_qk"),
-    (_deepseek, r"DeepSeek-V3's latent attention up-projects")], ids=["llama4", "deepseek_v3"])
-def test_ports_the_ragged_step_cannot_run_are_refused_when_the_engine_is_built(build, reason):
-    """A token budget for a port whose layers refuse a ragged step while it is traced is
-    refused by ServingEngine's constructor (ModuleDecoder.ragged_refusal traces one ragged
-    token), with the layer's own reason, not first inside engine.run."""
-    decoder = ModuleDecoder(build())
-    with pytest.raises(ValueError, match=r"max_num_batched_tokens: " + reason):
-        ServingEngine(decoder, num_slots=1, num_pages=4, page_size=4, max_len=8,
-                      max_num_batched_tokens=4)
-    # without a budget the same decoder serves (the refusal is the ragged step's only)
-    ServingEngine(decoder, num_slots=1, num_pages=4, page_size=4, max_len=8)
