@@ -269,8 +269,8 @@ class DecoderCall:
         (StreamingLLM) keeps the read's positions. A ragged step (the token-budget loop)
         never reaches Llama 4's NoPE layers: the ragged cache refuses their
         ``TemperatureTunedNoPE`` scheme (it refuses every scheme with its own
-        ``transform_qk``), so :class:`jaxpos.serving.ServingEngine` refuses the port's
-        token budget when it is built.
+        ``transform_qk``), so :class:`jaxpos.serving.ServingEngine` runs the port's token
+        budget in padded steps.
         """
         if self.cache is None:
             pos = (jnp.arange(self.T, dtype=jnp.int32)[None] if at_slots else self.positions)

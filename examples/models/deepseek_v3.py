@@ -32,9 +32,9 @@ keys and values of one head width, so each layer's cache has one KV head of
 is stored split in two, ``W`` as its key and ``W`` as its value (:func:`pack_latent`;
 stored as given: the scheme of the write is :class:`jaxpos.NoPE`). A call reads its rows of
 slots (a paged cache's pages gathered, :meth:`jaxpos.layers.cache.CacheRead.unpaged`),
-up-projects them and runs :func:`jaxpos.mla_attention`; a ragged step (the serving loop's
-token budget) is refused, since it hands packed rows that this up-projection does not
-take.
+up-projects them and runs :func:`jaxpos.mla_attention`; a ragged step is refused, since it
+hands packed rows that this up-projection does not take (the serving loop's token budget
+runs the port in padded steps instead).
 
 Example::
 
@@ -266,7 +266,8 @@ class DeepseekV3Attention(nnx.Module):
             if read.cu_q_lengths is not None:
                 raise ValueError("DeepSeek-V3's latent attention up-projects each row's "
                                  "cached latents, which a ragged step (packed rows) does not "
-                                 "hand it; serve this model without max_num_batched_tokens.")
+                                 "hand it; a token-budget ServingEngine runs this model in "
+                                 "padded steps.")
             read = read.unpaged()  # rows of slots [B, S, 1, W] (a paged cache's gathered)
             latent, k_rope = unpack_latent(read.k.astype(x.dtype), read.v.astype(x.dtype),
                                            c.kv_lora_rank, c.qk_rope_head_dim)
@@ -456,7 +457,8 @@ class DeepseekV3ForCausalLM(common.CachedDecoderMixin, nnx.Module):
             tokens already in ``cache``).
           cache: the tuple of layer caches from :meth:`init_cache` (dense, StreamingLLM or
             paged, each holding latents and rope keys: :meth:`cache_layers`;
-            :class:`jaxpos.serving.ModuleDecoder` serves the model without a token budget),
+            :class:`jaxpos.serving.ModuleDecoder` serves the model, in padded steps under
+            a token budget),
             or ``None``.
           implementation, block_q, block_k: passed to :func:`jaxpos.attention`.
           rope, scale: override the rotary scheme / softmax scale (experiments and

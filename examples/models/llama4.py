@@ -27,8 +27,8 @@ Architecture (Meta AI 2025, "The Llama 4 herd", and the reference code
   use positions only for causality and the temperature, and slot order is position order
   for real tokens). Served by the loop (no padding in a row) slots and positions agree;
   the temperature multiplies each query by a factor of its own position only, but the
-  token-budget loop (``max_num_batched_tokens``) refuses the port when the engine is
-  built: the ragged step refuses every scheme with its own ``transform_qk``;
+  ragged step refuses every scheme with its own ``transform_qk``, so the token-budget loop
+  (``max_num_batched_tokens``) runs the port in padded steps;
 * **QK L2-norm** (``use_qk_norm``, no weight) on RoPE layers after the rotation; the norm of
   a vector is invariant under rotation, so it is applied here before jaxpos rotates
   (equal up to float32 rounding);

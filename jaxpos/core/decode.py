@@ -24,6 +24,7 @@ Differentiable (``lax.scan`` over ``lax.cond``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -170,7 +171,7 @@ def page_loader(k_pages: jax.Array, v_pages: jax.Array, table: jax.Array, page_s
     size - 1`` of every row (page-aligned ``start`` and ``size``), one indexed load of
     ``size // page_size`` pages per row from a page table ``table`` int32 ``[B,
     pages_per_seq]`` whose entries are all in ``[0, num_pages)``; ``buffered``: into a
-    buffer (for keys that are read more than once, e.g. rotated on load). Quantised pages
+    buffer for the keys (read more than once, e.g. rotated on load). Quantised pages
     (:class:`jaxpos.core.quantised.QuantisedPages`) are dequantised as the block is
     loaded: values and scales of its pages gathered, multiplied in float32."""
     B = table.shape[0]
@@ -179,22 +180,21 @@ def page_loader(k_pages: jax.Array, v_pages: jax.Array, table: jax.Array, page_s
         n = size // page_size
         k_shape, v_shape = (B, size) + k_pages.shape[2:], (B, size) + v_pages.shape[2:]
 
-        def gather(start):
+        def gather(pages, shape, start):
             pt = jax.lax.dynamic_slice_in_dim(table, start // page_size, n, axis=1)  # [B, n]
             # the table is safe (every index in bounds, the caller's promise); quantised
             # pages are dequantised here, this block's pages only
-            k = take_pages(k_pages, pt, mode="promise_in_bounds")
-            v = take_pages(v_pages, pt, mode="promise_in_bounds")
-            return k.reshape(k_shape), v.reshape(v_shape)
+            return take_pages(pages, pt, mode="promise_in_bounds").reshape(shape)
 
-        if not buffered:  # fused into its one consumer
-            return gather(start)
-        # Gathered once into a buffer (a conditional's results are buffers): fused into
-        # its consumers, XLA would gather each element once per use (RoPE on load reads
-        # each key twice). The other branch is never taken (start >= 0).
-        return jax.lax.cond(start >= 0, gather,
-                            lambda _: (jnp.zeros(k_shape, k_pages.dtype),
-                                       jnp.zeros(v_shape, v_pages.dtype)), start)
+        v = gather(v_pages, v_shape, start)  # read once: fused into its one consumer
+        if not buffered:
+            return gather(k_pages, k_shape, start), v
+        # The keys gathered once into a buffer (a conditional's results are buffers): fused
+        # into their consumers, XLA would gather each element once per use (RoPE on load
+        # reads each key twice). The other branch is never taken (start >= 0).
+        k = jax.lax.cond(start >= 0, functools.partial(gather, k_pages, k_shape),
+                         lambda _: jnp.zeros(k_shape, k_pages.dtype), start)
+        return k, v
 
     return load
 

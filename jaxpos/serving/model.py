@@ -274,8 +274,10 @@ class ModuleDecoder:
 
     @property
     def ragged_refusal(self) -> str | None:
-        """Why the loop cannot run this model with a token budget (None: it can), read when
-        a :class:`jaxpos.serving.ServingEngine` is built with ``max_num_batched_tokens``.
+        """Why the loop cannot run this model in packed ragged steps under a token budget
+        (None: it can; else it runs padded steps, :class:`jaxpos.serving.scheduler.RaggedLoop`),
+        read when a :class:`jaxpos.serving.ServingEngine` is built with
+        ``max_num_batched_tokens``.
 
         The pool's own reasons first (a scheme's decode state: FoX, PaTH; quantised pages);
         else the ``ValueError`` that tracing :meth:`forward_ragged` once on one token raises
@@ -298,9 +300,9 @@ class ModuleDecoder:
         try:
             jax.eval_shape(self.forward_ragged, self.params, i32(1), i32(1), pool, i32(1, 1),
                            i32(1), i32(2), jax.ShapeDtypeStruct((1,), jnp.bool_), i32(1))
-        except ValueError as e:  # the engine adds its own "serve without a budget"
-            return re.sub(r"[.;]\s*serve this model without max_num_batched_tokens\.?$", "",
-                          str(e).strip(), flags=re.IGNORECASE).removesuffix(".")
+        except ValueError as e:  # (the loop's own words are not repeated)
+            return re.sub(r"[.;]\s*a token-budget ServingEngine runs this model in padded "
+                          r"steps\.?$", "", str(e).strip(), flags=re.IGNORECASE).removesuffix(".")
         except Exception:  # noqa: BLE001 - not a refusal: the real step reports it
             return None
         return None

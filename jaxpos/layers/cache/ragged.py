@@ -132,8 +132,8 @@ class RaggedPagedCache(Cache):
             raise ValueError(f"{type(scheme).__name__} has its own transform_qk, which a "
                              f"ragged step refuses for every scheme (some, like xPos, scale "
                              f"q and k from the whole call's positions, which rows packed "
-                             f"at unrelated positions cannot share). Serve this model "
-                             f"without max_num_batched_tokens.")
+                             f"at unrelated positions cannot share); a token-budget "
+                             f"ServingEngine runs this model in padded steps.")
         keep = None if mask is None else jnp.asarray(mask, bool)[0]
         kp, vp, kv_lengths, _ = write_ragged(self.k_pages, self.v_pages, k[0], v[0],
                                              self.page_table, self.lengths,

@@ -309,7 +309,8 @@ class AttentionCore:
         if read.cu_q_lengths is not None:  # a ragged step: packed rows, no segment ids
             if attend_fn is not attention:
                 raise ValueError(f"{type(read.scheme).__name__} replaces softmax attention "
-                                 f"and has no ragged form; serve it without a token budget.")
+                                 f"and has no ragged form; a token-budget ServingEngine "
+                                 f"runs this model in padded steps.")
             return attention(q[0], read.k.astype(q.dtype), read.v.astype(q.dtype),
                              position=read.scheme, q_positions=read.q_positions[0],
                              kv_positions=read.kv_positions, causal=self.causal,
