@@ -155,15 +155,16 @@ def test_budgeted_loop_serves_scheme_states_and_quantised_pages_in_padded_steps(
     """FoX (a cumulative log forget gate per slot), PaTH (every cached key moved by each
     step's Householder transforms) and int8 pages have no packed ragged step: under a token
     budget they run padded [slots, chunk] steps, prompts in chunks beside the other
-    request's decode tokens, and each request gets the greedy tokens it gets alone (the
-    module's full pass; for int8 pages, the loop without a budget, which quantises the
-    same keys)."""
+    requests' decode tokens (3 slots, budget 4: one step leaves a running request with
+    nothing scheduled, its row all padding), and each request gets the greedy
+    tokens it gets alone (the module's full pass; for int8 pages, the loop without a
+    budget, which quantises the same keys)."""
     lm = DecoderLM(16, d_model=8, num_layers=1, num_heads=2, position=position,
                    rngs=nnx.Rngs(0))
     decoder = ModuleDecoder(lm, kv_dtype=kv_dtype)
     reqs = _requests(16, seed=3)
-    kw = dict(num_slots=2, num_pages=24, page_size=2, max_len=20, prefill_chunk=4)
-    eng = ServingEngine(decoder, max_num_batched_tokens=5, **kw)
+    kw = dict(num_slots=3, num_pages=36, page_size=2, max_len=20, prefill_chunk=4)
+    eng = ServingEngine(decoder, max_num_batched_tokens=4, **kw)
     assert not eng.scheduler.packed
     assert re.search("decode state" if kv_dtype is None else "quantised",
                      eng.scheduler.padded_because)
@@ -179,3 +180,40 @@ def test_budgeted_loop_serves_scheme_states_and_quantised_pages_in_padded_steps(
     # the 13-token prompt goes in chunks of at most 4 beside decode tokens
     assert stats.decode_steps >= max(_BUDGETS) + 3
     assert eng.allocator.in_use == 0 and eng.allocator.reserved == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _ForwardOnly:
+    """A PagedModel with ``forward`` only (no ragged step), over a PagedDecoder."""
+
+    model: PagedDecoder
+    traces: list = dataclasses.field(default_factory=list, compare=False, hash=False)
+
+    @property
+    def params(self):
+        return self.model.params
+
+    @property
+    def vocab_size(self):
+        return self.model.vocab_size
+
+    def init_pool(self, num_pages, page_size):
+        return self.model.init_pool(num_pages, page_size)
+
+    def forward(self, *args):
+        self.traces.append(args[1].shape)  # the step's [slots, T] (once per compiled shape)
+        return self.model.forward(*args)
+
+
+def test_budgeted_loop_runs_a_model_without_forward_ragged_in_padded_steps():
+    """A PagedModel with forward only is served under a token budget in padded steps (two
+    compiled shapes), each request its greedy tokens alone."""
+    model = PagedDecoder(vocab_size=32, d_model=16, num_layers=1, num_heads=4, num_kv_heads=2,
+                         position=jaxpos.RoPE(rotary_dim=4), seed=1)
+    served = _ForwardOnly(model)
+    eng = ServingEngine(served, num_slots=3, num_pages=36, page_size=2,
+                        max_len=20, prefill_chunk=4, max_num_batched_tokens=4)
+    assert eng.scheduler.padded_because == "_ForwardOnly has no forward_ragged"
+    done, _ = eng.run(_requests(32, seed=4))
+    _assert_greedy_alone(lambda seqs: _full_pass_logits(model, seqs), done)
+    assert sorted(served.traces) == [(3, 1), (3, 4)]
