@@ -331,10 +331,11 @@ class ServingEngine:
         its tokens, or its prompt padded to whole prefill chunks (a model may write the
         padding), whichever is more; with padded budgeted steps
         (:class:`~jaxpos.serving.scheduler.RaggedLoop`), a step's padding after its last
-        token too."""
+        written token too (the ``C - 1`` slots after slot ``total - 2``: the last sampled
+        token is never written)."""
         C = self.prefill_chunk
         if self.scheduler is not None and not self.scheduler.packed:
-            return total - 1 + C
+            return max(total, total - 2 + C)
         return max(total, -(-prompt // C) * C)
 
     def _pages_needed(self, r: Request) -> int:
