@@ -247,10 +247,15 @@ class ServingEngine:
     def _forward_and_sample(self, params, pool, tokens, table, lengths, mask, temperature,
                             top_k, top_p, seeds, counters):
         B, T = tokens.shape
-        positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        # padding (the masked tokens after a row's written ones) repeats the row's last
+        # position: past it a position may lie outside the model's (a learned table of
+        # max_len rows gives NaN rows there), and a padding key's NaN would reach the row's
+        # tokens (its weight 0 in p @ v: 0 * NaN, docs/attention.md)
+        last = jnp.maximum(jnp.sum(mask, axis=1, dtype=jnp.int32) - 1, 0)
+        positions = lengths[:, None] + jnp.minimum(jnp.arange(T, dtype=jnp.int32)[None, :],
+                                                   last[:, None])
         logits, pool = self.model.forward(params, tokens, positions, pool, table, lengths,
                                           mask)
-        last = jnp.maximum(jnp.sum(mask, axis=1, dtype=jnp.int32) - 1, 0)
         final = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
         return sample_tokens(final, temperature, top_k, top_p, seeds, counters), pool
 

@@ -1,8 +1,10 @@
-"""Page bookings of padded budgeted steps (``ServingEngine(..., max_num_batched_tokens=)``
-over a model without a packed ragged step): a padded ``[num_slots, prefill_chunk]`` step
-writes ``prefill_chunk - 1`` padding slots after a row's tokens, so a request books its
-last written slot (``total - 2``: its last sampled token is never written) plus that
-padding, and no more."""
+"""Padded steps of the serving loop: budgeted ``[num_slots, prefill_chunk]`` steps
+(``ServingEngine(..., max_num_batched_tokens=)`` over a model without a packed ragged
+step) and prefill chunks. A padded step writes ``prefill_chunk - 1`` padding slots after
+a row's tokens, so a request books its last written slot (``total - 2``: its last sampled
+token is never written) plus that padding, and no more; the padding's positions stay
+among the row's own, so a model whose positions end at ``max_len`` (a learned table)
+gives its tokens their own logits."""
 
 from __future__ import annotations
 
@@ -51,3 +53,27 @@ def test_padded_steps_book_the_last_written_slot_plus_one_steps_padding():
         np.testing.assert_array_equal(c.tokens, np.argmax(logits[n - 1:], axis=-1),
                                       err_msg=f"request {c.request.id}")
     assert [len(c.tokens) for c in sorted(done, key=lambda c: c.request.id)] == [4, 1]
+
+
+def test_padding_past_max_len_leaves_a_learned_position_table_s_tokens_alone():
+    """A learned position table of max_len = 12 rows, int8 pages (padded budgeted steps),
+    prefill_chunk 8: a 9- and an 11-token prompt are padded to positions 15, past the
+    table, whose NaN rows reached the row's own tokens through the padding keys (every
+    token came out 0). Each request gets the argmax of the module's own full pass."""
+    lm = DecoderLM(16, d_model=8, num_layers=1, num_heads=2, position="learned", max_len=12,
+                   rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    reqs = [Request(rng.integers(0, 16, 11).tolist(), 1),
+            Request(rng.integers(0, 16, 9).tolist(), 3)]
+    eng = ServingEngine(ModuleDecoder(lm, kv_dtype="int8"), num_slots=2, num_pages=16,
+                        page_size=4, max_len=12, prefill_chunk=8, max_num_batched_tokens=3)
+    assert not eng.scheduler.packed
+    done, _ = eng.run(reqs)
+    full = nnx.jit(lambda m, t: m(t))
+    for c in done:
+        seq = list(c.request.prompt) + c.tokens[:-1]
+        logits = np.asarray(full(lm, np.asarray([seq], np.int32)))[0]
+        n = len(c.request.prompt)
+        np.testing.assert_array_equal(c.tokens, np.argmax(logits[n - 1:], axis=-1),
+                                      err_msg=f"request {c.request.id}")
+    assert sorted(len(c.tokens) for c in done) == [1, 3]
