@@ -247,13 +247,15 @@ class ServingEngine:
     def _forward_and_sample(self, params, pool, tokens, table, lengths, mask, temperature,
                             top_k, top_p, seeds, counters):
         B, T = tokens.shape
-        # padding (the masked tokens after a row's written ones) repeats the row's last
-        # position: past it a position may lie outside the model's (a learned table of
-        # max_len rows gives NaN rows there), and a padding key's NaN would reach the row's
-        # tokens (its weight 0 in p @ v: 0 * NaN, docs/attention.md)
+        # every position below max_len: the padding after a row's written tokens (which
+        # lie below max_len - 1) stops at max_len - 1, where a position past the model's
+        # (a learned table of max_len rows gives NaN rows) would reach the row's tokens
+        # through the padding keys (their weight 0 in p @ v: 0 * NaN, docs/attention.md).
+        # The cap does not depend on the row's length, so a chunk's largest position (a
+        # dynamic-NTK rotation at write) stays that of its place (prefix caching)
+        positions = jnp.minimum(lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :],
+                                self.max_len - 1)
         last = jnp.maximum(jnp.sum(mask, axis=1, dtype=jnp.int32) - 1, 0)
-        positions = lengths[:, None] + jnp.minimum(jnp.arange(T, dtype=jnp.int32)[None, :],
-                                                   last[:, None])
         logits, pool = self.model.forward(params, tokens, positions, pool, table, lengths,
                                           mask)
         final = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]

@@ -2,9 +2,9 @@
 (``ServingEngine(..., max_num_batched_tokens=)`` over a model without a packed ragged
 step) and prefill chunks. A padded step writes ``prefill_chunk - 1`` padding slots after
 a row's tokens, so a request books its last written slot (``total - 2``: its last sampled
-token is never written) plus that padding, and no more; the padding's positions stay
-among the row's own, so a model whose positions end at ``max_len`` (a learned table)
-gives its tokens their own logits."""
+token is never written) plus that padding, and no more; the padding's positions stop at
+``max_len - 1``, so a model whose positions end at ``max_len`` (a learned table) gives
+its tokens their own logits."""
 
 from __future__ import annotations
 
@@ -57,9 +57,10 @@ def test_padded_steps_book_the_last_written_slot_plus_one_steps_padding():
 
 def test_padding_past_max_len_leaves_a_learned_position_table_s_tokens_alone():
     """A learned position table of max_len = 12 rows, int8 pages (padded budgeted steps),
-    prefill_chunk 8: a 9- and an 11-token prompt are padded to positions 15, past the
+    prefill_chunk 8: a 9- and an 11-token prompt are padded to position 15, past the
     table, whose NaN rows reached the row's own tokens through the padding keys (every
-    token came out 0). Each request gets the argmax of the module's own full pass."""
+    token came out 0); the padding now stops at position 11. Each request gets the
+    argmax of the module's own full pass."""
     lm = DecoderLM(16, d_model=8, num_layers=1, num_heads=2, position="learned", max_len=12,
                    rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
