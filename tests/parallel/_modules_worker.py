@@ -152,8 +152,13 @@ def run(full: bool) -> dict:
         # layout (which would give it other gates); a scheme replacing softmax attention
         # (stick-breaking, CoPE, PaTH) is refused by name, checked below
         # each scheme once, the two methods taking turns in the registry's order (both
-        # methods for every scheme, about 40 compilations, took 5 minutes of CI)
-        softmax = [p for p in stack_positions() if not flag(p, "replaces_softmax")]
+        # methods for every scheme, about 40 compilations, took 5 minutes of CI), but for
+        # the ones whose layers another scheme's case already runs: NoPE (RoPE's layer
+        # without the rotation), sinusoidal (added at the input, as learned positions
+        # are), KERPLE's power form (the log form's layer)
+        same_layer = {"nope", "sinusoidal", "kerple_power"}
+        softmax = [p for p in stack_positions()
+                   if not flag(p, "replaces_softmax") and p not in same_layer]
         cases = [("nnx", p, m, m == "ring" and not flag(p, "reads_token_order"))
                  for i, p in enumerate(softmax) for m in (("ring", "ulysses")[i % 2],)]
         for p in stack_positions():
@@ -164,7 +169,7 @@ def run(full: bool) -> dict:
                 except ValueError as e:
                     ok = "replaces softmax attention" in str(e)
                     res[f"refusal/nnx/{p}" if ok else f"refused/nnx/{p}"] = str(e)[:300]
-        cases += [("linen", p, "ulysses", False) for p in ("rope", "t5", "shaw")]
+        cases += [("linen", "shaw", "ulysses", False)]  # (the quick list has Linen's T5)
     else:
         cases = QUICK
     for twin, pos, method, zz in cases:
