@@ -18,8 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from jaxpos import _checks
+
 __all__ = ["FINISH_REASONS", "StopCondition", "StreamEvent", "TokenStream", "check_ids",
-           "check_stop_fields", "detokenized", "find_stop"]
+           "check_request", "check_stop_fields", "detokenized", "find_stop"]
 
 #: The values of :attr:`StreamEvent.finish_reason` on a request's last event.
 FINISH_REASONS = ("stop", "length", "stop_string", "cancelled")
@@ -229,3 +231,67 @@ def find_stop(text: str, stop_strings: Sequence[str]) -> tuple[int, str] | None:
         if at >= 0 and (best is None or (at, -len(s)) < (best[0], -len(best[1]))):
             best = (at, s)
     return best
+
+
+def check_request(r: Any, *, vocab_size: int, max_len: int, pages_needed: Callable[[Any], int],
+                  num_pages: int, detokenize: Callable | None) -> None:
+    """Refuse a :class:`jaxpos.serving.Request` that can never run or would run on garbage
+    (:meth:`jaxpos.serving.ServingEngine.run` lists the errors): every error names the
+    request (its id) and the field. ``pages_needed(r)``: the pages the engine books for it.
+
+    Raises:
+      ValueError / TypeError: the field and what it got.
+    """
+    who = f"request {r.id!r}"
+    try:
+        prompt = None if isinstance(r.prompt, (str, bytes)) else np.asarray(r.prompt)
+    except ValueError:  # a ragged nesting
+        prompt = None
+    if prompt is not None and prompt.ndim == 1 and prompt.size == 0:
+        raise ValueError(f"{who}: prompt must hold at least one token.")
+    if (prompt is None or prompt.ndim != 1 or prompt.dtype == bool
+            or not np.issubdtype(prompt.dtype, np.integer)):
+        raise TypeError(f"{who}: prompt must be a sequence of int token ids; got "
+                        f"{type(r.prompt).__name__} {r.prompt!r:.80}.")
+    V = vocab_size
+    bad = np.flatnonzero((prompt < 0) | (prompt >= V))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{who}: prompt token ids must lie in [0, vocab_size={V}); got "
+                         f"{int(prompt[i])} at index {i} ({bad.size} id(s) out of "
+                         f"range).")
+    for name in ("max_new_tokens", "top_k", "seed"):
+        val = getattr(r, name)
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)):
+            raise TypeError(f"{who}: {name} must be an int; got {type(val).__name__} "
+                            f"{val!r}.")
+    if r.max_new_tokens < 1:
+        raise ValueError(f"{who}: max_new_tokens must be >= 1; got {r.max_new_tokens}.")
+    if len(prompt) + r.max_new_tokens > max_len:
+        raise ValueError(f"{who}: prompt ({len(prompt)}) + max_new_tokens "
+                         f"({r.max_new_tokens}) exceeds max_len={max_len}.")
+    need = pages_needed(r)
+    if need > num_pages:
+        raise ValueError(f"{who} needs {need} pages; the pool holds "
+                         f"num_pages={num_pages}.")
+    temperature = _checks.check_real(f"{who}: temperature", r.temperature)
+    top_p = _checks.check_real(f"{who}: top_p", r.top_p)
+    f32_max = float(np.finfo(np.float32).max)  # sampled in float32
+    if not (0 <= temperature <= f32_max and 0 < top_p <= 1 and r.top_k >= 0):
+        raise ValueError(f"{who}: need a finite temperature >= 0 (at most {f32_max:.4g}: "
+                         f"sampled in float32), top_k >= 0 and top_p "
+                         f"in (0, 1]; got {r.temperature}, {r.top_k}, {r.top_p}.")
+    if not 0 <= r.seed < 2 ** 32:
+        raise ValueError(f"{who}: seed must lie in [0, 2**32); got {r.seed}.")
+    if r.eos_id is not None:
+        if isinstance(r.eos_id, bool) or not isinstance(r.eos_id, (int, np.integer)):
+            raise TypeError(f"{who}: eos_id must be None or an int; got "
+                            f"{type(r.eos_id).__name__} {r.eos_id!r}.")
+        if not 0 <= r.eos_id < V:
+            raise ValueError(f"{who}: eos_id must lie in [0, vocab_size={V}) (it could "
+                             f"never be sampled); got {r.eos_id}.")
+    arrival = _checks.check_real(f"{who}: arrival", r.arrival)
+    if not np.isfinite(arrival):
+        raise ValueError(f"{who}: arrival must be a finite number of seconds; got "
+                         f"{r.arrival!r}.")
+    check_stop_fields(who, r.stop_token_ids, r.stop_strings, V, detokenize)
