@@ -1,7 +1,7 @@
 """The Llama 4 and DeepSeek-V3 example ports, served by the continuous-batching loop
-(:class:`jaxpos.serving.ModuleDecoder` over paged caches), and the Llama port served by the
-token-budget loop (``max_num_batched_tokens``: a ragged step of packed rows), generate
-exactly the greedy tokens of the port's own full pass.
+(:class:`jaxpos.serving.ModuleDecoder` over paged caches) with and without a token budget
+(``max_num_batched_tokens``: padded steps for these two, a ragged step of packed rows for
+the Llama port), generate exactly the greedy tokens of the port's own full pass.
 
 Llama 4: a chunked RoPE layer (chunks of 4) and a NoPE layer with attention temperature
 tuning at ``floor_scale`` 2, so the temperature changes every two positions of the served
