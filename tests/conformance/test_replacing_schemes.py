@@ -146,18 +146,26 @@ def test_cache_decoding_matches_float64(scheme, shape):
     cache = init_kv_cache(case.B, case.Tk, case.Nk, q.shape[-1], jnp.float32)
     lf = extras.get("log_forget")
     g_last, g_slots = jnp.zeros((case.B, case.N)), jnp.zeros((case.B, case.Tk, case.N))
+    @jax.jit  # one program per chunk shape (eager, each op dispatched alone, cost 3x)
+    def step(cache, q, k, v, w, beta, lf, pos, mask, g_last, g_slots):
+        cache, read, gates = write_transforms(cache, q, k, v, w, beta, lf, pos, mask, g_last,
+                                              g_slots)
+        out = cached_path_attention(read.scheme, read.q, read.k, read.v,
+                                    segment_ids=read.segment_ids,
+                                    kv_segment_ids=read.kv_segment_ids)
+        return cache, out, gates
+
     outs = []
     for a, b in ((0, 3), (3, 4), (4, case.Tq)):
         sl = slice(a, b)
-        cache, read, gates = write_transforms(
+        cache, out, gates = step(
             cache, f32(q[:, sl]), f32(k[:, sl]), f32(v[:, sl]), f32(extras["w"][:, sl]),
             f32(extras["beta"][:, sl]), None if lf is None else f32(lf[:, sl]),
-            np.broadcast_to(np.arange(a, b), (case.B, b - a)), mask[:, sl], g_last, g_slots)
+            jnp.asarray(np.broadcast_to(np.arange(a, b), (case.B, b - a)), jnp.int32),
+            jnp.asarray(mask[:, sl]), g_last, g_slots)
         if gates is not None:
             g_last, g_slots = gates
-        outs.append(np.asarray(cached_path_attention(
-            read.scheme, read.q, read.k, read.v, segment_ids=read.segment_ids,
-            kv_segment_ids=read.kv_segment_ids)))
+        outs.append(np.asarray(out))
     ref = np_path(q, k, v, extras["w"], extras["beta"], lf, mask.astype(int))
     tol = tolerance(case) * max(1.0, float(np.abs(ref).max()))
     np.testing.assert_allclose(np.concatenate(outs, 1)[mask], ref[mask], rtol=0, atol=tol)
