@@ -64,19 +64,26 @@ def test_cache_steps_equal_the_float64_householder_products(fox, paged):
              else init_kv_cache(B, 10, NK, H, jnp.float32))
     S = 12 if paged else 10
     g_last, g_slots = jnp.zeros((B, N)), jnp.zeros((B, S, N))
+    @jax.jit  # one program per step shape (eager, each op dispatched alone, cost ~3x)
+    def step(cache, q, k, v, w, beta, lf, pos, mask, g_last, g_slots):
+        cache, read, gates = write_transforms(cache, q, k, v, w, beta, lf, pos, mask, g_last,
+                                              g_slots)
+        out = cached_path_attention(read.scheme, read.q, read.k, read.v,
+                                    segment_ids=read.segment_ids,
+                                    kv_segment_ids=read.kv_segment_ids)
+        return cache, out, gates
+
     outs = []
     for a, b in STEPS:
         sl = slice(a, b)
-        pos = np.broadcast_to(np.arange(a, b), (B, b - a))
-        cache, read, gates = write_transforms(
+        pos = jnp.asarray(np.broadcast_to(np.arange(a, b), (B, b - a)), jnp.int32)
+        cache, out, gates = step(
             cache, f32(q[:, sl]), f32(k[:, sl]), f32(v[:, sl]), f32(w[:, sl]),
-            f32(beta[:, sl]), f32(lf[:, sl]) if fox else None, pos, MASK[:, sl],
+            f32(beta[:, sl]), f32(lf[:, sl]) if fox else None, pos, jnp.asarray(MASK[:, sl]),
             g_last, g_slots)
         if fox:
             g_last, g_slots = gates
-        outs.append(cached_path_attention(read.scheme, read.q, read.k, read.v,
-                                          segment_ids=read.segment_ids,
-                                          kv_segment_ids=read.kv_segment_ids))
+        outs.append(out)
     got = np.concatenate([np.asarray(o) for o in outs], 1)
     want = np_path(q, k, v, w, beta, lf if fox else None, MASK.astype(int))
     np.testing.assert_allclose(got[MASK], want[MASK], atol=3e-6)
