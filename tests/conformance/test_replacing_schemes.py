@@ -23,12 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _conformance_cases import CALL_SHAPES, tolerance
+from _path_cache_steps import path_cache_steps
 from _replacing_reference import np_cope, np_path
 
 import jaxpos
-from jaxpos.core.path_decode import cached_path_attention
 from jaxpos.layers.cache import init_kv_cache
-from jaxpos.layers.cache.path import write_transforms
 
 #: scheme -> call shapes it takes (the rest: a clear error, tested below).
 SHAPES = {
@@ -142,30 +141,11 @@ def test_cache_decoding_matches_float64(scheme, shape):
     extras = _extras(scheme, case)
     seg = case.np_("segment_ids")
     mask = np.ones((case.B, case.Tq), bool) if seg is None else seg != 0
-    f32 = lambda x: jnp.asarray(x, jnp.float32)
     cache = init_kv_cache(case.B, case.Tk, case.Nk, q.shape[-1], jnp.float32)
     lf = extras.get("log_forget")
     g_last, g_slots = jnp.zeros((case.B, case.N)), jnp.zeros((case.B, case.Tk, case.N))
-    @jax.jit  # one program per chunk shape (eager, each op dispatched alone, cost 3x)
-    def step(cache, q, k, v, w, beta, lf, pos, mask, g_last, g_slots):
-        cache, read, gates = write_transforms(cache, q, k, v, w, beta, lf, pos, mask, g_last,
-                                              g_slots)
-        out = cached_path_attention(read.scheme, read.q, read.k, read.v,
-                                    segment_ids=read.segment_ids,
-                                    kv_segment_ids=read.kv_segment_ids)
-        return cache, out, gates
-
-    outs = []
-    for a, b in ((0, 3), (3, 4), (4, case.Tq)):
-        sl = slice(a, b)
-        cache, out, gates = step(
-            cache, f32(q[:, sl]), f32(k[:, sl]), f32(v[:, sl]), f32(extras["w"][:, sl]),
-            f32(extras["beta"][:, sl]), None if lf is None else f32(lf[:, sl]),
-            jnp.asarray(np.broadcast_to(np.arange(a, b), (case.B, b - a)), jnp.int32),
-            jnp.asarray(mask[:, sl]), g_last, g_slots)
-        if gates is not None:
-            g_last, g_slots = gates
-        outs.append(np.asarray(out))
+    _, got = path_cache_steps(cache, ((0, 3), (3, 4), (4, case.Tq)), q, k, v, extras["w"],
+                              extras["beta"], lf, mask, g_last, g_slots)
     ref = np_path(q, k, v, extras["w"], extras["beta"], lf, mask.astype(int))
     tol = tolerance(case) * max(1.0, float(np.abs(ref).max()))
-    np.testing.assert_allclose(np.concatenate(outs, 1)[mask], ref[mask], rtol=0, atol=tol)
+    np.testing.assert_allclose(got[mask], ref[mask], rtol=0, atol=tol)

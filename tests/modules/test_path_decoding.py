@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _path_cache_steps import path_cache_steps
 from _replacing_reference import np_path, path_inputs
 from flax import nnx
 
@@ -59,32 +60,12 @@ def _explicit_moved_keys(k, w, beta, mask):
     pytest.param(True, True, id="paged-path_fox")])
 def test_cache_steps_equal_the_float64_householder_products(fox, paged):
     q, k, v, w, beta, lf = _inputs()
-    f32 = lambda x: jnp.asarray(x, jnp.float32)
     cache = (init_paged_cache(B, 10, NK, H, jnp.float32, page_size=4, num_pages=6) if paged
              else init_kv_cache(B, 10, NK, H, jnp.float32))
     S = 12 if paged else 10
     g_last, g_slots = jnp.zeros((B, N)), jnp.zeros((B, S, N))
-    @jax.jit  # one program per step shape (eager, each op dispatched alone, cost ~3x)
-    def step(cache, q, k, v, w, beta, lf, pos, mask, g_last, g_slots):
-        cache, read, gates = write_transforms(cache, q, k, v, w, beta, lf, pos, mask, g_last,
-                                              g_slots)
-        out = cached_path_attention(read.scheme, read.q, read.k, read.v,
-                                    segment_ids=read.segment_ids,
-                                    kv_segment_ids=read.kv_segment_ids)
-        return cache, out, gates
-
-    outs = []
-    for a, b in STEPS:
-        sl = slice(a, b)
-        pos = jnp.asarray(np.broadcast_to(np.arange(a, b), (B, b - a)), jnp.int32)
-        cache, out, gates = step(
-            cache, f32(q[:, sl]), f32(k[:, sl]), f32(v[:, sl]), f32(w[:, sl]),
-            f32(beta[:, sl]), f32(lf[:, sl]) if fox else None, pos, jnp.asarray(MASK[:, sl]),
-            g_last, g_slots)
-        if fox:
-            g_last, g_slots = gates
-        outs.append(out)
-    got = np.concatenate([np.asarray(o) for o in outs], 1)
+    cache, got = path_cache_steps(cache, STEPS, q, k, v, w, beta, lf if fox else None, MASK,
+                                  g_last, g_slots)
     want = np_path(q, k, v, w, beta, lf if fox else None, MASK.astype(int))
     np.testing.assert_allclose(got[MASK], want[MASK], atol=3e-6)
     keys = gather_pages(cache.k_pages, cache.page_table) if paged else cache.k
@@ -98,17 +79,8 @@ def test_float64_cache_steps_keep_float64_precision():
     with jax.enable_x64(True):
         cache = init_kv_cache(B, 10, NK, H, jnp.float64)
         g_last, g_slots = jnp.zeros((B, N), jnp.float64), jnp.zeros((B, 10, N), jnp.float64)
-        outs = []
-        for a, b in STEPS:
-            sl = slice(a, b)
-            pos = np.broadcast_to(np.arange(a, b), (B, b - a))
-            cache, read, (g_last, g_slots) = write_transforms(
-                cache, *(jnp.asarray(x[:, sl]) for x in (q, k, v, w, beta, lf)), pos,
-                MASK[:, sl], g_last, g_slots)
-            outs.append(np.asarray(cached_path_attention(
-                read.scheme, read.q, read.k, read.v, segment_ids=read.segment_ids,
-                kv_segment_ids=read.kv_segment_ids)))
-    got = np.concatenate(outs, 1)
+        _, got = path_cache_steps(cache, STEPS, q, k, v, w, beta, lf, MASK, g_last, g_slots,
+                                  dtype=jnp.float64)
     assert got.dtype == np.float64
     want = np_path(q, k, v, w, beta, lf, MASK.astype(int))
     np.testing.assert_allclose(got[MASK], want[MASK], atol=1e-12)
