@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jaxpos
 from jaxpos.layers.functional import embed_tokens, merge_heads, mlp, project_heads, rms_norm
@@ -27,3 +28,18 @@ def full_pass_logits(model, tokens: jax.Array) -> jax.Array:
         x = x + merge_heads(o, lyr["o"], jnp.float32)
         x = x + mlp(rms_norm(x, lyr["mlp_norm"]), lyr["w_in"], lyr["w_out"], jnp.float32)
     return rms_norm(x, p["final_norm"]) @ p["embed"].T
+
+
+def assert_greedy_alone(full_pass, completions) -> None:
+    """Each completion's tokens are the greedy tokens of its prompt alone: at every step the
+    argmax of one causal pass over prompt + tokens[:-1] (``full_pass(seqs [B, T]) -> [B, T,
+    V]``, all requests' sequences right-padded into one batch)."""
+    seqs = [list(c.request.prompt) + list(c.tokens[:-1]) for c in completions]
+    padded = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+    for i, seq in enumerate(seqs):
+        padded[i, :len(seq)] = seq
+    logits = np.asarray(full_pass(padded))
+    for i, c in enumerate(completions):
+        n = len(c.request.prompt)
+        want = np.argmax(logits[i, n - 1:n - 1 + len(c.tokens)], axis=-1)
+        np.testing.assert_array_equal(c.tokens, want, err_msg=f"request {c.request.id}")

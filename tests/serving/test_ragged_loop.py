@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _serving_reference import full_pass_logits
+from _serving_reference import assert_greedy_alone, full_pass_logits
 from flax import nnx
 
 import jaxpos
@@ -28,21 +28,6 @@ def _full_pass_logits(model: PagedDecoder, seqs: np.ndarray) -> np.ndarray:
     reference attention, no cache; jitted once: rows right-padded, the pass is causal)."""
     run = jax.jit(lambda tokens: full_pass_logits(model, tokens))
     return np.asarray(run(jnp.asarray(seqs, jnp.int32)))
-
-
-def _assert_greedy_alone(full_pass, completions) -> None:
-    """Each completion's tokens are the greedy tokens of its prompt alone: at every step the
-    argmax of one causal pass over prompt + tokens[:-1] (``full_pass(seqs [B, T]) -> [B, T,
-    V]``, all requests' sequences right-padded into one batch)."""
-    seqs = [list(c.request.prompt) + list(c.tokens[:-1]) for c in completions]
-    padded = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
-    for i, seq in enumerate(seqs):
-        padded[i, :len(seq)] = seq
-    logits = full_pass(padded)
-    for i, c in enumerate(completions):
-        n = len(c.request.prompt)
-        want = np.argmax(logits[i, n - 1:n - 1 + len(c.tokens)], axis=-1)
-        np.testing.assert_array_equal(c.tokens, want, err_msg=f"request {c.request.id}")
 
 
 _PROMPT_LENGTHS = (9, 1, 13, 6, 2)
@@ -67,7 +52,7 @@ def test_budgeted_loop_gives_each_request_its_greedy_tokens_alone():
                         max_num_batched_tokens=8)
     done, stats = eng.run(reqs)
     assert sorted(len(c.tokens) for c in done) == sorted(_BUDGETS)
-    _assert_greedy_alone(lambda seqs: _full_pass_logits(model, seqs), done)
+    assert_greedy_alone(lambda seqs: _full_pass_logits(model, seqs), done)
     assert stats.generated == sum(_BUDGETS)
     # the 13-token prompt cannot go in one step of 8: more steps than an unchunked loop
     assert stats.decode_steps >= max(_BUDGETS) + 2
@@ -85,7 +70,7 @@ def test_budgeted_loop_drives_a_decoder_lm_module_through_the_ragged_call():
                         max_len=20, max_num_batched_tokens=8)
     done, _ = eng.run(reqs)
     assert len(done) == 3
-    _assert_greedy_alone(lambda seqs: np.asarray(nnx.jit(lambda m, t: m(t))(lm, seqs)), done)
+    assert_greedy_alone(lambda seqs: np.asarray(nnx.jit(lambda m, t: m(t))(lm, seqs)), done)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +156,7 @@ def test_budgeted_loop_serves_scheme_states_and_quantised_pages_in_padded_steps(
     done, stats = eng.run(reqs)
     assert sorted(len(c.tokens) for c in done) == sorted(_BUDGETS)
     if kv_dtype is None:
-        _assert_greedy_alone(lambda seqs: np.asarray(nnx.jit(lambda m, t: m(t))(lm, seqs)),
+        assert_greedy_alone(lambda seqs: np.asarray(nnx.jit(lambda m, t: m(t))(lm, seqs)),
                              done)
     else:
         alone, _ = ServingEngine(decoder, **kw).run(reqs)
@@ -215,5 +200,5 @@ def test_budgeted_loop_runs_a_model_without_forward_ragged_in_padded_steps():
                         max_len=20, prefill_chunk=4, max_num_batched_tokens=4)
     assert eng.scheduler.padded_because == "_ForwardOnly has no forward_ragged"
     done, _ = eng.run(_requests(32, seed=4))
-    _assert_greedy_alone(lambda seqs: _full_pass_logits(model, seqs), done)
+    assert_greedy_alone(lambda seqs: _full_pass_logits(model, seqs), done)
     assert sorted(served.traces) == [(3, 1), (3, 4)]
