@@ -35,7 +35,7 @@ from jaxpos import _checks
 from jaxpos.serving.model import PagedModel
 from jaxpos.serving.pages import PageAllocator, pages_for
 from jaxpos.serving.prefix import PrefixCache, sharing_key
-from jaxpos.serving.sampling import sample_tokens
+from jaxpos.serving.sampling import sample_tokens, sampling_arrays
 from jaxpos.serving.scheduler import RaggedLoop
 from jaxpos.serving.stream import (
     StopCondition,
@@ -263,15 +263,10 @@ class ServingEngine:
 
     def _run_step(self, tokens, table, lengths, mask, reqs: list[Request | None],
                   counters) -> np.ndarray:
-        samp = lambda f, fill, dt: np.asarray([fill if r is None else f(r) for r in reqs], dt)
         out, self.pool = self._step(
             self.params, self.pool, jnp.asarray(tokens, jnp.int32), jnp.asarray(table),
             jnp.asarray(lengths, jnp.int32), jnp.asarray(mask),
-            jnp.asarray(samp(lambda r: r.temperature, 0.0, np.float32)),
-            # top_k past the vocabulary keeps every token (and must fit int32)
-            jnp.asarray(samp(lambda r: min(int(r.top_k), self.model.vocab_size), 0, np.int32)),
-            jnp.asarray(samp(lambda r: r.top_p, 1.0, np.float32)),
-            jnp.asarray(samp(lambda r: r.seed, 0, np.int64).astype(np.uint32)),
+            *sampling_arrays(reqs, self.model.vocab_size),
             jnp.asarray(np.asarray(counters, np.int32)))
         return np.asarray(out)
 

@@ -9,10 +9,27 @@ tokens whose probability reaches ``top_p`` (the most likely token always kept).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["sample_tokens"]
+__all__ = ["sample_tokens", "sampling_arrays"]
+
+
+def sampling_arrays(requests: Sequence[Any], vocab_size: int) -> tuple[jax.Array, ...]:
+    """The per-row settings :func:`sample_tokens` takes, for the rows of a step:
+    ``(temperature float32, top_k int32, top_p float32, seeds uint32)``, each ``[len(requests)]``,
+    from each row's :class:`jaxpos.serving.Request` (None: an idle row, greedy). A
+    ``top_k`` past the vocabulary keeps every token, so it is clipped to ``vocab_size``
+    (it must also fit int32)."""
+    row = lambda f, fill, dt: np.asarray([fill if r is None else f(r) for r in requests], dt)
+    return (jnp.asarray(row(lambda r: r.temperature, 0.0, np.float32)),
+            jnp.asarray(row(lambda r: min(int(r.top_k), vocab_size), 0, np.int32)),
+            jnp.asarray(row(lambda r: r.top_p, 1.0, np.float32)),
+            jnp.asarray(row(lambda r: r.seed, 0, np.int64).astype(np.uint32)))
 
 
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpos import _checks
-from jaxpos.serving.sampling import sample_tokens
+from jaxpos.serving.sampling import sample_tokens, sampling_arrays
 from jaxpos.serving.stream import StopCondition, StreamEvent
 
 __all__ = ["SMALLEST_BUCKET", "RaggedLoop", "Scheduled", "padded_reason", "schedule_step",
@@ -219,8 +219,8 @@ class RaggedLoop:
         """The step ``plan`` as the model's ``forward`` over ``[num_slots, T]`` (class
         docstring); the sampled token of every batch slot."""
         eng = self.engine
-        S, T = eng.num_slots, max(len(s.tokens) for s in plan)
-        T = 1 if T == 1 else eng.prefill_chunk
+        S = eng.num_slots
+        T = 1 if all(len(s.tokens) == 1 for s in plan) else eng.prefill_chunk
         tokens, mask = np.zeros((S, T), np.int32), np.zeros((S, T), bool)
         lengths, counters = np.zeros(S, np.int32), np.zeros(S, np.int32)
         for b, run in enumerate(loop.slots):  # a running request not in the step: unwritten
@@ -258,15 +258,10 @@ class RaggedLoop:
         table = np.concatenate([eng._table(loop.slots),
                                 np.full((1, eng.pages_per_seq), -1, np.int32)])
         reqs = [None if s is None else s.request for s in loop.slots] + [None]
-        samp = lambda f, fill, dt: np.asarray([fill if r is None else f(r) for r in reqs], dt)
         out, eng.pool = self._step(
             eng.params, eng.pool, jnp.asarray(tokens), jnp.asarray(positions),
             jnp.asarray(table), jnp.asarray(lengths), jnp.asarray(cu), jnp.asarray(mask),
-            jnp.asarray(last), jnp.asarray(samp(lambda r: r.temperature, 0.0, np.float32)),
-            # top_k past the vocabulary keeps every token (and must fit int32)
-            jnp.asarray(samp(lambda r: min(int(r.top_k), eng.model.vocab_size), 0, np.int32)),
-            jnp.asarray(samp(lambda r: r.top_p, 1.0, np.float32)),
-            jnp.asarray(samp(lambda r: r.seed, 0, np.int64).astype(np.uint32)),
+            jnp.asarray(last), *sampling_arrays(reqs, eng.model.vocab_size),
             jnp.asarray(counters))
         return np.asarray(out)
 
