@@ -227,6 +227,18 @@ def bench_decode(schemes, fills, repeats: int, steps: int):
 
 
 # ------------------------------------------------------- 2, 3. the long-tail workload
+def _workload_model() -> PagedDecoder:
+    """The 2-layer RoPE decoder that serves the long-tail workloads (sections 2-4)."""
+    return PagedDecoder(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                        position=jaxpos.RoPE(rotary_dim=16), seed=0)
+
+
+def _rotated(names: list, r: int) -> list:
+    """``names`` starting at ``r`` modulo their count: repeat ``r``'s order of the runs."""
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
 def bench_serving(repeats: int, requests: int, slots: int, budget: int):
     """``{loop: [summary per run]}`` for three loops: continuous batching with a token
     budget (one ragged step per iteration, ``max_num_batched_tokens=budget``), continuous
@@ -234,8 +246,7 @@ def bench_serving(repeats: int, requests: int, slots: int, budget: int):
     interleaved (the loops' order rotating per repeat), every engine first run once on the
     whole workload (every shape compiled)."""
     ex = _example()
-    model = PagedDecoder(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                         position=jaxpos.RoPE(rotary_dim=16), seed=0)
+    model = _workload_model()
     reqs = ex.long_tail_requests(requests, vocab_size=256, seed=0)
     max_len = 512
     per_seq = -(-max_len // PS)
@@ -248,7 +259,7 @@ def bench_serving(repeats: int, requests: int, slots: int, budget: int):
     res: dict[str, list[dict]] = {s: [] for s in engines}
     names = list(engines)
     for r in range(repeats):
-        for s in names[r % 3:] + names[:r % 3]:
+        for s in _rotated(names, r):
             done, stats = ex.serve(engines[s], reqs, progress=False, label=s)
             res[s].append(ex.summarize(done, stats, engines[s], model))
     return res
@@ -279,8 +290,7 @@ def bench_long_prompt(repeats: int, requests: int, slots: int, long_len: int, bu
     ``{loop: {"alone" | "long": [run summaries]}}``, runs interleaved (the loops' order
     rotating per repeat), every engine warmed up (compiled) on the full workload first."""
     ex = _example()
-    model = PagedDecoder(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                         position=jaxpos.RoPE(rotary_dim=16), seed=0)
+    model = _workload_model()
     reqs = ex.long_tail_requests(requests, vocab_size=256, seed=0)
     max_len = long_len + 64
     per_seq = -(-max_len // PS)
@@ -300,7 +310,7 @@ def bench_long_prompt(repeats: int, requests: int, slots: int, long_len: int, bu
     res: dict = {name: {"alone": [], "long": []} for name in engines}
     names = list(engines)
     for r in range(repeats):
-        for name in names[r % 2:] + names[:r % 2]:
+        for name in _rotated(names, r):
             for case, work in (("alone", reqs), ("long", reqs + [late])):
                 res[name][case].append(_stream_latencies(engines[name], work, "long"))
     return res, arrival
